@@ -1,0 +1,47 @@
+# The README's two commands: `make demo` and `make test`. Everything else is for developers.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export PIP_CACHE_DIR ?= $(HOME)/.cache/pip
+export UV_CACHE_DIR ?= $(HOME)/.cache/uv
+# JAX on CPU: keep XLA from grabbing every core for its thread pool in tests.
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: venv demo test lint typecheck unit crds bench bench-quick e2e cluster-up cluster-down e2e-deps clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/uv || $(BIN)/python -m pip install -q uv
+	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[trainer,operator,dev]'
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/diloco local run examples/local.yaml --chaos
+
+lint: venv
+	$(BIN)/ruff check operator trainer tests bench e2e
+	$(BIN)/ruff format --check operator trainer tests bench e2e
+
+typecheck: venv
+	$(BIN)/mypy
+
+unit: venv
+	$(BIN)/python -m pytest -q tests
+
+crds: venv
+	$(BIN)/python -m diloco_operator.crdgen --out crds/
+
+test: lint typecheck unit
+
+bench: venv
+	$(BIN)/python -m bench.run
+
+bench-quick: venv
+	$(BIN)/python -m bench.run --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

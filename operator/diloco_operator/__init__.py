@@ -1,0 +1,1 @@
+"""Kubernetes operator and local runtime for elastic, decoupled DiLoCo runs."""

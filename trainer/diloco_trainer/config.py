@@ -1,0 +1,263 @@
+"""The training block of a run: one schema for the learner, the syncer, the operator and the CRD.
+
+This module must stay importable without JAX: the operator embeds `TrainingConfig` as
+`DilocoRun.spec.training` and generates the CRD's OpenAPI schema from it.
+
+Field names are camelCase on the wire (Kubernetes convention) and snake_case in Python; both
+spellings are accepted when parsing. Unknown fields are errors, so a typo never silently falls
+back to a default.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+
+class Strict(BaseModel):
+    """Base for every schema block: camelCase aliases, no unknown fields, validated defaults."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_default=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The manifest form: camelCase keys, JSON-compatible values."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+ModelPreset = Literal["tiny", "small", "100m"]
+
+# Decoder-only transformer sizes. Byte-level vocabulary (256) keeps the embedded corpus
+# tokenizer-free; `100m` is ~85M parameters at byte vocabulary.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"vocab_size": 256, "d_model": 128, "n_layers": 2, "n_heads": 4, "seq_len": 128},
+    "small": {"vocab_size": 256, "d_model": 256, "n_layers": 4, "n_heads": 8, "seq_len": 256},
+    "100m": {"vocab_size": 256, "d_model": 768, "n_layers": 12, "n_heads": 12, "seq_len": 1024},
+}
+
+
+class ModelConfig(Strict):
+    """Decoder-only transformer. A preset fills every size not given explicitly."""
+
+    preset: ModelPreset = Field("tiny", description="Size preset: tiny, small or 100m.")
+    vocab_size: int | None = Field(None, ge=2, le=1 << 20, description="Vocabulary size.")
+    d_model: int | None = Field(None, ge=8, le=65536, description="Residual stream width.")
+    n_layers: int | None = Field(None, ge=1, le=512, description="Transformer blocks.")
+    n_heads: int | None = Field(None, ge=1, le=512, description="Attention heads.")
+    seq_len: int | None = Field(None, ge=2, le=1 << 17, description="Context length in tokens.")
+    mlp_ratio: int = Field(4, ge=1, le=16, description="MLP hidden width / d_model.")
+
+    @model_validator(mode="after")
+    def _fill_from_preset(self) -> ModelConfig:
+        for key, value in MODEL_PRESETS[self.preset].items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        if self.d_model % self.n_heads:  # type: ignore[operator]
+            raise ValueError(f"dModel ({self.d_model}) must be divisible by nHeads ({self.n_heads})")
+        return self
+
+    # Resolved sizes (never None after validation); typed accessors for callers.
+    @property
+    def vocab(self) -> int:
+        assert self.vocab_size is not None
+        return self.vocab_size
+
+    @property
+    def width(self) -> int:
+        assert self.d_model is not None
+        return self.d_model
+
+    @property
+    def depth(self) -> int:
+        assert self.n_layers is not None
+        return self.n_layers
+
+    @property
+    def heads(self) -> int:
+        assert self.n_heads is not None
+        return self.n_heads
+
+    @property
+    def context(self) -> int:
+        assert self.seq_len is not None
+        return self.seq_len
+
+
+class DataConfig(Strict):
+    """Where tokens come from. `stdlib` is the embedded corpus: the Python standard library's own
+    sources, byte-tokenized, present on every machine. `memmap` reads pre-tokenized shards."""
+
+    source: Literal["stdlib", "memmap"] = Field("stdlib", description="Token source.")
+    path: str | None = Field(
+        None, description="For source=memmap: a .npy/.bin file or a directory of shards."
+    )
+    dtype: Literal["uint8", "uint16", "uint32"] = Field(
+        "uint16", description="Token dtype of raw .bin memmap shards."
+    )
+    batch_size: int = Field(16, ge=1, le=1 << 16, description="Sequences per inner step per learner.")
+    eval_fraction: float = Field(
+        0.05, gt=0.0, lt=0.5, description="Held-out share of the corpus for evaluation."
+    )
+    max_bytes: int | None = Field(
+        None, ge=1 << 16, description="Cap on corpus size (stdlib source), for quick runs."
+    )
+
+    @model_validator(mode="after")
+    def _memmap_needs_path(self) -> DataConfig:
+        if self.source == "memmap" and not self.path:
+            raise ValueError("data.path is required when data.source is memmap")
+        return self
+
+
+class InnerOptimizerConfig(Strict):
+    """AdamW on each learner (optax.adamw), with linear warmup then cosine decay."""
+
+    lr: float = Field(1e-3, gt=0, le=1.0, description="Peak learning rate.")
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.95, ge=0, lt=1)
+    weight_decay: float = Field(0.1, ge=0, le=10)
+    warmup_steps: int = Field(50, ge=0, description="Linear warmup length in inner steps.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Global-norm clip; null disables.")
+    schedule: Literal["constant", "cosine"] = Field("cosine", description="Decay after warmup.")
+
+
+class OuterOptimizerConfig(Strict):
+    """SGD with Nesterov momentum on the syncer, applied to merged outer gradients."""
+
+    lr: float = Field(0.7, gt=0, le=10)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+
+
+class GraceConfig(Strict):
+    """How long the syncer waits for stragglers once the quorum is met."""
+
+    mode: Literal["adaptive", "fixed", "none"] = Field(
+        "adaptive",
+        description="adaptive: bounded by overlap*stepTime minus quorum and sync time (EMA per learner).",
+    )
+    max_seconds: float = Field(2.0, ge=0, le=3600, description="Upper bound on any grace window.")
+    ema: float = Field(0.2, gt=0, le=1, description="EMA factor for per-learner timings.")
+
+
+class MergeConfig(Strict):
+    method: Literal["rda", "mean"] = Field(
+        "rda", description="rda: radial-directional averaging; mean: plain weighted mean."
+    )
+    token_weighting: bool = Field(True, description="Weight contributions by cTokens^2/cSteps.")
+
+
+class CompressionConfig(Strict):
+    scheme: Literal["none", "int8", "int4"] = Field("none", description="Quantization of deltas.")
+    block_size: int = Field(128, ge=8, le=1 << 16, description="Values per quantization scale.")
+
+
+class CheckpointConfig(Strict):
+    path: str = Field("runs/checkpoints", description="Directory (PVC mount) for syncer checkpoints.")
+    every_seconds: float = Field(30.0, gt=0, description="Checkpoint period.")
+    keep: int = Field(3, ge=1, le=1000, description="Checkpoints to retain.")
+
+
+class EvalConfig(Strict):
+    every_seconds: float | None = Field(
+        15.0, gt=0, description="Syncer evaluates the global model this often; null disables."
+    )
+    batches: int = Field(8, ge=1, le=10000, description="Held-out batches per evaluation.")
+
+
+class TrainingConfig(Strict):
+    """The training block of a DilocoRun (`spec.training`): configures learners and the syncer."""
+
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig())
+    data: DataConfig = Field(default_factory=lambda: DataConfig())
+    inner_steps: int = Field(50, ge=1, le=1_000_000, description="H: inner steps between syncs of a fragment.")
+    fragments: int = Field(4, ge=1, le=4096, description="P: parameter fragments, synced staggered.")
+    overlap: int = Field(2, ge=0, le=1_000_000, description="tau: inner steps a sync may overlap.")
+    quorum: int = Field(1, ge=1, le=100_000, description="K: minimum contributions before a merge.")
+    max_staleness: int = Field(
+        8, ge=1, le=1_000_000, description="Reject pushes whose base is this many versions old."
+    )
+    grace: GraceConfig = Field(default_factory=lambda: GraceConfig())
+    merge: MergeConfig = Field(default_factory=lambda: MergeConfig())
+    compression: CompressionConfig = Field(default_factory=lambda: CompressionConfig())
+    inner_optimizer: InnerOptimizerConfig = Field(default_factory=lambda: InnerOptimizerConfig())
+    outer_optimizer: OuterOptimizerConfig = Field(default_factory=lambda: OuterOptimizerConfig())
+    total_steps: int | None = Field(
+        None, ge=1, description="Stop after this many inner steps summed over all learners."
+    )
+    total_tokens: int | None = Field(
+        None, ge=1, description="Stop after this many tokens summed over all learners."
+    )
+    seed: int = Field(0, ge=0, description="Seeds initialisation and data order.")
+    heartbeat_seconds: float = Field(2.0, gt=0, le=600, description="Learner heartbeat period.")
+    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
+    eval: EvalConfig = Field(default_factory=lambda: EvalConfig())
+
+    @model_validator(mode="after")
+    def _has_budget(self) -> TrainingConfig:
+        if self.total_steps is None and self.total_tokens is None:
+            raise ValueError("set totalSteps or totalTokens: a run needs a budget")
+        return self
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.data.batch_size * self.model.context
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; the message names the offending field."""
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming the field path in manifest (camelCase) spelling."""
+    lines = []
+    for problem in err.errors():
+        loc = ".".join(str(part) for part in problem["loc"] if part != "__root__")
+        where = f"{prefix}.{loc}" if prefix and loc else (prefix or loc or "(root)")
+        lines.append(f"{where}: {problem['msg']}")
+    return "\n".join(lines)
+
+
+def read_document(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON file into a mapping, with a clear error for anything else."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {p}: {exc.strerror}") from exc
+    try:
+        doc = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{p} is not valid YAML/JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level")
+    return doc
+
+
+def training_block(doc: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The training mapping of a document and its field path: a DilocoRun manifest carries it under
+    spec.training; a bare training config is the document itself."""
+    if doc.get("kind") == "DilocoRun":
+        training = (doc.get("spec") or {}).get("training")
+        if not isinstance(training, dict):
+            raise ConfigError("spec.training: required (a mapping) in a DilocoRun manifest")
+        return training, "spec.training"
+    return doc, ""
+
+
+def load_training_config(path: str | Path) -> TrainingConfig:
+    """Load a TrainingConfig from a bare config file or from a DilocoRun manifest."""
+    raw, prefix = training_block(read_document(path))
+    try:
+        return TrainingConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, prefix)) from exc
