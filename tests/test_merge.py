@@ -1,0 +1,115 @@
+"""Merge math on constructed vectors: weights, RDA vs plain mean, embeddings, outer step."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from diloco_trainer.merge import Contribution, merge_fragment, merge_weights, rda, weighted_mean
+from diloco_trainer.outer import OuterOptimizer
+
+
+def test_weights_are_tokens_squared_over_steps_normalised() -> None:
+    w = merge_weights([(10, 1000), (10, 2000), (20, 2000)])
+    raw = np.array([1000**2 / 10, 2000**2 / 10, 2000**2 / 20])
+    np.testing.assert_allclose(w, raw / raw.sum())
+    np.testing.assert_allclose(w.sum(), 1.0)
+
+
+def test_weights_uniform_when_off_or_degenerate() -> None:
+    np.testing.assert_allclose(merge_weights([(1, 5), (9, 1)], token_weighting=False), [0.5, 0.5])
+    np.testing.assert_allclose(merge_weights([(0, 0), (0, 0)]), [0.5, 0.5])
+    np.testing.assert_allclose(merge_weights([(0, 0), (4, 8)]), [0.0, 1.0])
+
+
+@pytest.mark.parametrize("m", [2, 4, 16])
+def test_rda_keeps_norm_where_mean_of_orthogonal_deltas_shrinks(m: int) -> None:
+    dim = 32
+    deltas = [np.eye(dim, dtype=np.float32)[i] * 3.0 for i in range(m)]
+    w = np.full(m, 1.0 / m)
+    mean_norm = float(np.linalg.norm(weighted_mean(deltas, w)))
+    rda_norm = float(np.linalg.norm(rda(deltas, w)))
+    assert math.isclose(mean_norm, 3.0 / math.sqrt(m), rel_tol=1e-5)
+    assert math.isclose(rda_norm, 3.0, rel_tol=1e-5)
+    # Same direction as the mean: RDA only restores the radius here.
+    direction = weighted_mean(deltas, w) / mean_norm
+    np.testing.assert_allclose(rda(deltas, w) / rda_norm, direction, atol=1e-6)
+
+
+def test_rda_radius_is_weighted_mean_of_norms_and_direction_of_unit_vectors() -> None:
+    a = np.array([4.0, 0.0], dtype=np.float32)
+    b = np.array([0.0, 1.0], dtype=np.float32)
+    w = np.array([0.25, 0.75])
+    out = rda([a, b], w)
+    assert math.isclose(float(np.linalg.norm(out)), 0.25 * 4 + 0.75 * 1, rel_tol=1e-6)
+    # Direction: 0.25*[1,0] + 0.75*[0,1] normalised (norms do not tilt it toward the big delta).
+    expected_dir = np.array([0.25, 0.75]) / math.hypot(0.25, 0.75)
+    np.testing.assert_allclose(out / np.linalg.norm(out), expected_dir, atol=1e-6)
+
+
+def test_rda_guards_zero_and_cancelling_deltas() -> None:
+    z = np.zeros(4, dtype=np.float32)
+    v = np.array([1.0, 2.0, 2.0, 0.0], dtype=np.float32)
+    out = rda([z, v], np.array([0.5, 0.5]))
+    np.testing.assert_allclose(np.linalg.norm(out), 1.5, rtol=1e-6)  # radius counts the zero as 0
+    assert np.all(np.isfinite(out))
+    np.testing.assert_array_equal(rda([v, -v], np.array([0.5, 0.5])), np.zeros(4))
+    np.testing.assert_array_equal(rda([z, z], np.array([0.5, 0.5])), np.zeros(4))
+
+
+def test_merge_fragment_averages_embeddings_plainly_and_rdas_the_rest() -> None:
+    e1, e2 = np.array([[2.0, 0.0]], np.float32), np.array([[0.0, 2.0]], np.float32)
+    contribs = [
+        Contribution({"embed": e1, "w": e1[0]}, c_steps=1, c_tokens=10),
+        Contribution({"embed": e2, "w": e2[0]}, c_steps=1, c_tokens=10),
+    ]
+    merged = merge_fragment(contribs, method="rda")
+    np.testing.assert_allclose(merged["embed"], [[1.0, 1.0]])
+    assert math.isclose(float(np.linalg.norm(merged["w"])), 2.0, rel_tol=1e-6)
+    plain = merge_fragment(contribs, method="mean")
+    np.testing.assert_allclose(plain["w"], [1.0, 1.0])
+
+
+def test_merge_fragment_weights_contributions() -> None:
+    a = {"x": np.array([1.0, 0.0], np.float32)}
+    b = {"x": np.array([0.0, 1.0], np.float32)}
+    merged = merge_fragment([Contribution(a, 1, 30), Contribution(b, 1, 10)], method="mean")
+    np.testing.assert_allclose(merged["x"], [0.9, 0.1], rtol=1e-6)
+
+
+def test_merge_fragment_rejects_mismatched_leaves() -> None:
+    with pytest.raises(ValueError, match="different leaves"):
+        merge_fragment(
+            [Contribution({"x": np.ones(2)}, 1, 1), Contribution({"y": np.ones(2)}, 1, 1)]
+        )
+
+
+def test_outer_sgd_moves_toward_learners_with_nesterov_momentum() -> None:
+    opt = OuterOptimizer(lr=0.5, momentum=0.9, nesterov=True)
+    theta = {"w": np.array([1.0, 1.0], np.float32)}
+    state = opt.init(theta)
+    delta = {"w": np.array([0.2, -0.2], np.float32)}  # learners went to theta - delta
+    theta1, state = opt.step(theta, state, delta)
+    # Nesterov first step: trace = g; update = -lr * (g + mu * trace) = -lr * 1.9 g
+    np.testing.assert_allclose(
+        theta1["w"], [1.0 - 0.5 * 1.9 * 0.2, 1.0 + 0.5 * 1.9 * 0.2], rtol=1e-6
+    )
+    theta2, state = opt.step(theta1, state, delta)
+    # second: trace = g + 0.9 g = 1.9 g; update = -lr (g + 0.9 * 1.9 g) = -lr * 2.71 g
+    np.testing.assert_allclose(theta2["w"][0], theta1["w"][0] - 0.5 * 2.71 * 0.2, rtol=1e-6)
+    assert theta["w"][0] == 1.0  # inputs are never modified
+
+
+def test_outer_state_round_trips_through_leaves() -> None:
+    opt = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
+    theta = {"a": np.ones((2, 3), np.float32), "b": np.zeros(4, np.float32)}
+    state = opt.init(theta)
+    _, state = opt.step(
+        theta, state, {"a": np.full((2, 3), 0.1, np.float32), "b": np.ones(4, np.float32)}
+    )
+    restored = opt.state_from_leaves(theta, opt.state_leaves(state))
+    for x, y in zip(opt.state_leaves(state), opt.state_leaves(restored), strict=True):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="expected"):
+        opt.state_from_leaves(theta, [])

@@ -1,0 +1,122 @@
+"""Wire round trips and malformed payloads."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from diloco_trainer.wire import (
+    PushHeader,
+    WireError,
+    decode_params,
+    decode_push,
+    encode_params,
+    encode_push,
+    encode_tensors,
+)
+
+
+def delta() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "blocks.0.w": rng.normal(size=(17, 9)).astype(np.float32),
+        "ln.scale": rng.normal(size=(9,)).astype(np.float32),
+    }
+
+
+def header(scheme: str = "none") -> PushHeader:
+    return PushHeader(2, 7, 50, 6400, scheme, "unit-1", 3)  # type: ignore[arg-type]
+
+
+def test_push_round_trip_unquantized_is_exact() -> None:
+    d = delta()
+    payload, err = encode_push(header(), d)
+    h, got = decode_push(payload)
+    assert err == 0.0
+    assert (h.fragment, h.base_version, h.c_steps, h.c_tokens, h.unit, h.attempt) == (
+        2,
+        7,
+        50,
+        6400,
+        "unit-1",
+        3,
+    )
+    for k in d:
+        np.testing.assert_array_equal(got[k], d[k])
+
+
+@pytest.mark.parametrize(("scheme", "ratio"), [("int8", 0.30), ("int4", 0.17)])
+def test_push_round_trip_quantized_is_smaller_and_close(scheme: str, ratio: float) -> None:
+    big = {"w": np.random.default_rng(1).normal(size=(64, 64)).astype(np.float32)}
+    plain, _ = encode_push(header(), big)
+    payload, err = encode_push(header(scheme), big, block_size=64)
+    h, got = decode_push(payload)
+    assert h.scheme == scheme and h.block_size == 64
+    assert got["w"].shape == (64, 64) and got["w"].dtype == np.float32
+    assert len(payload) < ratio * len(plain)
+    measured = np.linalg.norm(got["w"] - big["w"]) / np.linalg.norm(big["w"])
+    assert err == pytest.approx(measured, rel=1e-4)
+
+
+def test_params_round_trip() -> None:
+    d = delta()
+    tensors, versions, frag = decode_params(encode_params(d, [3, 4], fragment=1))
+    assert versions == [3, 4] and frag == 1
+    np.testing.assert_array_equal(tensors["ln.scale"], d["ln.scale"])
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"short",
+        (10**9).to_bytes(8, "little") + b"{}",
+        (4).to_bytes(8, "little") + b"nope",
+        (2).to_bytes(8, "little") + b"[]",
+    ],
+)
+def test_garbage_is_rejected(payload: bytes) -> None:
+    with pytest.raises(WireError):
+        decode_push(payload)
+
+
+def test_truncated_payload_is_rejected() -> None:
+    payload, _ = encode_push(header(), delta())
+    with pytest.raises(WireError, match="malformed"):
+        decode_push(payload[:-10])
+
+
+def test_missing_metadata_and_wrong_kind_are_rejected() -> None:
+    with pytest.raises(WireError, match="format"):
+        decode_push(
+            encode_tensors({"x": np.ones(2, np.float32)}, {}).replace(b"diloco/1", b"other/99")
+        )
+    no_base = encode_tensors(
+        {"x": np.ones(2, np.float32)},
+        {"kind": "push", "scheme": "none", "unit": "u", "fragment": "0"},
+    )
+    with pytest.raises(WireError, match="baseVersion"):
+        decode_push(no_base)
+    with pytest.raises(WireError, match="kind"):
+        decode_push(encode_params(delta(), [0]))
+
+
+def test_wrong_dtype_and_inconsistent_quantized_tensors_are_rejected() -> None:
+    meta = {
+        "kind": "push",
+        "scheme": "none",
+        "unit": "u",
+        "fragment": "0",
+        "baseVersion": "0",
+        "cSteps": "1",
+        "cTokens": "1",
+        "attempt": "0",
+    }
+    with pytest.raises(WireError, match="float32"):
+        decode_push(encode_tensors({"x": np.ones(2, np.float64)}, meta))
+    q = {**meta, "scheme": "int8", "blockSize": "4", "shapes": json.dumps({"x": [8]})}
+    with pytest.raises(WireError, match="inconsistent"):
+        decode_push(encode_tensors({"q/x": np.ones(4, np.int8), "s/x": np.ones(2, np.float32)}, q))
+    with pytest.raises(WireError, match="missing"):
+        decode_push(encode_tensors({"q/x": np.ones(8, np.int8)}, q))

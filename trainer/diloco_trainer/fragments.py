@@ -1,0 +1,106 @@
+"""Parameter fragments: which leaves travel together, and when each fragment goes out.
+
+Pure logic, no JAX: the learner and the syncer both call `pack_fragments` on the same shapes and
+must get the same layout (the syncer's layout is authoritative; it is sent in the join reply).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+def leaf_size(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def pack_fragments(shapes: Mapping[str, tuple[int, ...]], count: int) -> list[list[str]]:
+    """Split leaves into `count` fragments of near-equal element count.
+
+    Greedy longest-processing-time bin packing: leaves by size (largest first, ties by name) go to
+    the currently lightest fragment (ties by lowest index). Deterministic for given shapes.
+    `count` is clamped to [1, number of leaves] so no fragment is empty. Leaf names inside each
+    fragment are sorted so the layout does not depend on dict order.
+    """
+    if count < 1:
+        raise ValueError(f"fragments: must be >= 1, got {count}")
+    if not shapes:
+        raise ValueError("fragments: no parameter leaves to pack")
+    count = min(count, len(shapes))
+    order = sorted(shapes, key=lambda name: (-leaf_size(shapes[name]), name))
+    bins: list[list[str]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for name in order:
+        target = min(range(count), key=lambda i: (loads[i], i))
+        bins[target].append(name)
+        loads[target] += leaf_size(shapes[name])
+    return [sorted(b) for b in bins]
+
+
+def fragment_sizes(shapes: Mapping[str, tuple[int, ...]], layout: list[list[str]]) -> list[int]:
+    """Element count of each fragment."""
+    return [sum(leaf_size(shapes[name]) for name in frag) for frag in layout]
+
+
+def first_due_step(fragment: int, inner_steps: int, fragments: int) -> int:
+    """The first inner step (1-based count of completed steps) at which `fragment` is sent.
+
+    Fragment p goes out at steps offset + k*H with offset = p*H//P, shifted so the first send is
+    after at least one step (offset 0 means step H). This spreads the P fragments evenly over
+    each window of H steps, so bandwidth is flat instead of one burst every H steps.
+    """
+    _check_schedule(fragment, inner_steps, fragments)
+    offset = fragment * inner_steps // fragments
+    return offset if offset > 0 else inner_steps
+
+
+def is_due(step: int, fragment: int, inner_steps: int, fragments: int) -> bool:
+    """Whether `fragment` is sent after the `step`-th completed inner step (step >= 1)."""
+    first = first_due_step(fragment, inner_steps, fragments)
+    return step >= first and (step - first) % inner_steps == 0
+
+
+def _check_schedule(fragment: int, inner_steps: int, fragments: int) -> None:
+    if inner_steps < 1:
+        raise ValueError(f"innerSteps: must be >= 1, got {inner_steps}")
+    if fragments < 1:
+        raise ValueError(f"fragments: must be >= 1, got {fragments}")
+    if not 0 <= fragment < fragments:
+        raise ValueError(f"fragment index {fragment} out of range 0..{fragments - 1}")
+
+
+@dataclass
+class FragmentCounters:
+    """Per-fragment inner steps and tokens since the learner last *received* that fragment.
+
+    These are the c_steps / c_tokens sent with a push; the syncer weights contributions by
+    c_tokens^2 / c_steps. Receiving a new global version of fragment p resets p's counters.
+    """
+
+    fragments: int
+    steps: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.fragments < 1:
+            raise ValueError(f"fragments: must be >= 1, got {self.fragments}")
+        if not self.steps:
+            self.steps = [0] * self.fragments
+        if not self.tokens:
+            self.tokens = [0] * self.fragments
+
+    def add_step(self, tokens: int) -> None:
+        """Record one completed inner step of `tokens` tokens for every fragment."""
+        for p in range(self.fragments):
+            self.steps[p] += 1
+            self.tokens[p] += tokens
+
+    def received(self, fragment: int) -> None:
+        """A new global version of `fragment` was installed locally."""
+        self.steps[fragment] = 0
+        self.tokens[fragment] = 0
+
+    def get(self, fragment: int) -> tuple[int, int]:
+        """(c_steps, c_tokens) of `fragment`."""
+        return self.steps[fragment], self.tokens[fragment]

@@ -1,0 +1,117 @@
+"""Merging learner deltas of one fragment into one outer gradient.
+
+Weights: w_m = c_tokens^2 / c_steps ("quantity x quality": more tokens and bigger batches per step
+count more), normalised to sum 1; uniform when token weighting is off.
+
+Radial-Directional Averaging (RDA): the merged delta has the weighted mean of the deltas' norms
+(radius) and the direction of the weighted mean of their unit vectors. A plain mean of M
+near-orthogonal deltas of equal norm r has norm ~ r/sqrt(M), so the outer step would shrink as more
+learners join; RDA keeps the step length.
+
+RDA is applied per leaf tensor, not to the fragment as one vector: leaves differ in scale by orders
+of magnitude (layer-norm gains vs. weight matrices), and one fragment-wide norm would let the largest
+matrices decide the radius of every small leaf bundled with them. Per leaf, each tensor keeps its own
+typical step length, and the result does not depend on how leaves were packed into fragments.
+
+Embedding leaves (names starting with "embed") are always plainly weighted-averaged: each learner
+only moves the rows of tokens it saw, so their deltas are sparse and not comparable in direction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+MergeMethod = Literal["rda", "mean"]
+EMBED_PREFIX = "embed"
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One learner's delta for one fragment (Theta_p(base) - theta_p) and its counters."""
+
+    delta: Mapping[str, np.ndarray]
+    c_steps: int
+    c_tokens: int
+
+
+def merge_weights(counters: Sequence[tuple[int, int]], token_weighting: bool = True) -> np.ndarray:
+    """Normalised weights from (c_steps, c_tokens) pairs.
+
+    A contribution with no steps has weight 0. If every weight is 0 (or weighting is off) the
+    weights are uniform, so a merge never divides by zero.
+    """
+    if not counters:
+        raise ValueError("merge_weights: no contributions")
+    if token_weighting:
+        raw = np.array(
+            [(tok * tok / steps) if steps > 0 else 0.0 for steps, tok in counters], dtype=np.float64
+        )
+    else:
+        raw = np.ones(len(counters), dtype=np.float64)
+    total = raw.sum()
+    if not math.isfinite(total) or total <= 0:
+        raw = np.ones(len(counters), dtype=np.float64)
+        total = raw.sum()
+    return raw / total
+
+
+def l2_norm(x: np.ndarray) -> float:
+    # float64 accumulation: float32 sums of millions of squares lose digits.
+    return math.sqrt(float(np.sum(np.square(x, dtype=np.float64))))
+
+
+def weighted_mean(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
+    acc = np.zeros(deltas[0].shape, dtype=np.float64)
+    for w, d in zip(weights, deltas, strict=True):
+        acc += w * d
+    return acc.astype(np.float32)
+
+
+def rda(deltas: Sequence[np.ndarray], weights: np.ndarray, eps: float = 1e-12) -> np.ndarray:
+    """Radial-directional average of same-shaped tensors with normalised weights.
+
+    Zero deltas add nothing to the direction but count (as 0) in the radius. If the unit vectors
+    cancel out, the direction is undefined and the result is zero: no confident step to take.
+    """
+    norms = [l2_norm(d) for d in deltas]
+    radius = float(sum(w * n for w, n in zip(weights, norms, strict=True)))
+    direction = np.zeros(deltas[0].shape, dtype=np.float64)
+    for w, d, n in zip(weights, deltas, norms, strict=True):
+        if n > eps:
+            direction += (w / n) * d
+    dnorm = l2_norm(direction)
+    if dnorm <= eps or radius <= eps:
+        return np.zeros(deltas[0].shape, dtype=np.float32)
+    return (direction * (radius / dnorm)).astype(np.float32)
+
+
+def is_embedding(name: str) -> bool:
+    return name.startswith(EMBED_PREFIX)
+
+
+def merge_fragment(
+    contributions: Sequence[Contribution],
+    method: MergeMethod = "rda",
+    token_weighting: bool = True,
+) -> dict[str, np.ndarray]:
+    """Merge the contributions of one fragment leaf by leaf into one outer gradient."""
+    if not contributions:
+        raise ValueError("merge_fragment: no contributions")
+    names = sorted(contributions[0].delta)
+    for c in contributions[1:]:
+        if sorted(c.delta) != names:
+            raise ValueError("merge_fragment: contributions carry different leaves")
+    weights = merge_weights([(c.c_steps, c.c_tokens) for c in contributions], token_weighting)
+    merged: dict[str, np.ndarray] = {}
+    for name in names:
+        leaves = [np.asarray(c.delta[name], dtype=np.float32) for c in contributions]
+        if method == "rda" and not is_embedding(name):
+            merged[name] = rda(leaves, weights)
+        else:
+            merged[name] = weighted_mean(leaves, weights)
+    return merged

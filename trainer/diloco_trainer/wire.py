@@ -1,0 +1,216 @@
+"""Wire format: safetensors bytes with a string metadata header.
+
+Every payload (push body, fragment or params download) is one safetensors blob. Its metadata (a
+str -> str map, as safetensors allows) carries the protocol fields; see docs/protocol.md.
+
+Push tensors, by scheme:
+- none: `<leaf>` float32 with the leaf's shape;
+- int8: `q/<leaf>` int8 (flat, padded to whole blocks) and `s/<leaf>` float32 scales;
+- int4: `q/<leaf>` uint8 (two values per byte) and `s/<leaf>` float32 scales;
+  the leaf shapes are in metadata `shapes` (JSON) for quantized schemes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from diloco_trainer.quantize import Quantized, Scheme, dequantize, quantize
+
+FORMAT = "diloco/1"
+SCHEMES = ("none", "int8", "int4")
+
+
+class WireError(ValueError):
+    """A payload that cannot be decoded; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class PushHeader:
+    fragment: int
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    scheme: Scheme
+    unit: str
+    attempt: int
+    block_size: int = 0
+
+
+def encode_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    meta = {"format": FORMAT, **{k: str(v) for k, v in metadata.items()}}
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    return bytes(st_save(arrays, metadata=meta))
+
+
+def decode_tensors(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Parse safetensors bytes into (tensors, metadata), raising WireError on malformed input."""
+    if len(payload) < 8:
+        raise WireError(f"payload too short ({len(payload)} bytes) for safetensors")
+    header_len = int.from_bytes(payload[:8], "little")
+    if header_len <= 0 or 8 + header_len > len(payload):
+        raise WireError(f"safetensors header length {header_len} exceeds payload")
+    try:
+        header = json.loads(payload[8 : 8 + header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WireError(f"safetensors header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise WireError("safetensors header is not a JSON object")
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        raise WireError(f"payload metadata.format must be {FORMAT!r}")
+    try:
+        tensors = st_load(payload)
+    except (SafetensorError, ValueError, TypeError) as exc:
+        raise WireError(f"malformed safetensors payload: {exc}") from exc
+    return dict(tensors), {str(k): str(v) for k, v in metadata.items()}
+
+
+def _int_field(meta: Mapping[str, str], key: str, minimum: int = 0) -> int:
+    if key not in meta:
+        raise WireError(f"payload metadata.{key}: missing")
+    try:
+        value = int(meta[key])
+    except ValueError as exc:
+        raise WireError(f"payload metadata.{key}: not an integer: {meta[key]!r}") from exc
+    if value < minimum:
+        raise WireError(f"payload metadata.{key}: must be >= {minimum}, got {value}")
+    return value
+
+
+def encode_push(
+    header: PushHeader, delta: Mapping[str, np.ndarray], block_size: int = 128
+) -> tuple[bytes, float]:
+    """Encode a fragment delta, quantizing per `header.scheme`.
+
+    Returns (bytes, relative quantization error over the whole fragment; 0 for `none`).
+    """
+    meta: dict[str, str] = {
+        "kind": "push",
+        "fragment": str(header.fragment),
+        "baseVersion": str(header.base_version),
+        "cSteps": str(header.c_steps),
+        "cTokens": str(header.c_tokens),
+        "scheme": header.scheme,
+        "unit": header.unit,
+        "attempt": str(header.attempt),
+    }
+    if header.scheme == "none":
+        tensors = {k: np.asarray(v, dtype=np.float32) for k, v in delta.items()}
+        return encode_tensors(tensors, meta), 0.0
+    tensors = {}
+    shapes: dict[str, list[int]] = {}
+    err_sq = 0.0
+    ref_sq = 0.0
+    for name, value in delta.items():
+        arr = np.asarray(value, dtype=np.float32)
+        qt = quantize(arr, header.scheme, block_size)
+        tensors[f"q/{name}"] = qt.data
+        tensors[f"s/{name}"] = qt.scales
+        shapes[name] = list(arr.shape)
+        diff = dequantize(qt).astype(np.float64) - arr
+        err_sq += float(np.sum(diff * diff))
+        ref_sq += float(np.sum(np.square(arr, dtype=np.float64)))
+    meta["shapes"] = json.dumps(shapes, sort_keys=True)
+    meta["blockSize"] = str(block_size)
+    rel = (err_sq**0.5) / (ref_sq**0.5) if ref_sq > 0 else 0.0
+    return encode_tensors(tensors, meta), rel
+
+
+def decode_push(payload: bytes) -> tuple[PushHeader, dict[str, np.ndarray]]:
+    """Decode a push body into its header and float32 delta (dequantized)."""
+    tensors, meta = decode_tensors(payload)
+    if meta.get("kind") != "push":
+        raise WireError("payload metadata.kind must be 'push'")
+    scheme = meta.get("scheme", "")
+    if scheme not in SCHEMES:
+        raise WireError(f"payload metadata.scheme: {scheme!r} not one of {', '.join(SCHEMES)}")
+    unit = meta.get("unit", "")
+    if not unit:
+        raise WireError("payload metadata.unit: missing")
+    block_size = _int_field(meta, "blockSize", 1) if scheme != "none" else 0
+    header = PushHeader(
+        fragment=_int_field(meta, "fragment"),
+        base_version=_int_field(meta, "baseVersion"),
+        c_steps=_int_field(meta, "cSteps"),
+        c_tokens=_int_field(meta, "cTokens"),
+        scheme=cast(Scheme, scheme),
+        unit=unit,
+        attempt=_int_field(meta, "attempt"),
+        block_size=block_size,
+    )
+    if scheme == "none":
+        for name, arr in tensors.items():
+            if arr.dtype != np.float32:
+                raise WireError(f"tensor {name}: dtype {arr.dtype}, expected float32")
+        return header, tensors
+    return header, _dequantize_all(tensors, meta, header)
+
+
+def _dequantize_all(
+    tensors: Mapping[str, np.ndarray], meta: Mapping[str, str], header: PushHeader
+) -> dict[str, np.ndarray]:
+    try:
+        shapes_raw: Any = json.loads(meta.get("shapes", ""))
+    except json.JSONDecodeError as exc:
+        raise WireError(f"payload metadata.shapes: not JSON: {exc}") from exc
+    if not isinstance(shapes_raw, dict):
+        raise WireError("payload metadata.shapes: expected a JSON object")
+    want_dtype = np.int8 if header.scheme == "int8" else np.uint8
+    expected_keys = {f"{p}/{n}" for n in shapes_raw for p in ("q", "s")}
+    if set(tensors) != expected_keys:
+        extra = sorted(set(tensors) - expected_keys)
+        missing = sorted(expected_keys - set(tensors))
+        raise WireError(
+            f"quantized tensors do not match metadata.shapes (extra {extra}, missing {missing})"
+        )
+    out: dict[str, np.ndarray] = {}
+    for name, shape in shapes_raw.items():
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise WireError(f"payload metadata.shapes.{name}: not a list of sizes")
+        data, scales = tensors[f"q/{name}"], tensors[f"s/{name}"]
+        if data.dtype != want_dtype or scales.dtype != np.float32:
+            raise WireError(
+                f"tensor {name}: quantized dtypes {data.dtype}/{scales.dtype}, "
+                f"expected {np.dtype(want_dtype)}/float32"
+            )
+        try:
+            out[name] = dequantize(
+                Quantized(
+                    header.scheme, tuple(shape), header.block_size, data.ravel(), scales.ravel()
+                )
+            )
+        except ValueError as exc:
+            raise WireError(f"tensor {name}: {exc}") from exc
+    return out
+
+
+def encode_params(
+    params: Mapping[str, np.ndarray], versions: list[int], fragment: int | None = None
+) -> bytes:
+    """Global parameters (all, or one fragment's) with their version(s), float32 unquantized."""
+    meta = {"kind": "params", "versions": json.dumps(versions)}
+    if fragment is not None:
+        meta["fragment"] = str(fragment)
+    return encode_tensors({k: np.asarray(v, dtype=np.float32) for k, v in params.items()}, meta)
+
+
+def decode_params(payload: bytes) -> tuple[dict[str, np.ndarray], list[int], int | None]:
+    tensors, meta = decode_tensors(payload)
+    if meta.get("kind") != "params":
+        raise WireError("payload metadata.kind must be 'params'")
+    try:
+        versions = json.loads(meta.get("versions", ""))
+    except json.JSONDecodeError as exc:
+        raise WireError(f"payload metadata.versions: not JSON: {exc}") from exc
+    if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):
+        raise WireError("payload metadata.versions: expected a list of integers")
+    fragment = _int_field(meta, "fragment") if "fragment" in meta else None
+    return tensors, versions, fragment
