@@ -1,0 +1,37 @@
+"""Backend-agnostic planning: (spec, observed units, status, syncer report, now) -> Plan.
+
+Pure functions only; Kubernetes (handlers) and the local process runtime map their world to
+`ObservedUnit`s and apply the returned actions. One module per policy:
+placement (which units should exist), failure (signals -> Offline -> recreate),
+scaling (add/remove units), completion (Succeeded/Failed), conditions (status conditions).
+"""
+
+from diloco_operator.planner.model import (
+    Action,
+    CreateSyncer,
+    CreateUnit,
+    DeleteUnit,
+    EmitEvent,
+    ObservedSyncer,
+    ObservedUnit,
+    Plan,
+    SyncerReport,
+)
+from diloco_operator.planner.placement import UnitSlot, desired_units, unit_name
+from diloco_operator.planner.reconcile import plan
+
+__all__ = [
+    "Action",
+    "CreateSyncer",
+    "CreateUnit",
+    "DeleteUnit",
+    "EmitEvent",
+    "ObservedSyncer",
+    "ObservedUnit",
+    "Plan",
+    "SyncerReport",
+    "UnitSlot",
+    "desired_units",
+    "plan",
+    "unit_name",
+]

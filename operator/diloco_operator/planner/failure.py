@@ -1,0 +1,128 @@
+"""Failure policy: failure signals turn a unit Offline; the whole unit is deleted, and once it is
+gone and the backoff has passed it is recreated with attempt+1. A unit whose restart budget is
+spent is given up (Failed) instead."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diloco_operator.api import FailurePolicy, UnitFailure, UnitStatus
+from diloco_operator.planner.model import (
+    HEARTBEAT_STALE,
+    POD_FAILED,
+    UNIT_DELETED,
+    Action,
+    CreateUnit,
+    DeleteUnit,
+    EmitEvent,
+    ObservedUnit,
+    SyncerReport,
+)
+from diloco_operator.planner.placement import UnitSlot
+from diloco_operator.planner.timefmt import at, seconds_since
+
+
+@dataclass(frozen=True)
+class Signal:
+    reason: str
+    message: str
+
+
+def failure_signal(
+    obs: ObservedUnit | None,
+    unit: UnitStatus,
+    report: SyncerReport | None,
+    policy: FailurePolicy,
+) -> Signal | None:
+    """The failure signal of a live unit (Pending/Recreating/Online), or None when healthy."""
+    if obs is None or obs.phase == "Missing":
+        return Signal(UNIT_DELETED, f"unit {unit.name} attempt {unit.attempt} disappeared")
+    if obs.phase == "Terminating":
+        return Signal(UNIT_DELETED, f"unit {unit.name} is being deleted by someone else")
+    if obs.failure:
+        return Signal(obs.failure, obs.message or f"unit {unit.name}: {obs.failure}")
+    if obs.phase == "Failed":
+        return Signal(POD_FAILED, obs.message or f"unit {unit.name} failed")
+    learner = report.learners.get(unit.name) if report else None
+    if (
+        unit.state == "Online"
+        and learner is not None
+        and learner.attempt == unit.attempt
+        and learner.age_seconds > policy.offline_after_seconds
+    ):
+        return Signal(
+            HEARTBEAT_STALE,
+            f"last heartbeat {learner.age_seconds:.1f}s ago "
+            f"(offlineAfterSeconds={policy.offline_after_seconds:g})",
+        )
+    return None
+
+
+def take_offline(
+    unit: UnitStatus, signal: Signal, policy: FailurePolicy, now: float
+) -> tuple[UnitStatus, list[Action]]:
+    """Mark a failed unit Offline (or Failed when its budget is spent) and delete all of it."""
+    failure = UnitFailure(reason=signal.reason, message=signal.message[:1024], time=at(now))
+    spent = unit.restarts >= policy.max_unit_restarts
+    state = "Failed" if spent else "Offline"
+    updated = unit.model_copy(update={"state": state, "since": at(now), "last_failure": failure})
+    events: list[Action] = [
+        EmitEvent(
+            "Warning", "UnitOffline", f"{unit.name}: {signal.reason}: {signal.message}", unit.name
+        ),
+        DeleteUnit(unit.name, signal.reason),
+    ]
+    if spent:
+        events.append(
+            EmitEvent(
+                "Warning",
+                "RestartBudgetSpent",
+                f"{unit.name} failed after {unit.restarts} restarts "
+                f"(maxUnitRestarts={policy.max_unit_restarts}); giving it up",
+                unit.name,
+            )
+        )
+    return updated, events
+
+
+def recover(
+    unit: UnitStatus,
+    obs: ObservedUnit | None,
+    slot: UnitSlot,
+    num_units: int,
+    policy: FailurePolicy,
+    now: float,
+) -> tuple[UnitStatus, list[Action], float | None]:
+    """An Offline unit: keep deleting until it is gone, then after the backoff recreate it.
+    Returns the unit, the actions and the seconds until it should be looked at again."""
+    if obs is not None and obs.phase != "Missing":
+        # Still there: (re)issue the delete unless it is already going; deleting is idempotent
+        # and this also covers an operator that crashed between status write and delete.
+        actions: list[Action] = (
+            [] if obs.phase == "Terminating" else [DeleteUnit(unit.name, "Offline")]
+        )
+        return unit, actions, policy.restart_backoff_seconds or 1.0
+    waited = seconds_since(unit.since, now)
+    if waited < policy.restart_backoff_seconds:
+        return unit, [], policy.restart_backoff_seconds - waited
+    attempt = unit.attempt + 1
+    updated = unit.model_copy(
+        update={
+            "state": "Recreating",
+            "attempt": attempt,
+            "restarts": unit.restarts + 1,
+            "since": at(now),
+        }
+    )
+    return (
+        updated,
+        [
+            CreateUnit(
+                slot.name, slot.group, slot.index, slot.global_index, attempt, num_units, slot.hosts
+            ),
+            EmitEvent(
+                "Normal", "UnitRecreated", f"{unit.name} recreated as attempt {attempt}", unit.name
+            ),
+        ],
+        None,
+    )

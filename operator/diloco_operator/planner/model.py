@@ -1,0 +1,149 @@
+"""Neutral input and output types of the planner (no Kubernetes, no processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from diloco_operator.api import DilocoRunStatus
+
+UnitPhase = Literal["Pending", "Running", "Failed", "Succeeded", "Missing", "Terminating"]
+
+# Failure reasons a backend may report on an ObservedUnit (free text is allowed too).
+POD_FAILED = "PodFailed"
+DISRUPTION_TARGET = "DisruptionTarget"
+NODE_NOT_READY = "NodeNotReady"
+NODE_DELETED = "NodeDeleted"
+JOB_FAILED = "JobFailed"
+POD_DELETED = "PodDeleted"
+PROCESS_EXITED = "ProcessExited"
+# Reasons the planner itself derives.
+UNIT_DELETED = "UnitDeleted"
+HEARTBEAT_STALE = "HeartbeatStale"
+
+
+@dataclass(frozen=True)
+class ObservedUnit:
+    """What a backend sees of one unit (a Job + its pods, or a process group).
+
+    phase: Pending until every host is Running; Failed/Succeeded when the unit ended;
+    Terminating while it is being deleted; Missing (or simply absent from the list) when gone.
+    failure: a reason (e.g. DisruptionTarget, NodeNotReady) when the backend saw a failure signal
+    even though the phase may still look alive.
+    """
+
+    name: str
+    group: str
+    index: int
+    attempt: int
+    phase: UnitPhase
+    ready: bool = False
+    failure: str | None = None
+    message: str = ""
+    since: float = 0.0
+
+
+@dataclass(frozen=True)
+class ObservedSyncer:
+    present: bool
+    ready: bool
+
+
+@dataclass(frozen=True)
+class LearnerReport:
+    attempt: int
+    age_seconds: float
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class SyncerReport:
+    """The syncer's GET /v1/status (docs/contracts.md), reduced to what planning needs."""
+
+    outer_step: int | None = None
+    steps: int | None = None
+    tokens: int | None = None
+    loss: float | None = None
+    train_loss: float | None = None
+    complete: bool = False
+    learners: dict[str, LearnerReport] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> SyncerReport:
+        """Lenient parse: missing or mistyped fields become None rather than errors, because a
+        newer or older syncer must never break reconciliation."""
+
+        def num(key: str, kind: type) -> Any:
+            value = doc.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                return None
+            return kind(value)
+
+        learners = {}
+        for name, entry in (doc.get("learners") or {}).items():
+            if not isinstance(entry, dict):
+                continue
+            age = entry.get("ageSeconds")
+            learners[str(name)] = LearnerReport(
+                attempt=int(entry.get("attempt") or 0),
+                age_seconds=float(age) if isinstance(age, int | float) else 0.0,
+                step=entry.get("step") if isinstance(entry.get("step"), int) else None,
+            )
+        return cls(
+            outer_step=num("outerStep", int),
+            steps=num("steps", int),
+            tokens=num("tokens", int),
+            loss=num("loss", float),
+            train_loss=num("trainLoss", float),
+            complete=doc.get("complete") is True,
+            learners=learners,
+        )
+
+
+@dataclass(frozen=True)
+class CreateUnit:
+    """Create every child of a unit (Kubernetes: headless Service + Indexed Job)."""
+
+    name: str
+    group: str
+    index: int
+    global_index: int
+    attempt: int
+    num_units: int
+    hosts: int
+
+
+@dataclass(frozen=True)
+class DeleteUnit:
+    """Delete the whole unit (all its hosts); it counts as gone once no longer observed."""
+
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class CreateSyncer:
+    """Ensure the syncer exists (Kubernetes: Deployment, Service, Secret, storage)."""
+
+
+@dataclass(frozen=True)
+class EmitEvent:
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+    unit: str | None = None
+
+
+Action = CreateUnit | DeleteUnit | CreateSyncer | EmitEvent
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Actions to apply (in order), the status to write once, and when to look again."""
+
+    actions: tuple[Action, ...]
+    status: DilocoRunStatus
+    requeue_after: float | None = None
+
+    def of_type(self, kind: type) -> list[Any]:
+        return [a for a in self.actions if isinstance(a, kind)]

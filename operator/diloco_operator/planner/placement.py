@@ -1,0 +1,43 @@
+"""Placement/startup policy: which units a spec asks for, with deterministic names and indices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diloco_operator.api import DilocoRunSpec
+
+
+@dataclass(frozen=True)
+class UnitSlot:
+    name: str
+    group: str
+    index: int
+    global_index: int
+    hosts: int
+
+
+def unit_name(run: str, group: str, index: int) -> str:
+    """`{run}-{group}-{index}`: stable across attempts, so a crashed operator finds its children
+    again and Kubernetes' AlreadyExists prevents duplicates. The attempt lives in labels."""
+    return f"{run}-{group}-{index}"
+
+
+def desired_units(run: str, spec: DilocoRunSpec) -> list[UnitSlot]:
+    """Every unit the spec asks for.
+
+    Global indices (the data shard of a unit) are laid out so that scaling never renumbers a
+    running unit: the fixed groups (unitGroups[1:]) take 0..F-1 in order, and the scalable first
+    group takes F.., so `kubectl scale` only appends or drops the highest indices.
+    """
+    slots: list[UnitSlot] = []
+    offset = 0
+    order = [*range(1, len(spec.unit_groups)), 0]
+    for gi in order:
+        group = spec.unit_groups[gi]
+        for i in range(spec.group_replicas(gi)):
+            slots.append(
+                UnitSlot(unit_name(run, group.name, i), group.name, i, offset + i, group.hosts)
+            )
+        offset += spec.group_replicas(gi)
+    slots.sort(key=lambda s: s.global_index)
+    return slots

@@ -1,0 +1,303 @@
+"""Planner decisions: startup, every failure signal, recovery, budget, scaling, completion and an
+operator restart rebuilding from observed children."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from diloco_operator.api import DilocoRunSpec, DilocoRunStatus, parse_spec
+from diloco_operator.planner import (
+    CreateSyncer,
+    CreateUnit,
+    DeleteUnit,
+    EmitEvent,
+    ObservedSyncer,
+    ObservedUnit,
+    Plan,
+    SyncerReport,
+    desired_units,
+    plan,
+)
+from diloco_operator.planner.model import (
+    DISRUPTION_TARGET,
+    JOB_FAILED,
+    NODE_DELETED,
+    NODE_NOT_READY,
+    POD_DELETED,
+    LearnerReport,
+)
+
+T0 = 1_700_000_000.0
+SYNCER_UP = ObservedSyncer(present=True, ready=True)
+
+
+def make_spec(replicas: int = 3, **extra: Any) -> DilocoRunSpec:
+    doc: dict[str, Any] = {
+        "image": "trainer:dev",
+        "replicas": replicas,
+        "training": {"totalSteps": 1000},
+        "failurePolicy": {
+            "maxUnitRestarts": 2,
+            "restartBackoffSeconds": 10,
+            "offlineAfterSeconds": 30,
+        },
+    }
+    doc.update(extra)
+    return parse_spec(doc)
+
+
+def running(name: str, attempt: int = 0, **kw: Any) -> ObservedUnit:
+    group, index = name.split("-")[-2], int(name.split("-")[-1])
+    fields: dict[str, Any] = {"phase": "Running", "ready": True, "since": T0}
+    fields.update(kw)
+    return ObservedUnit(name=name, group=group, index=index, attempt=attempt, **fields)
+
+
+def events(p: Plan, reason: str | None = None) -> list[EmitEvent]:
+    return [e for e in p.of_type(EmitEvent) if reason is None or e.reason == reason]
+
+
+def unit(p: Plan, name: str) -> Any:
+    return next(u for u in p.status.units if u.name == name)
+
+
+def online_run(spec: DilocoRunSpec, now: float = T0) -> tuple[list[ObservedUnit], DilocoRunStatus]:
+    """Start a run and bring every unit Online; returns the observed units and the status."""
+    first = plan("r", spec, [], None, now, syncer=SYNCER_UP)
+    observed = [running(c.name) for c in first.of_type(CreateUnit)]
+    second = plan("r", spec, observed, first.status, now + 1, syncer=SYNCER_UP)
+    assert second.status.phase == "Running"
+    return observed, second.status
+
+
+def test_fresh_run_creates_syncer_and_every_unit_with_stable_names() -> None:
+    spec = make_spec(3)
+    p = plan("r", spec, [], None, T0, syncer=ObservedSyncer(present=False, ready=False))
+    assert p.of_type(CreateSyncer) == [CreateSyncer()]
+    creates = p.of_type(CreateUnit)
+    assert [(c.name, c.attempt, c.global_index, c.num_units) for c in creates] == [
+        ("r-default-0", 0, 0, 3),
+        ("r-default-1", 0, 1, 3),
+        ("r-default-2", 0, 2, 3),
+    ]
+    assert p.status.phase == "Pending"
+    assert {u.state for u in p.status.units} == {"Pending"}
+    assert p.status.replicas == 3
+    assert p.status.selector == "diloco.dev/run=r,diloco.dev/group=default"
+
+
+def test_units_go_online_and_run_becomes_ready() -> None:
+    spec = make_spec(2)
+    observed, status = online_run(spec)
+    assert status.units_online == 2
+    ready = next(c for c in status.conditions if c.type == "Ready")
+    assert ready.status == "True"
+    # A rerun with the same facts is a no-op: no actions, conditions keep their transition time.
+    again = plan("r", spec, observed, status, T0 + 50, syncer=SYNCER_UP)
+    assert again.actions == ()
+    assert again.status.conditions == status.conditions
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"phase": "Failed", "ready": False}, "PodFailed"),
+        ({"failure": DISRUPTION_TARGET}, DISRUPTION_TARGET),
+        ({"failure": NODE_NOT_READY}, NODE_NOT_READY),
+        ({"failure": NODE_DELETED}, NODE_DELETED),
+        ({"failure": JOB_FAILED, "phase": "Failed"}, JOB_FAILED),
+        ({"failure": POD_DELETED, "phase": "Pending", "ready": False}, POD_DELETED),
+        ({"phase": "Terminating"}, "UnitDeleted"),
+        (None, "UnitDeleted"),  # the whole unit vanished
+    ],
+)
+def test_every_failure_signal_takes_only_that_unit_offline(
+    change: dict[str, Any] | None, reason: str
+) -> None:
+    spec = make_spec(3)
+    observed, status = online_run(spec)
+    victim = "r-default-1"
+    world = [o for o in observed if o.name != victim]
+    if change is not None:
+        world.append(running(victim, **change))
+    p = plan("r", spec, world, status, T0 + 5, syncer=SYNCER_UP)
+    assert unit(p, victim).state == "Offline"
+    assert unit(p, victim).last_failure.reason == reason
+    assert [e.unit for e in events(p, "UnitOffline")] == [victim]
+    assert reason in events(p, "UnitOffline")[0].message
+    deletes = p.of_type(DeleteUnit)
+    assert [d.name for d in deletes] == [victim]
+    assert not p.of_type(CreateUnit)
+    assert unit(p, "r-default-0").state == unit(p, "r-default-2").state == "Online"
+    assert p.status.phase == "Degraded"
+    degraded = next(c for c in p.status.conditions if c.type == "Degraded")
+    assert degraded.status == "True" and victim in degraded.message
+
+
+def test_stale_heartbeat_is_a_failure_but_only_for_the_current_attempt() -> None:
+    spec = make_spec(2)
+    observed, status = online_run(spec)
+    fresh = SyncerReport(learners={"r-default-0": LearnerReport(attempt=0, age_seconds=3)})
+    assert plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=fresh).actions == ()
+    old_attempt = SyncerReport(learners={"r-default-0": LearnerReport(attempt=7, age_seconds=99)})
+    p = plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=old_attempt)
+    assert not p.of_type(DeleteUnit)
+    stale = SyncerReport(learners={"r-default-0": LearnerReport(attempt=0, age_seconds=31)})
+    p = plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=stale)
+    assert unit(p, "r-default-0").last_failure.reason == "HeartbeatStale"
+    assert [d.name for d in p.of_type(DeleteUnit)] == ["r-default-0"]
+
+
+def test_offline_unit_is_deleted_waited_for_then_recreated_after_backoff() -> None:
+    spec = make_spec(2)
+    observed, status = online_run(spec)
+    healthy = observed[0]
+    failed = running("r-default-1", failure=DISRUPTION_TARGET)
+    p = plan("r", spec, [healthy, failed], status, T0 + 10, syncer=SYNCER_UP)
+    # Still present (delete lost in a crash): delete is issued again, nothing created.
+    p = plan("r", spec, [healthy, failed], p.status, T0 + 11, syncer=SYNCER_UP)
+    assert [d.name for d in p.of_type(DeleteUnit)] == ["r-default-1"]
+    # Terminating: just wait.
+    terminating = running("r-default-1", phase="Terminating")
+    p = plan("r", spec, [healthy, terminating], p.status, T0 + 12, syncer=SYNCER_UP)
+    assert p.actions == ()
+    # Gone, but the backoff (10 s from going offline at T0+10) has not passed.
+    p = plan("r", spec, [healthy], p.status, T0 + 15, syncer=SYNCER_UP)
+    assert not p.of_type(CreateUnit)
+    assert p.requeue_after == pytest.approx(5.0)
+    p = plan("r", spec, [healthy], p.status, T0 + 20, syncer=SYNCER_UP)
+    (create,) = p.of_type(CreateUnit)
+    assert (create.name, create.attempt, create.global_index) == ("r-default-1", 1, 1)
+    assert unit(p, "r-default-1").state == "Recreating"
+    assert unit(p, "r-default-1").restarts == 1
+    assert events(p, "UnitRecreated")
+    p = plan(
+        "r", spec, [healthy, running("r-default-1", attempt=1)], p.status, T0 + 25, syncer=SYNCER_UP
+    )
+    assert unit(p, "r-default-1").state == "Online"
+    assert p.status.phase == "Running"
+
+
+def test_restart_budget_spent_gives_the_unit_up_and_quorum_loss_fails_the_run() -> None:
+    spec = make_spec(2)
+    observed, status = online_run(spec)
+    now = T0 + 10
+    world = list(observed)
+    for attempt in range(3):  # maxUnitRestarts=2: attempts 0,1,2 may fail, the third is final
+        world = [world[0], running("r-default-1", attempt=attempt, phase="Failed")]
+        p = plan("r", spec, world, status, now, syncer=SYNCER_UP)
+        if attempt < 2:
+            assert unit(p, "r-default-1").state == "Offline"
+            p = plan("r", spec, [world[0]], p.status, now + 11, syncer=SYNCER_UP)
+            assert p.of_type(CreateUnit)[0].attempt == attempt + 1
+        status, now = p.status, now + 20
+    assert unit(p, "r-default-1").state == "Failed"
+    assert events(p, "RestartBudgetSpent")
+    assert p.status.phase == "Degraded"  # quorum 1: the other unit keeps training
+    p = plan("r", spec, [world[0]], status, now, syncer=SYNCER_UP)
+    assert not p.of_type(CreateUnit)  # a given-up unit is never recreated
+    # Now the last unit also spends its budget: nothing can merge any more.
+    status = p.status.model_copy(
+        update={"units": [u.model_copy(update={"restarts": 2}) for u in p.status.units]}
+    )
+    p = plan("r", spec, [running("r-default-0", phase="Failed")], status, now + 1, syncer=SYNCER_UP)
+    assert p.status.phase == "Failed"
+    assert events(p, "RunFailed")
+    assert not p.of_type(CreateUnit)
+    progressing = next(c for c in p.status.conditions if c.type == "Progressing")
+    assert progressing.status == "False"
+
+
+def test_scale_up_adds_units_and_leaves_the_others_alone() -> None:
+    observed, status = online_run(make_spec(2))
+    p = plan("r", make_spec(4), observed, status, T0 + 5, syncer=SYNCER_UP)
+    creates = p.of_type(CreateUnit)
+    assert [(c.name, c.global_index, c.num_units) for c in creates] == [
+        ("r-default-2", 2, 4),
+        ("r-default-3", 3, 4),
+    ]
+    assert not p.of_type(DeleteUnit)
+    assert unit(p, "r-default-0").state == "Online"
+
+
+def test_scale_down_removes_highest_indices_first_then_forgets_them() -> None:
+    observed, status = online_run(make_spec(4))
+    p = plan("r", make_spec(2), observed, status, T0 + 5, syncer=SYNCER_UP)
+    assert [d.name for d in p.of_type(DeleteUnit)] == ["r-default-3", "r-default-2"]
+    assert {d.reason for d in p.of_type(DeleteUnit)} == {"ScaledDown"}
+    assert unit(p, "r-default-3").state == "Removing"
+    assert p.status.replicas == 2
+    assert p.status.phase == "Running"
+    p = plan("r", make_spec(2), observed[:2], p.status, T0 + 6, syncer=SYNCER_UP)
+    assert [u.name for u in p.status.units] == ["r-default-0", "r-default-1"]
+    assert p.actions == ()
+
+
+def test_syncer_reported_completion_succeeds_the_run_and_stops_units() -> None:
+    spec = make_spec(2)
+    observed, status = online_run(spec)
+    report = SyncerReport(outer_step=40, steps=1000, tokens=5000, loss=2.5, complete=True)
+    p = plan("r", spec, observed, status, T0 + 9, syncer=SYNCER_UP, report=report)
+    assert p.status.phase == "Succeeded"
+    assert sorted(d.name for d in p.of_type(DeleteUnit)) == ["r-default-0", "r-default-1"]
+    assert {u.state for u in p.status.units} == {"Completed"}
+    assert (p.status.outer_step, p.status.tokens, p.status.loss) == (40, 5000, 2.5)
+    complete = next(c for c in p.status.conditions if c.type == "Complete")
+    assert complete.status == "True"
+    # Terminal: a unit vanishing afterwards creates nothing.
+    p = plan("r", spec, [], p.status, T0 + 10, syncer=ObservedSyncer(False, False))
+    assert p.actions == () and p.status.phase == "Succeeded"
+
+
+def test_units_exiting_successfully_complete_the_run() -> None:
+    spec = make_spec(2)
+    observed, status = online_run(spec)
+    done = [running(o.name, phase="Succeeded", ready=False) for o in observed]
+    p = plan("r", spec, done, status, T0 + 9, syncer=SYNCER_UP)
+    assert p.status.phase == "Succeeded"
+    assert not p.of_type(DeleteUnit) and not p.of_type(CreateUnit)
+
+
+def test_operator_restart_rebuilds_from_observed_children_without_duplicates() -> None:
+    spec = make_spec(3)
+    # Status was lost; the cluster still holds unit 0 (attempt 2), unit 1 (attempt 0, pending).
+    observed = [
+        running("r-default-0", attempt=2),
+        running("r-default-1", phase="Pending", ready=False),
+    ]
+    p = plan("r", spec, observed, None, T0, syncer=SYNCER_UP)
+    assert [c.name for c in p.of_type(CreateUnit)] == ["r-default-2"]
+    assert not p.of_type(DeleteUnit)
+    assert unit(p, "r-default-0").attempt == 2
+    assert unit(p, "r-default-0").state == "Online"
+    # A second crash before the status write: the same inputs plan the same single create,
+    # and Kubernetes' AlreadyExists makes the repeat harmless.
+    again = plan("r", spec, observed, None, T0 + 1, syncer=SYNCER_UP)
+    assert [c.name for c in again.of_type(CreateUnit)] == ["r-default-2"]
+    # A status written before the create was applied: the child shows up at a higher attempt.
+    created = [*observed, running("r-default-2", attempt=0)]
+    after = plan("r", spec, created, p.status, T0 + 2, syncer=SYNCER_UP)
+    assert not after.of_type(CreateUnit) and not after.of_type(DeleteUnit)
+    assert (after.status.phase, after.status.units_online) == ("Running", 2)
+    assert unit(after, "r-default-1").state == "Pending"
+
+
+def test_mixed_groups_give_fixed_groups_the_low_global_indices() -> None:
+    spec = make_spec(
+        2,
+        unitGroups=[
+            {"name": "v6e", "tpu": {"accelerator": "tpu-v6e-slice", "topology": "2x4"}},
+            {
+                "name": "v5p",
+                "replicas": 1,
+                "tpu": {"accelerator": "tpu-v5p-slice", "topology": "2x2x1"},
+            },
+        ],
+    )
+    slots = desired_units("r", spec)
+    assert [(s.name, s.global_index, s.hosts) for s in slots] == [
+        ("r-v5p-0", 0, 1),
+        ("r-v6e-0", 1, 2),
+        ("r-v6e-1", 2, 2),
+    ]
