@@ -1,0 +1,168 @@
+"""The `diloco` command line.
+
+    diloco local run FILE [--chaos] [--report-dir D] [--max-seconds S] [--seed N]
+
+Subcommands hang off argparse subparsers; each registers itself in `build_parser` with a
+`handler` default, so adding one (e.g. `simulate`) touches nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+def _add_local(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    local = sub.add_parser("local", help="run a DilocoRun on this machine with processes")
+    local_sub = local.add_subparsers(dest="local_command", required=True, metavar="COMMAND")
+    run = local_sub.add_parser(
+        "run",
+        help="run a DilocoRun manifest: the syncer and every learner unit as local processes",
+        description="Run a DilocoRun manifest (the file kubectl apply takes) on this machine.",
+    )
+    run.add_argument("manifest", type=Path, help="DilocoRun manifest (YAML or JSON)")
+    run.add_argument(
+        "--chaos",
+        action="store_true",
+        help="inject faults: the manifest's spec.chaos block, or a default schedule of unit "
+        "kills, a straggler pause and a syncer kill",
+    )
+    run.add_argument("--seed", type=int, default=None, help="override the chaos seed")
+    run.add_argument(
+        "--report-dir",
+        type=Path,
+        default=None,
+        help="where logs, checkpoints, plots and summary.json go (default runs/<name>-<time>)",
+    )
+    run.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop (and write the report) after this long even if the budget is not reached",
+    )
+    run.add_argument(
+        "--resume-from",
+        type=Path,
+        default=None,
+        help="an existing syncer checkpoint directory to continue from",
+    )
+    run.add_argument(
+        "--no-live", action="store_true", help="no live display (default when not a terminal)"
+    )
+    run.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+    run.set_defaults(handler=_local_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diloco", description="Elastic decoupled DiLoCo: local runs and tools."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_local(sub)
+    return parser
+
+
+def _check_resume_dir(path: Path) -> str | None:
+    """Why `path` cannot be resumed from, or None. The syncer checks the checkpoint contents
+    itself; here only what needs no knowledge of its format."""
+    if not path.exists():
+        return f"--resume-from: checkpoint directory {path} does not exist"
+    if not path.is_dir():
+        return f"--resume-from: {path} is not a directory"
+    if not any(path.iterdir()):
+        return f"--resume-from: checkpoint directory {path} is empty (no checkpoint to resume)"
+    return None
+
+
+def _local_run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from diloco_operator.local.manifest import (
+        ManifestError,
+        chaos_settings,
+        check_chaos_units,
+        load_manifest,
+    )
+    from diloco_operator.local.runtime import LocalRuntime, RunAborted, RunOptions
+
+    console = Console(stderr=True)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    try:
+        run = load_manifest(args.manifest)
+        chaos = chaos_settings(run.spec.chaos, args.chaos, args.seed)
+        check_chaos_units(chaos, run.spec.total_units)
+    except (ManifestError, ValueError) as exc:
+        console.print(f"[bold red]invalid manifest {args.manifest}:[/]")
+        console.print(str(exc), markup=False, highlight=False)
+        return EXIT_BAD_INPUT
+    if args.resume_from is not None:
+        problem = _check_resume_dir(args.resume_from)
+        if problem:
+            console.print(f"[bold red]error:[/] {problem}", highlight=False)
+            return EXIT_BAD_INPUT
+    if run.spec.chaos is not None and not args.chaos:
+        console.print("[yellow]the manifest has a chaos block; pass --chaos to inject faults[/]")
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    report_dir = args.report_dir or Path("runs") / f"{run.name}-{stamp}"
+    if report_dir.exists() and any(report_dir.iterdir()):
+        console.print(f"[bold red]error:[/] --report-dir {report_dir} exists and is not empty")
+        return EXIT_BAD_INPUT
+    live = not args.no_live and console.is_terminal
+    options = RunOptions(
+        report_dir=report_dir,
+        chaos=chaos,
+        max_seconds=args.max_seconds,
+        live=live,
+        checkpoint_dir=args.resume_from.resolve() if args.resume_from else None,
+    )
+    console.print(
+        f"run [bold]{run.name}[/]: {run.spec.total_units} units, chaos "
+        f"{'on' if chaos.enabled else 'off'}, report in {report_dir}",
+        highlight=False,
+    )
+    runtime = LocalRuntime(run, options, console=console)
+    try:
+        result = runtime.execute()
+    except RunAborted as exc:
+        console.print(f"[bold red]run aborted:[/] {exc}", highlight=False)
+        console.print(f"logs: {report_dir / 'logs'}", highlight=False)
+        return EXIT_FAILED
+    s = result.summary
+    loss = s["finalEvalLoss"]
+    console.print(
+        f"{'complete' if result.complete else 'stopped'} ({result.exit_reason}) after "
+        f"{s['wallSeconds']:.0f}s: eval loss {'-' if loss is None else f'{loss:.4f}'}, "
+        f"tokens {s['tokens']}, goodput {100 * s['goodput']:.1f}%, unit kills {s['unitKills']}, "
+        f"syncer kills {s['syncerKills']}, rejoins {s['rejoins']}",
+        highlight=False,
+    )
+    console.print(f"report: {result.report_dir.resolve()}", highlight=False)
+    if result.exit_reason.startswith("interrupted"):
+        return EXIT_INTERRUPTED
+    if result.complete or result.exit_reason.startswith("stopped after --max-seconds"):
+        return EXIT_OK
+    return EXIT_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    code: int = args.handler(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""OS processes for the local backend: start, signal, reap and stop them without orphans.
+
+Each child runs in its own session (and so its own process group): a signal to the group reaches
+anything the child started, and a Ctrl-C on the terminal reaches only the supervisor, which then
+stops the children in order instead of having them die mid-write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ManagedProcess:
+    """A child process and what the supervisor knows about it."""
+
+    key: str
+    argv: list[str]
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    started_at: float
+    log_file: IO[bytes]
+    paused: bool = False
+    returncode: int | None = None
+    # Every pid seen in this child's process tree, to prove afterwards that none survived.
+    seen_pids: set[int] = field(default_factory=set)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.returncode is None
+
+
+class ProcessTable:
+    """The children of one local run, by key (e.g. `syncer`, `unit-2`)."""
+
+    def __init__(self) -> None:
+        self._procs: dict[str, ManagedProcess] = {}
+        self._finished: list[ManagedProcess] = []
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._procs
+
+    def get(self, key: str) -> ManagedProcess | None:
+        return self._procs.get(key)
+
+    def keys(self) -> list[str]:
+        return list(self._procs)
+
+    def spawn(
+        self,
+        key: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+    ) -> ManagedProcess:
+        """Start `argv` in a new session with stdout+stderr appended to `log_path`."""
+        if key in self._procs and self._procs[key].alive():
+            raise RuntimeError(f"process {key} is still running (pid {self._procs[key].pid})")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = log_path.open("ab")
+        try:
+            popen = subprocess.Popen(
+                list(argv),
+                env=dict(env),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError:
+            log_file.close()
+            raise
+        proc = ManagedProcess(
+            key=key,
+            argv=list(argv),
+            popen=popen,
+            log_path=log_path,
+            started_at=time.monotonic(),
+            log_file=log_file,
+        )
+        proc.seen_pids.add(popen.pid)
+        if key in self._procs:
+            self._finished.append(self._procs[key])
+        self._procs[key] = proc
+        log.info("process=started key=%s pid=%d log=%s", key, popen.pid, log_path)
+        return proc
+
+    def poll(self) -> dict[str, int]:
+        """Reap children that exited since the last poll; returns key -> exit code (negative:
+        killed by that signal)."""
+        exited: dict[str, int] = {}
+        for key, proc in self._procs.items():
+            if proc.returncode is not None:
+                continue
+            self._note_tree(proc)
+            code = proc.popen.poll()
+            if code is not None:
+                proc.returncode = code
+                proc.log_file.close()
+                exited[key] = code
+                log.info("process=exited key=%s pid=%d code=%d", key, proc.pid, code)
+        return exited
+
+    def signal(self, key: str, sig: signal.Signals) -> bool:
+        """Send `sig` to the process group of `key`; False when it is not running."""
+        proc = self._procs.get(key)
+        if proc is None or not proc.alive():
+            return False
+        self._note_tree(proc)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return False
+        if sig == signal.SIGSTOP:
+            proc.paused = True
+        elif sig == signal.SIGCONT:
+            proc.paused = False
+        return True
+
+    def stop(self, key: str, grace_seconds: float = 5.0) -> int | None:
+        """Stop one child: SIGCONT (a stopped process cannot handle SIGTERM), SIGTERM to the
+        group, then SIGKILL after `grace_seconds`. Returns its exit code."""
+        proc = self._procs.get(key)
+        if proc is None:
+            return None
+        _terminate_groups([proc], grace_seconds)
+        self.poll()
+        return proc.returncode
+
+    def stop_all(self, grace_seconds: float = 5.0, batches: Iterable[Iterable[str]] = ()) -> None:
+        """Stop every child. Each batch of keys is stopped together (one shared grace period)
+        before the next; children in no batch go last."""
+        done: set[str] = set()
+        for batch in batches:
+            procs = [self._procs[k] for k in batch if k in self._procs and k not in done]
+            done.update(p.key for p in procs)
+            _terminate_groups(procs, grace_seconds)
+        _terminate_groups([p for k, p in self._procs.items() if k not in done], grace_seconds)
+        self.poll()
+
+    def survivors(self) -> list[int]:
+        """Pids from any child's tree that are still alive (not zombies): should be empty
+        after `stop_all`."""
+        alive: list[int] = []
+        for proc in [*self._finished, *self._procs.values()]:
+            for pid in sorted(proc.seen_pids):
+                if _pid_alive(pid):
+                    alive.append(pid)
+        return alive
+
+    def _note_tree(self, proc: ManagedProcess) -> None:
+        with contextlib.suppress(psutil.Error):
+            parent = psutil.Process(proc.pid)
+            proc.seen_pids.update(child.pid for child in parent.children(recursive=True))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _terminate_groups(procs: Sequence[ManagedProcess], grace_seconds: float) -> None:
+    """SIGTERM each process group, wait up to `grace_seconds` for the leaders and their groups,
+    SIGKILL whatever is left, and reap the leaders."""
+    live = [p for p in procs if p.popen.poll() is None or _group_alive(p.pid)]
+    for proc in live:
+        with contextlib.suppress(psutil.Error):
+            proc.seen_pids.update(c.pid for c in psutil.Process(proc.pid).children(recursive=True))
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+        proc.paused = False
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline:
+        if all(p.popen.poll() is not None and not _group_alive(p.pid) for p in live):
+            break
+        time.sleep(0.05)
+    for proc in live:
+        if proc.popen.poll() is None or _group_alive(proc.pid):
+            log.warning("process=kill key=%s pid=%d reason=grace-expired", proc.key, proc.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        # Group members outside the group (a child that called setsid) are killed by pid.
+        for pid in proc.seen_pids:
+            if pid != proc.pid and _pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=5)
+        if proc.returncode is None and proc.popen.returncode is not None:
+            proc.returncode = proc.popen.returncode
+        if not proc.log_file.closed:
+            proc.log_file.close()

@@ -1,0 +1,144 @@
+"""What a local run remembers while it runs: samples for the plots, unit states for the timeline,
+learner heartbeats for goodput, and the events log (also streamed to events.jsonl as it happens,
+so a crash of the supervisor still leaves the story on disk).
+
+All times are wall-clock seconds (time.time()), the clock the syncer's status uses too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+
+@dataclass(frozen=True)
+class GlobalSample:
+    """One poll of the syncer's /v1/status."""
+
+    time: float
+    outer_step: int
+    steps: int
+    tokens: int
+    loss: float | None
+    train_loss: float | None
+    bytes_sent: int
+    bytes_received: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A learner's latest heartbeat as reported by the syncer (deduplicated by time)."""
+
+    unit: str
+    attempt: int
+    time: float
+    step: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class StateChange:
+    """A unit (or `syncer`) entered `state` at `time`."""
+
+    time: float
+    unit: str
+    state: str
+
+
+@dataclass(frozen=True)
+class Event:
+    time: float
+    kind: str
+    unit: str | None
+    message: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Recorder:
+    """Accumulates a run's observations; `events_path` (if given) gets one JSON line per event."""
+
+    started_at: float
+    events_path: Path | None = None
+    samples: list[GlobalSample] = field(default_factory=list)
+    heartbeats: list[Heartbeat] = field(default_factory=list)
+    states: list[StateChange] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    pauses: list[tuple[str, float, float]] = field(default_factory=list)
+    _current_state: dict[str, str] = field(default_factory=dict)
+    _last_heartbeat: dict[str, float] = field(default_factory=dict)
+    _events_file: IO[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.events_path is not None:
+            self.events_path.parent.mkdir(parents=True, exist_ok=True)
+            self._events_file = self.events_path.open("a", buffering=1)
+
+    def close(self) -> None:
+        if self._events_file is not None:
+            self._events_file.close()
+            self._events_file = None
+
+    def event(self, now: float, kind: str, unit: str | None, message: str, **data: Any) -> Event:
+        ev = Event(time=now, kind=kind, unit=unit, message=message, data=dict(data))
+        self.events.append(ev)
+        if self._events_file is not None:
+            line = {"elapsed": round(now - self.started_at, 3), **asdict(ev)}
+            self._events_file.write(json.dumps(line, default=str) + "\n")
+        return ev
+
+    def state(self, now: float, unit: str, state: str) -> None:
+        """Record `unit`'s state; only changes are stored."""
+        if self._current_state.get(unit) != state:
+            self._current_state[unit] = state
+            self.states.append(StateChange(time=now, unit=unit, state=state))
+
+    def current_state(self, unit: str) -> str | None:
+        return self._current_state.get(unit)
+
+    def pause(self, unit: str, start: float, end: float) -> None:
+        self.pauses.append((unit, start, end))
+
+    def observe_status(self, now: float, status: dict[str, Any]) -> None:
+        """Store a status sample and any new learner heartbeats in it."""
+        self.samples.append(
+            GlobalSample(
+                time=now,
+                outer_step=int(status.get("outerStep") or 0),
+                steps=int(status.get("steps") or 0),
+                tokens=int(status.get("tokens") or 0),
+                loss=_float_or_none(status.get("loss")),
+                train_loss=_float_or_none(status.get("trainLoss")),
+                bytes_sent=int(status.get("bytesSent") or 0),
+                bytes_received=int(status.get("bytesReceived") or 0),
+            )
+        )
+        learners = status.get("learners") or {}
+        for name, info in learners.items():
+            if not isinstance(info, dict):
+                continue
+            beat = _float_or_none(info.get("lastHeartbeat"))
+            if beat is None or self._last_heartbeat.get(name) == beat:
+                continue
+            self._last_heartbeat[name] = beat
+            self.heartbeats.append(
+                Heartbeat(
+                    unit=name,
+                    attempt=int(info.get("attempt") or 0),
+                    time=beat,
+                    step=int(info.get("step") or 0),
+                    tokens=int(info.get("tokens") or 0),
+                )
+            )
+
+
+def _float_or_none(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if out == out else None  # NaN is "no value"

@@ -1,0 +1,575 @@
+"""The local process backend: a DilocoRun on one machine, supervised by the operator's planner.
+
+Each tick (~0.5 s) the runtime observes its processes and the syncer's /v1/status, maps them to
+the planner's neutral types (ObservedUnit, ObservedSyncer, SyncerReport), asks the same pure
+planner the Kubernetes backend uses what to do, and applies the actions with processes: a unit
+is a learner process (group), the syncer is a process on a loopback port. Chaos faults are
+delivered between ticks; the live display and the recorder see every tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from diloco_operator.api import DilocoRunStatus
+from diloco_operator.local.chaos import ChaosScheduler, ChaosSettings, Fault
+from diloco_operator.local.display import UnitRow, View, render
+from diloco_operator.local.manifest import LocalRun
+from diloco_operator.local.processes import ProcessTable
+from diloco_operator.local.recorder import Recorder
+from diloco_operator.local.report import write_report
+from diloco_operator.local.syncer_client import SyncerClient, free_port
+from diloco_operator.planner import (
+    CreateSyncer,
+    CreateUnit,
+    DeleteUnit,
+    EmitEvent,
+    ObservedSyncer,
+    ObservedUnit,
+    SyncerReport,
+    UnitSlot,
+    desired_units,
+    plan,
+)
+from diloco_operator.planner.model import PROCESS_EXITED
+from rich.console import Console
+from rich.live import Live
+
+log = logging.getLogger(__name__)
+
+SYNCER = "syncer"
+# Exit code of both programs for a config error (docs/contracts.md): restarting cannot help.
+CONFIG_ERROR_EXIT = 2
+# Planner event reasons under the names the report counts (others keep their reason).
+EVENT_KINDS = {
+    "UnitOffline": "unit-failed",
+    "UnitRecreated": "unit-restarted",
+    "UnitOnline": "unit-online",
+    "RestartBudgetSpent": "unit-given-up",
+}
+
+
+class RunAborted(Exception):
+    """The run cannot go on (bad config seen by a program, syncer cannot start); the message is
+    for the user."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached the supervisor."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    report_dir: Path
+    chaos: ChaosSettings = field(default_factory=ChaosSettings)
+    max_seconds: float | None = None
+    tick_seconds: float = 0.5
+    live: bool = True
+    checkpoint_dir: Path | None = None  # None: a fresh one under report_dir
+    syncer_start_timeout: float = 120.0
+    stop_grace_seconds: float = 10.0
+    max_syncer_restarts: int = 50
+    # Argv prefix of the two programs; default: this interpreter's modules (same venv).
+    syncer_argv: tuple[str, ...] = (sys.executable, "-m", "diloco_trainer.syncer_main")
+    learner_argv: tuple[str, ...] = (sys.executable, "-m", "diloco_trainer.learner_main")
+
+
+@dataclass
+class RunResult:
+    complete: bool
+    exit_reason: str
+    report_dir: Path
+    summary: dict[str, Any]
+
+
+def _signal_name(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def child_env(base: dict[str, str]) -> dict[str, str]:
+    """Environment of every child: JAX on CPU with one intra-op thread unless the user chose
+    otherwise, so N learners on a small machine share cores instead of fighting over them."""
+    env = dict(base)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    xla = env.get("XLA_FLAGS", "")
+    if "intra_op_parallelism_threads" not in xla:
+        env["XLA_FLAGS"] = (
+            xla + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        ).strip()
+    return env
+
+
+class LocalRuntime:
+    def __init__(self, run: LocalRun, options: RunOptions, console: Console | None = None) -> None:
+        self.run = run
+        self.opts = options
+        self.console = console or Console(stderr=True)
+        self.report_dir = options.report_dir
+        self.logs_dir = self.report_dir / "logs"
+        self.checkpoint_dir = options.checkpoint_dir or (self.report_dir / "checkpoints")
+        self.procs = ProcessTable()
+        self.token = secrets.token_urlsafe(24)
+        self.port = free_port()
+        self.client = SyncerClient(f"http://127.0.0.1:{self.port}", self.token)
+        self.slots: list[UnitSlot] = desired_units(run.name, run.spec)
+        self.slowdown = {g.name: g.slowdown for g in run.spec.unit_groups}
+        self.chaos = ChaosScheduler(options.chaos)
+        self.status = DilocoRunStatus()
+        self.started_at = time.time()
+        self.recorder = Recorder(self.started_at, self.report_dir / "events.jsonl")
+        self.unit_started: dict[str, float] = {}
+        self.attempts: dict[str, int] = {}
+        self.exit_codes: dict[str, int] = {}
+        self.syncer_ever_healthy = False
+        self.syncer_restarts = 0
+        self.syncer_healthy = False
+        self.report: SyncerReport | None = None
+        self.last_status: dict[str, Any] | None = None
+        self.resume_at: dict[str, float] = {}
+        self.ready: set[str] = set()
+
+    # --- process actions ------------------------------------------------------------------
+
+    def _start_syncer(self, now: float) -> None:
+        if self.procs.get(SYNCER) is not None and self.procs.get(SYNCER).alive():  # type: ignore[union-attr]
+            return
+        restarting = self.procs.get(SYNCER) is not None
+        if restarting:
+            self.syncer_restarts += 1
+            if self.syncer_restarts > self.opts.max_syncer_restarts:
+                raise RunAborted(f"the syncer died {self.syncer_restarts} times; giving up")
+        argv = [
+            *self.opts.syncer_argv,
+            "--config",
+            str(self.run.path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--checkpoint-dir",
+            str(self.checkpoint_dir),
+        ]
+        env = child_env(dict(os.environ))
+        env["DILOCO_TOKEN"] = self.token
+        self.procs.spawn(SYNCER, argv, env, self.logs_dir / "syncer.log")
+        self.syncer_healthy = False
+        kind = "syncer-restarted" if restarting else "syncer-started"
+        self.recorder.event(now, kind, SYNCER, f"syncer on port {self.port}")
+        self.recorder.state(now, SYNCER, "starting")
+
+    def _start_unit(self, action: CreateUnit, now: float) -> None:
+        proc = self.procs.get(action.name)
+        if proc is not None and proc.alive():
+            return  # idempotent: the planner may ask again before it observes the process
+        slowdown = self.slowdown.get(action.group, 1.0)
+        env = child_env(dict(os.environ))
+        env.update(
+            {
+                "DILOCO_SYNCER_ADDR": self.client.base_url,
+                "DILOCO_TOKEN": self.token,
+                "DILOCO_UNIT": str(action.global_index),
+                "DILOCO_UNIT_NAME": action.name,
+                "DILOCO_NUM_UNITS": str(action.num_units),
+                "DILOCO_ATTEMPT": str(action.attempt),
+                "DILOCO_GROUP": action.group,
+                "DILOCO_SLOWDOWN": f"{slowdown:g}",
+            }
+        )
+        argv = [*self.opts.learner_argv, "--config", str(self.run.path)]
+        self.procs.spawn(action.name, argv, env, self.logs_dir / f"{action.name}.log")
+        self.attempts[action.name] = action.attempt
+        self.ready.discard(action.name)
+        self.exit_codes.pop(action.name, None)
+        self.unit_started.setdefault(action.name, now)
+
+    def _delete_unit(self, action: DeleteUnit, now: float) -> None:
+        if action.name in self.procs:
+            self.procs.stop(action.name, grace_seconds=2.0)
+        self.resume_at.pop(action.name, None)
+        self.exit_codes.pop(action.name, None)
+        self._forget(action.name)
+
+    def _forget(self, name: str) -> None:
+        """After a delete the unit is Missing to the planner until it is created again."""
+        self.attempts.pop(name, None)
+        self.ready.discard(name)
+
+    def apply(self, actions: Any, now: float) -> None:
+        for action in actions:
+            if isinstance(action, CreateSyncer):
+                self._start_syncer(now)
+            elif isinstance(action, CreateUnit):
+                self._start_unit(action, now)
+            elif isinstance(action, DeleteUnit):
+                self._delete_unit(action, now)
+            elif isinstance(action, EmitEvent):
+                kind = EVENT_KINDS.get(action.reason, action.reason)
+                self.recorder.event(now, kind, action.unit, action.message, type=action.type)
+                log.info("event=%s unit=%s message=%r", action.reason, action.unit, action.message)
+
+    # --- observation ----------------------------------------------------------------------
+
+    def observe_units(self, now: float) -> list[ObservedUnit]:
+        observed: list[ObservedUnit] = []
+        heard = self.report.learners if self.report else {}
+        for slot in self.slots:
+            proc = self.procs.get(slot.name)
+            if proc is None or slot.name not in self.attempts:
+                continue  # Missing
+            attempt = self.attempts[slot.name]
+            code = self.exit_codes.get(slot.name)
+            if code is None:
+                learner = heard.get(slot.name)
+                if learner is not None and learner.attempt == attempt:
+                    # Ready once the syncer has heard from this attempt; it stays ready while
+                    # the process lives (a restarting syncer forgets learners for a while).
+                    self.ready.add(slot.name)
+                ready = slot.name in self.ready
+                observed.append(
+                    ObservedUnit(
+                        slot.name,
+                        slot.group,
+                        slot.index,
+                        attempt,
+                        "Running",
+                        ready=ready,
+                        since=proc.started_at,
+                    )
+                )
+            elif code == 0:
+                observed.append(
+                    ObservedUnit(slot.name, slot.group, slot.index, attempt, "Succeeded")
+                )
+            else:
+                observed.append(
+                    ObservedUnit(
+                        slot.name,
+                        slot.group,
+                        slot.index,
+                        attempt,
+                        "Failed",
+                        failure=PROCESS_EXITED,
+                        message=f"learner process {_signal_name(code)}",
+                    )
+                )
+        return observed
+
+    def _poll_processes(self, now: float) -> None:
+        for key, code in self.procs.poll().items():
+            if key == SYNCER:
+                self.recorder.state(now, SYNCER, "offline")
+                if not self.syncer_ever_healthy:
+                    raise RunAborted(
+                        f"the syncer failed to start ({_signal_name(code)}); last lines of "
+                        f"{self.logs_dir / 'syncer.log'}:\n{log_tail(self.logs_dir / 'syncer.log')}"
+                    )
+                self.recorder.event(now, "syncer-exited", SYNCER, _signal_name(code))
+                continue
+            self.exit_codes[key] = code
+            if code == CONFIG_ERROR_EXIT:
+                path = self.logs_dir / f"{key}.log"
+                raise RunAborted(
+                    f"learner {key} rejected the config (exit 2); last lines of {path}:\n{log_tail(path)}"
+                )
+            if code != 0:
+                self.recorder.event(now, "unit-exited", key, _signal_name(code), code=code)
+
+    def _poll_syncer(self, now: float) -> None:
+        proc = self.procs.get(SYNCER)
+        alive = proc is not None and proc.alive()
+        status = self.client.status() if alive else None
+        self.syncer_healthy = status is not None
+        if status is not None:
+            if not self.syncer_ever_healthy:
+                self.recorder.event(
+                    now, "syncer-ready", SYNCER, f"serving on {self.client.base_url}"
+                )
+            self.syncer_ever_healthy = True
+            self.recorder.state(now, SYNCER, "online")
+            self.last_status = status
+            self.report = SyncerReport.from_json(status)
+            self.recorder.observe_status(now, status)
+        elif alive and not self.syncer_ever_healthy and proc is not None:
+            waited = time.monotonic() - proc.started_at
+            if waited > self.opts.syncer_start_timeout:
+                path = self.logs_dir / "syncer.log"
+                raise RunAborted(
+                    f"the syncer did not serve /v1/status within {waited:.0f}s; last lines of "
+                    f"{path}:\n{log_tail(path)}"
+                )
+        if not alive:
+            self.report = None
+
+    # --- chaos ------------------------------------------------------------------------------
+
+    def _deliver(self, fault: Fault, now: float) -> None:
+        if fault.kind == "kill-syncer":
+            if self.procs.signal(SYNCER, signal.SIGKILL):
+                self.recorder.event(now, "chaos-kill-syncer", SYNCER, "SIGKILL to the syncer")
+            return
+        slot = self.slots[fault.unit] if fault.unit is not None else None
+        if slot is None:
+            return
+        if fault.kind == "kill":
+            if self.procs.signal(slot.name, signal.SIGKILL):
+                self.resume_at.pop(slot.name, None)
+                self.recorder.event(now, "chaos-kill", slot.name, "SIGKILL")
+        elif (
+            fault.kind == "pause"
+            and fault.resume_at is not None
+            and self.procs.signal(slot.name, signal.SIGSTOP)
+        ):
+            wall_resume = now + (fault.resume_at - fault.at)
+            self.resume_at[slot.name] = wall_resume
+            self.recorder.pause(slot.name, now, wall_resume)
+            self.recorder.event(
+                now, "chaos-pause", slot.name, f"SIGSTOP for {fault.resume_at - fault.at:g}s"
+            )
+
+    def _chaos(self, now: float) -> None:
+        for name, when in list(self.resume_at.items()):
+            if now >= when:
+                del self.resume_at[name]
+                if self.procs.signal(name, signal.SIGCONT):
+                    self.recorder.event(now, "chaos-resume", name, "SIGCONT")
+        if not self.opts.chaos.enabled:
+            return
+        online = {u.name for u in self.status.units if u.state == "Online"}
+        running = [
+            s.global_index
+            for s in self.slots
+            if s.name in online
+            and s.name not in self.resume_at
+            and (p := self.procs.get(s.name)) is not None
+            and p.alive()
+        ]
+        for fault in self.chaos.due(now - self.started_at, running):
+            self._deliver(fault, now)
+
+    # --- display ----------------------------------------------------------------------------
+
+    def _unit_state(self, name: str, planned: str) -> str:
+        proc = self.procs.get(name)
+        if proc is not None and proc.paused and proc.alive():
+            return "paused"
+        return {"Recreating": "restarting", "Completed": "complete"}.get(planned, planned.lower())
+
+    def view(self, now: float) -> View:
+        rows: list[UnitRow] = []
+        learners = (self.last_status or {}).get("learners") or {}
+        by_name = {u.name: u for u in self.status.units}
+        for slot in self.slots:
+            unit = by_name.get(slot.name)
+            entry = learners.get(slot.name)
+            info: dict[str, Any] = entry if isinstance(entry, dict) else {}
+            rows.append(
+                UnitRow(
+                    name=slot.name,
+                    group=slot.group,
+                    state=self._unit_state(slot.name, unit.state if unit else "Pending"),
+                    attempt=unit.attempt if unit else 0,
+                    restarts=unit.restarts if unit else 0,
+                    step=info.get("step"),
+                    tokens_per_sec=info.get("tokensPerSec"),
+                    loss=info.get("loss"),
+                    slowdown=self.slowdown.get(slot.group, 1.0),
+                )
+            )
+        st = self.last_status or {}
+        training = self.run.spec.training
+        nxt = self.chaos.next_fault_at()
+        chaos = "off"
+        if self.opts.chaos.enabled:
+            chaos = "on" + (
+                f", next fault in {max(0.0, nxt - (now - self.started_at)):.0f}s" if nxt else ""
+            )
+        return View(
+            run=self.run.name,
+            elapsed=now - self.started_at,
+            syncer_state="online" if self.syncer_healthy else "offline",
+            outer_step=int(st.get("outerStep") or 0),
+            steps=int(st.get("steps") or 0),
+            tokens=int(st.get("tokens") or 0),
+            token_budget=training.total_tokens,
+            step_budget=training.total_steps,
+            loss=st.get("loss"),
+            train_loss=st.get("trainLoss"),
+            units=rows,
+            events=self.recorder.events[-8:],
+            chaos=chaos,
+            report_dir=str(self.report_dir),
+        )
+
+    # --- main loop --------------------------------------------------------------------------
+
+    def tick(self, now: float) -> bool:
+        """One observe-plan-act pass; True once the run is complete."""
+        self._poll_processes(now)
+        self._poll_syncer(now)
+        proc = self.procs.get(SYNCER)
+        observed_syncer = ObservedSyncer(
+            present=proc is not None and proc.alive(), ready=self.syncer_healthy
+        )
+        result = plan(
+            self.run.name,
+            self.run.spec,
+            self.observe_units(now),
+            self.status,
+            now,
+            syncer=observed_syncer,
+            report=self.report,
+        )
+        self.status = result.status
+        self.apply(result.actions, now)
+        for unit in self.status.units:
+            self.recorder.state(now, unit.name, self._unit_state(unit.name, unit.state))
+        self._chaos(now)
+        return self.status.phase == "Succeeded"
+
+    def execute(self, on_tick: Callable[[View], None] | None = None) -> RunResult:
+        self.report_dir.mkdir(parents=True, exist_ok=True)
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        previous = {
+            sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        complete = False
+        reason = "unknown"
+        try:
+            with (
+                Live(
+                    console=self.console, refresh_per_second=4, transient=False, auto_refresh=False
+                )
+                if self.opts.live
+                else _NoLive() as live
+            ):
+                complete, reason = self._loop(live, on_tick)
+        except Interrupted as exc:
+            reason = f"interrupted by {exc}"
+            self.recorder.event(time.time(), "interrupted", None, reason)
+        except RunAborted as exc:
+            reason = f"aborted: {exc}"
+            self.recorder.event(time.time(), "aborted", None, str(exc))
+            raise
+        finally:
+            # Ignore further Ctrl-C while stopping, so shutdown itself is never cut short.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                self.shutdown()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+        ended = time.time()
+        summary = write_report(
+            self.recorder,
+            self.report_dir,
+            run_name=self.run.name,
+            ended_at=ended,
+            complete=complete,
+            unit_started=self.unit_started,
+            exit_reason=reason,
+        )
+        self.recorder.close()
+        return RunResult(
+            complete=complete, exit_reason=reason, report_dir=self.report_dir, summary=summary
+        )
+
+    def _loop(self, live: Any, on_tick: Callable[[View], None] | None) -> tuple[bool, str]:
+        self.recorder.event(
+            self.started_at,
+            "run-started",
+            None,
+            f"{len(self.slots)} units, chaos {'on' if self.opts.chaos.enabled else 'off'}",
+        )
+        self._start_syncer(time.time())
+        while True:
+            now = time.time()
+            if self.tick(now):
+                self.recorder.event(
+                    now, "run-complete", None, "the syncer reports the budget reached"
+                )
+                self._finish_learners(now)
+                return True, "complete"
+            view = self.view(now)
+            live.update(render(view), refresh=True)
+            if on_tick is not None:
+                on_tick(view)
+            if self.opts.max_seconds is not None and now - self.started_at > self.opts.max_seconds:
+                return False, f"stopped after --max-seconds {self.opts.max_seconds:g}"
+            time.sleep(max(0.0, self.opts.tick_seconds - (time.time() - now)))
+
+    def _finish_learners(self, now: float) -> None:
+        """Learners exit 0 on their own once the syncer reports completion; give them a moment,
+        then record the final state."""
+        deadline = time.time() + 10.0
+        while time.time() < deadline:
+            self.procs.poll()
+            if not any((p := self.procs.get(s.name)) is not None and p.alive() for s in self.slots):
+                break
+            time.sleep(0.2)
+        final = self.client.status()
+        if final is not None:
+            self.recorder.observe_status(time.time(), final)
+            self.last_status = final
+        for slot in self.slots:
+            self.recorder.state(time.time(), slot.name, "complete")
+
+    def shutdown(self) -> None:
+        """Stop learners first, then the syncer (it checkpoints on SIGTERM); prove no child of
+        ours is left."""
+        for name in list(self.resume_at):
+            self.procs.signal(name, signal.SIGCONT)
+        self.resume_at.clear()
+        units = [s.name for s in self.slots]
+        self.procs.stop_all(grace_seconds=self.opts.stop_grace_seconds, batches=[units, [SYNCER]])
+        left = self.procs.survivors()
+        if left:
+            log.error("shutdown=incomplete survivors=%s", left)
+            raise RuntimeError(f"processes still alive after shutdown: {left}")
+        self.recorder.event(time.time(), "stopped", None, "all processes stopped")
+
+
+class _NoLive:
+    """Stand-in for rich.Live when output is not a terminal: no redraws, the events log and
+    structured logs tell the story."""
+
+    def __enter__(self) -> _NoLive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, renderable: Any, refresh: bool = False) -> None:
+        return None
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
