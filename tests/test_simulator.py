@@ -121,7 +121,7 @@ def test_bad_input_names_the_field() -> None:
         replace(Assumptions(), repair_hours=0.0)
 
 
-def test_cli_json_and_table(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+def test_cli_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     code = sim.main(["--chips", "150000", "--learners", "1,4", "--failures", "300", "--json"])
     assert code == 0
     rows = json.loads(capsys.readouterr().out)
@@ -147,3 +147,14 @@ def test_markdown_table_puts_the_paper_beside_ours() -> None:
     table = sim.results_table_markdown(results)
     assert "paper 58%" in table and "paper 88%" in table
     assert table.count("\n") == 3  # header, separator, two rows
+
+
+def test_diloco_cli_has_the_simulate_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    from diloco_operator import cli
+
+    code = cli.main(
+        ["simulate", "--chips", "150000", "--learners", "2", "--failures", "200", "--json"]
+    )
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["scenario"]["strategy"] for r in rows} == {"non-elastic", "elastic-dp", "diloco"}

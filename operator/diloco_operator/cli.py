@@ -1,6 +1,7 @@
 """The `diloco` command line.
 
     diloco local run FILE [--chaos] [--report-dir D] [--max-seconds S] [--seed N]
+    diloco simulate [--chips 150000,...] [--learners 1,2,...] [--plot FILE] [--json]
 
 Subcommands hang off argparse subparsers; each registers itself in `build_parser` with a
 `handler` default, so adding one (e.g. `simulate`) touches nothing else.
@@ -62,12 +63,25 @@ def _add_local(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     run.set_defaults(handler=_local_run)
 
 
+def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from diloco_operator import simulator
+
+    simulate = sub.add_parser(
+        "simulate",
+        help="goodput simulator: elastic DP vs non-elastic vs DiLoCo on a fleet of failing chips",
+        description="Discrete-event goodput simulation of the Decoupled DiLoCo paper's setting.",
+    )
+    simulator.add_arguments(simulate)
+    simulate.set_defaults(handler=simulator.run_from_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diloco", description="Elastic decoupled DiLoCo: local runs and tools."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_local(sub)
+    _add_simulate(sub)
     return parser
 
 

@@ -13,7 +13,8 @@ slices (the failure domain: one bad chip takes its slice out). Three ways to tra
   and loses the inner-step progress it had not yet pushed to the syncer.
 
 Goodput = useful chip-seconds / (fleet chip-seconds); uptime = share of wall time in which at least
-one group is making progress. The model is pure (numpy's RNG, no I/O); `main` is the CLI edge.
+one group is making progress. The model is pure Python (a seeded `random.Random`, no I/O, no
+numpy, so the operator image can run it); `main` is the CLI edge.
 
 Assumptions, all global (one value for every cell of the table, never tuned per cell):
 see `Assumptions` and `describe_assumptions`.
@@ -24,13 +25,12 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import random
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
-
-import numpy as np
 
 Strategy = Literal["non-elastic", "elastic-dp", "diloco"]
 STRATEGIES: tuple[Strategy, ...] = ("non-elastic", "elastic-dp", "diloco")
@@ -197,7 +197,7 @@ def simulate(
     if horizon_seconds <= 0:
         raise ValueError(f"horizon_seconds must be > 0, got {horizon_seconds}")
     pause = a.restart_seconds if scenario.strategy == "non-elastic" else a.reconfigure_seconds
-    rng = np.random.default_rng(seed)
+    rng = random.Random(seed)
     groups = [_Group(slices=n) for n in split_slices(total_slices, groups_n)]
     repairing = [0] * groups_n
     events: list[tuple[float, int, int, int]] = []  # (time, kind, group, generation)
@@ -220,7 +220,7 @@ def simulate(
         grp = groups[g]
         grp.generation += 1
         if grp.running and grp.slices > 0:
-            dt = rng.exponential(1.0 / (grp.slices * a.slice_failure_rate))
+            dt = rng.expovariate(grp.slices * a.slice_failure_rate)
             heapq.heappush(events, (now + dt, _FAIL, g, grp.generation))
 
     for g in range(groups_n):
