@@ -108,7 +108,7 @@ def _local_run(args: argparse.Namespace) -> int:
     )
     from diloco_operator.local.runtime import LocalRuntime, RunAborted, RunOptions
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",

@@ -160,8 +160,21 @@ def state_spans(
     return spans
 
 
+FAULT_EVENTS = ("chaos-kill", "chaos-pause", "chaos-kill-syncer")
+
+
+def eval_points(samples: Sequence[GlobalSample]) -> list[GlobalSample]:
+    """Samples where a new eval loss appeared: the syncer evaluates every few seconds while the
+    supervisor polls every tick, so repeated values are the same evaluation seen again."""
+    points: list[GlobalSample] = []
+    for sample in samples:
+        if sample.loss is not None and (not points or sample.loss != points[-1].loss):
+            points.append(sample)
+    return points
+
+
 def _fault_times(events: Sequence[Event], t0: float) -> list[tuple[float, str]]:
-    return [(e.time - t0, e.kind) for e in events if e.kind.startswith("chaos-")]
+    return [(e.time - t0, e.kind) for e in events if e.kind in FAULT_EVENTS]
 
 
 def write_plots(rec: Recorder, out_dir: Path, ended_at: float) -> list[Path]:
@@ -174,9 +187,15 @@ def write_plots(rec: Recorder, out_dir: Path, ended_at: float) -> list[Path]:
     t0 = rec.started_at
     written: list[Path] = []
     faults = _fault_times(rec.events, t0)
-    evals = [(s.time - t0, s.tokens, s.loss) for s in rec.samples if s.loss is not None]
-    trains = [
-        (s.time - t0, s.tokens, s.train_loss) for s in rec.samples if s.train_loss is not None
+    evals: list[tuple[float, float, float]] = [
+        (s.time - t0, float(s.tokens), s.loss)
+        for s in eval_points(rec.samples)
+        if s.loss is not None
+    ]
+    trains: list[tuple[float, float, float]] = [
+        (s.time - t0, float(s.tokens), s.train_loss)
+        for s in rec.samples
+        if s.train_loss is not None
     ]
 
     for name, axis, xlabel in (

@@ -1,0 +1,126 @@
+"""Bad input to `diloco local run` is rejected before anything starts, with the messages of the
+operator's own model (the CRD's schema source)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from diloco_operator.api import parse_manifest
+from diloco_operator.cli import main
+from diloco_operator.local.chaos import DEFAULT_CHAOS
+from diloco_operator.local.manifest import chaos_settings, load_manifest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "local.yaml"
+
+
+def example() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    return doc
+
+
+def write(tmp_path: Path, doc: Any, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc))
+    return path
+
+
+def broken(change: str) -> dict[str, Any]:
+    doc = example()
+    spec = doc["spec"]
+    if change == "replicas":
+        spec["replicas"] = 0
+    elif change == "quorum":
+        spec["training"]["quorum"] = 9
+    elif change == "innerSteps":
+        spec["training"]["innerSteps"] = 0
+    elif change == "typo":
+        spec["training"]["innerStep"] = 5
+    elif change == "slowdown":
+        spec["unitGroups"][1]["slowdown"] = 0.5
+    elif change == "budget":
+        del spec["training"]["totalTokens"]
+    elif change == "chaos":
+        spec["chaos"]["schedule"][0]["action"] = "explode"
+    elif change == "kind":
+        doc["kind"] = "Deployment"
+    return doc
+
+
+CASES = {
+    "replicas": "spec.replicas",
+    "quorum": "training.quorum",
+    "innerSteps": "spec.training.innerSteps",
+    "typo": "spec.training.innerStep",
+    "slowdown": "spec.unitGroups.1.slowdown",
+    "budget": "totalTokens",
+    "chaos": "spec.chaos.schedule.0.action",
+    "kind": "kind: expected DilocoRun",
+}
+
+
+@pytest.mark.parametrize("change", sorted(CASES))
+def test_invalid_manifest_rejected_with_the_models_message(
+    change: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = broken(change)
+    report = tmp_path / "report"
+    code = main(["local", "run", str(write(tmp_path, doc)), "--report-dir", str(report)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert CASES[change] in err
+    with pytest.raises(ValueError) as model_error:
+        parse_manifest(doc)
+    # The very lines the operator's model (and so the CRD validation) gives.
+    for line in str(model_error.value).splitlines():
+        assert line in err
+    assert not report.exists(), "nothing may start for an invalid manifest"
+
+
+def test_unreadable_and_non_mapping_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["local", "run", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read config" in capsys.readouterr().err
+    assert main(["local", "run", str(write(tmp_path, "a: [1, 2\n"))]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    assert main(["local", "run", str(write(tmp_path, "- 1\n- 2\n"))]) == 2
+    assert "mapping at the top level" in capsys.readouterr().err
+
+
+def test_chaos_schedule_naming_a_missing_unit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = example()
+    doc["spec"]["chaos"]["schedule"][0]["unit"] = 4
+    assert main(["local", "run", str(write(tmp_path, doc)), "--chaos"]) == 2
+    assert "spec.chaos.schedule.0.unit: unit 4 does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "empty"])
+def test_bad_checkpoint_dir_is_a_clear_error(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    if kind == "file":
+        ckpt.write_text("not a directory")
+    elif kind == "empty":
+        ckpt.mkdir()
+    code = main(["local", "run", str(EXAMPLE), "--resume-from", str(ckpt)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--resume-from: " in err and str(ckpt) in err
+    assert "Traceback" not in err
+
+
+def test_chaos_flag_selects_the_manifest_block_or_the_default() -> None:
+    run = load_manifest(EXAMPLE)
+    assert run.spec.chaos is not None
+    assert not chaos_settings(run.spec.chaos, enabled=False).enabled
+    from_block = chaos_settings(run.spec.chaos, enabled=True)
+    assert from_block.kill_interval_seconds == run.spec.chaos.kill_every_seconds
+    assert [f.kind for f in from_block.schedule] == ["kill", "pause", "kill-syncer"]
+    assert chaos_settings(None, enabled=True) == DEFAULT_CHAOS
+    assert chaos_settings(None, enabled=True, seed=5).seed == 5
