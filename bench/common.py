@@ -1,0 +1,139 @@
+"""Shared pieces of the benchmark suite: machine description, timing, sections, markdown."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+FRAGMENTS = DOCS / "bench"  # one markdown fragment and its PNGs per section
+REPORT = DOCS / "benchmarks.md"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    """One line naming the machine: CPU model, cores we may use, RAM, Python, OS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        ram = f", {pages / 2**30:.0f} GiB RAM"
+    except (ValueError, OSError):
+        ram = ""
+    return (
+        f"{cpu_model()}, {cores} cores{ram}, Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()}, no GPU"
+        if not has_gpu()
+        else f"{cpu_model()}, {cores} cores{ram}, GPU present"
+    )
+
+
+def has_gpu() -> bool:
+    return Path("/dev/nvidia0").exists() or Path("/dev/accel0").exists()
+
+
+def today() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+@dataclass
+class BenchContext:
+    quick: bool
+    command: str
+    out_dir: Path = FRAGMENTS
+
+    def plot_path(self, name: str) -> Path:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        return self.out_dir / name
+
+
+@dataclass
+class Section:
+    """One benchmark's contribution to docs/benchmarks.md."""
+
+    name: str
+    title: str
+    body: str  # markdown: tables, notes
+    command: str
+    config: str
+    date: str = field(default_factory=today)
+    machine: str = field(default_factory=machine)
+    quick: bool = False
+
+    def markdown(self) -> str:
+        variant = " (quick variant)" if self.quick else ""
+        return "\n".join(
+            [
+                f"## {self.title}",
+                "",
+                f"- command: `{self.command}`{variant}",
+                f"- config: {self.config}",
+                f"- machine: {self.machine}",
+                f"- date: {self.date}",
+                "",
+                self.body.strip(),
+                "",
+            ]
+        )
+
+
+def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of `repeats` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def interleaved(fns: Sequence[Callable[[], object]], rounds: int) -> list[list[float]]:
+    """Time several candidates in alternation (A B A B ...) so that machine noise (other
+    processes on shared cores) hits them alike; returns per-candidate wall seconds."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - start)
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.3g} GiB"
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,102 @@
+"""The benchmark suite: `python -m bench.run [--quick] [--only NAME ...]`.
+
+Each benchmark writes a markdown fragment (and its PNGs) under docs/bench/; docs/benchmarks.md is
+then rebuilt from every fragment present, so `--only` refreshes one section and keeps the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from bench.common import FRAGMENTS, REPORT, BenchContext, Section, log
+
+# (name, title, runner module); order = order in the report.
+BENCHES: list[tuple[str, str]] = [
+    ("simulator", "bench.goodput_sim"),
+    ("syncer", "bench.syncer_bench"),
+    ("communication", "bench.comm_bench"),
+    ("overhead", "bench.overhead_bench"),
+    ("parity", "bench.parity_bench"),
+    ("goodput_real", "bench.goodput_real"),
+    ("gpu", "bench.gpu_bench"),
+]
+
+HEADER = """# Benchmarks
+
+Written by `make bench` (`python -m bench.run`; `--quick` for the short variant, `--only NAME` for
+one section). Every comparison is a ratio of two things measured side by side in the same run, on
+the same machine; absolute times are context only. Sections: {names}.
+
+| target (issues 2, 4, 6) | section |
+|---|---|
+| decoupled M=4 loss / data-parallel loss at equal tokens <= 1.02 (<= 1.03 under chaos) | parity |
+| bytes per token >= 400x below data-parallel with int4 | communication |
+| goodput >= 90% at one kill per unit per minute | goodput_real |
+| simulator within 3 points of each published goodput figure | simulator |
+| learner overhead <= 3% | overhead |
+| syncer >= 30% of memory-copy bandwidth | syncer |
+"""
+
+
+def _runner(module: str) -> Callable[[BenchContext], Section]:
+    import importlib
+
+    mod = importlib.import_module(module)
+    fn: Callable[[BenchContext], Section] = mod.run
+    return fn
+
+
+def rebuild_report() -> None:
+    """docs/benchmarks.md = header + every section fragment present, in suite order."""
+    parts = [HEADER.format(names=", ".join(n for n, _ in BENCHES))]
+    for name, _ in BENCHES:
+        frag = FRAGMENTS / f"{name}.md"
+        if frag.exists():
+            parts.append(frag.read_text())
+        else:
+            parts.append(f"## {name}\n\nNot run yet (`python -m bench.run --only {name}`).\n")
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    REPORT.write_text("\n".join(parts))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    names = [n for n, _ in BENCHES]
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="short variant (minutes, not hours)")
+    parser.add_argument(
+        "--only", action="append", choices=names, metavar="NAME", help=f"one of {names}"
+    )
+    args = parser.parse_args(argv)
+    selected = args.only or names
+    command = "python -m bench.run " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    ctx = BenchContext(quick=args.quick, command=command.strip())
+    FRAGMENTS.mkdir(parents=True, exist_ok=True)
+    failed: list[str] = []
+    for name, module in BENCHES:
+        if name not in selected:
+            continue
+        log(f"running {name}")
+        start = time.perf_counter()
+        try:
+            section = _runner(module)(ctx)
+        except Exception as exc:  # one broken bench must not lose the others' results
+            log(f"{name} failed: {type(exc).__name__}: {exc}")
+            failed.append(name)
+            continue
+        (FRAGMENTS / f"{name}.md").write_text(section.markdown())
+        log(f"{name} done in {time.perf_counter() - start:.0f}s")
+        rebuild_report()
+    rebuild_report()
+    log(f"wrote {REPORT}")
+    if failed:
+        log(f"failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
