@@ -33,7 +33,8 @@ import numpy as np
 
 from diloco_trainer.config import ModelConfig
 
-Params = Mapping[str, jax.Array]
+Leaf = jax.Array | np.ndarray
+Params = Mapping[str, Leaf]
 INIT_STD = 0.02
 NORM_EPS = 1e-6
 
@@ -76,13 +77,13 @@ def count_params(params: Mapping[str, np.ndarray | jax.Array]) -> int:
     return sum(int(np.prod(p.shape)) for p in params.values())
 
 
-def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+def _rms_norm(x: jax.Array, scale: Leaf) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + NORM_EPS)
     return (normed * scale).astype(x.dtype)
 
 
-def _attention(x: jax.Array, wqkv: jax.Array, wo: jax.Array) -> jax.Array:
+def _attention(x: jax.Array, wqkv: Leaf, wo: Leaf) -> jax.Array:
     seq = x.shape[1]
     qkv = jnp.einsum("btd,dkhe->kbhte", x, wqkv.astype(x.dtype))
     q, k, v = qkv[0], qkv[1], qkv[2]
