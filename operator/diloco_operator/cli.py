@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -19,7 +20,6 @@ from pathlib import Path
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
 
 
 def _add_local(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -164,8 +164,10 @@ def _local_run(args: argparse.Namespace) -> int:
         highlight=False,
     )
     console.print(f"report: {result.report_dir.resolve()}", highlight=False)
-    if result.exit_reason.startswith("interrupted"):
-        return EXIT_INTERRUPTED
+    if result.exit_reason.startswith("interrupted by "):
+        # Shell convention: 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM).
+        name = result.exit_reason.removeprefix("interrupted by ")
+        return 128 + int(getattr(signal.Signals, name, signal.SIGINT))
     if result.complete or result.exit_reason.startswith("stopped after --max-seconds"):
         return EXIT_OK
     return EXIT_FAILED

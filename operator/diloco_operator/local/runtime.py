@@ -112,6 +112,16 @@ def log_tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
+def headline(path: Path, prefix: str) -> str:
+    """The last line of a log starting with `prefix` (a program's own error summary)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    found = [line for line in lines if line.startswith(prefix)]
+    return found[-1] if found else "(no error line in its log)"
+
+
 def child_env(base: dict[str, str]) -> dict[str, str]:
     """Environment of every child: JAX on CPU with one intra-op thread unless the user chose
     otherwise, so N learners on a small machine share cores instead of fighting over them."""
@@ -287,9 +297,10 @@ class LocalRuntime:
             if key == SYNCER:
                 self.recorder.state(now, SYNCER, "offline")
                 if not self.syncer_ever_healthy:
+                    path = self.logs_dir / "syncer.log"
                     raise RunAborted(
-                        f"the syncer failed to start ({_signal_name(code)}); last lines of "
-                        f"{self.logs_dir / 'syncer.log'}:\n{log_tail(self.logs_dir / 'syncer.log')}"
+                        f"the syncer failed to start ({_signal_name(code)}): "
+                        f"{headline(path, 'diloco-syncer:')}\nlast lines of {path}:\n{log_tail(path)}"
                     )
                 self.recorder.event(now, "syncer-exited", SYNCER, _signal_name(code))
                 continue
