@@ -32,6 +32,10 @@ class WireError(ValueError):
     """A payload that cannot be decoded; the message says what is wrong."""
 
 
+class PayloadMismatch(WireError):
+    """A well-formed payload whose tensors have the wrong dtype (the syncer answers 422)."""
+
+
 @dataclass(frozen=True)
 class PushHeader:
     fragment: int
@@ -149,7 +153,7 @@ def decode_push(payload: bytes) -> tuple[PushHeader, dict[str, np.ndarray]]:
     if scheme == "none":
         for name, arr in tensors.items():
             if arr.dtype != np.float32:
-                raise WireError(f"tensor {name}: dtype {arr.dtype}, expected float32")
+                raise PayloadMismatch(f"tensor {name}: dtype {arr.dtype}, expected float32")
         return header, tensors
     return header, _dequantize_all(tensors, meta, header)
 
@@ -177,7 +181,7 @@ def _dequantize_all(
             raise WireError(f"payload metadata.shapes.{name}: not a list of sizes")
         data, scales = tensors[f"q/{name}"], tensors[f"s/{name}"]
         if data.dtype != want_dtype or scales.dtype != np.float32:
-            raise WireError(
+            raise PayloadMismatch(
                 f"tensor {name}: quantized dtypes {data.dtype}/{scales.dtype}, "
                 f"expected {np.dtype(want_dtype)}/float32"
             )

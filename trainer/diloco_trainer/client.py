@@ -1,0 +1,262 @@
+"""Synchronous client of the syncer (stdlib http.client), safe to use from several threads.
+
+Each thread gets its own keep-alive connection, so a long-poll in one thread never blocks a push
+in another. Errors: `SyncerUnavailable` (connection trouble or 5xx: retry with backoff) and
+`SyncerRejected` (4xx: the server's message; retrying the same request will not help).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+
+from diloco_trainer.quantize import Scheme
+from diloco_trainer.wire import PushHeader, WireError, decode_params, encode_push
+
+
+class SyncerError(Exception):
+    """Base of the client's errors."""
+
+
+class SyncerUnavailable(SyncerError):
+    """The syncer could not be reached or failed (5xx); retry later."""
+
+
+class SyncerRejected(SyncerError):
+    """The syncer refused the request (4xx)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
+@dataclass(frozen=True)
+class JoinReply:
+    run: str
+    layout: list[list[str]]
+    versions: list[int]
+    complete: bool
+    outer_step: int = 0
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    scheme: Scheme = "none"
+    block_size: int = 128
+    inner_steps: int = 0
+    overlap: int = 0
+    max_staleness: int = 0
+    heartbeat_seconds: float = 2.0
+
+
+@dataclass(frozen=True)
+class PushReply:
+    accepted: bool
+    duplicate: bool
+    version: int
+    bytes_sent: int
+    quant_error: float
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    complete: bool
+    versions: list[int]
+    outer_step: int
+
+
+class SyncerClient:
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        unit: str,
+        attempt: int,
+        group: str = "default",
+        timeout: float = 10.0,
+    ) -> None:
+        url = urllib.parse.urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"syncer address must be http(s)://host:port, got {base_url!r}")
+        self.scheme, self.host = url.scheme, url.hostname
+        self.port = url.port or (443 if url.scheme == "https" else 80)
+        self.prefix = url.path.rstrip("/")
+        self.token, self.unit, self.attempt, self.group, self.timeout = (
+            token,
+            unit,
+            attempt,
+            group,
+            timeout,
+        )
+        self.compression: Scheme = "none"
+        self.block_size = 128
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    # ---------------------------------------------------------------- transport
+    def _conn(self, timeout: float) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            cls = (
+                http.client.HTTPSConnection
+                if self.scheme == "https"
+                else http.client.HTTPConnection
+            )
+            conn = cls(self.host, self.port, timeout=timeout)
+            self._local.conn = conn
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn
+
+    def _drop_conn(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+        self._local.conn = None
+
+    def close(self) -> None:
+        self._drop_conn()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        content_type: str = "application/json",
+        timeout: float | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        # One retry on a fresh connection: a kept-alive socket may have been closed by the server.
+        for fresh in (False, True):
+            if fresh:
+                self._drop_conn()
+            conn = self._conn(timeout or self.timeout)
+            try:
+                conn.request(method, self.prefix + path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                break
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+                self._drop_conn()
+                if fresh:
+                    raise SyncerUnavailable(f"{method} {path}: {exc!r}") from exc
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop_conn()
+                raise SyncerUnavailable(f"{method} {path}: {exc!r}") from exc
+        with self._lock:
+            self.bytes_sent += len(body or b"")
+            self.bytes_received += len(data)
+        if resp.status >= 500:
+            raise SyncerUnavailable(f"{method} {path}: HTTP {resp.status}: {data[:200]!r}")
+        if resp.status >= 400:
+            try:
+                err = json.loads(data)
+                reason, message = str(err.get("reason", "")), str(err.get("error", data[:200]))
+            except (ValueError, AttributeError):
+                reason, message = "", data[:200].decode(errors="replace")
+            raise SyncerRejected(resp.status, reason, message)
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+
+    def _post_json(self, path: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+        _, _, data = self._request("POST", path, json.dumps(payload).encode())
+        return cast(dict[str, Any], json.loads(data))
+
+    def _identity(self) -> dict[str, Any]:
+        return {"unit": self.unit, "attempt": self.attempt, "group": self.group}
+
+    # ---------------------------------------------------------------- protocol
+    def join(self) -> JoinReply:
+        r = self._post_json("/v1/join", self._identity())
+        comp = r.get("compression", {})
+        self.compression = cast(Scheme, comp.get("scheme", "none"))
+        self.block_size = int(comp.get("blockSize", 128))
+        return JoinReply(
+            run=r["run"],
+            layout=r["layout"],
+            versions=r["versions"],
+            complete=bool(r["complete"]),
+            outer_step=int(r.get("outerStep", 0)),
+            shapes={k: tuple(v) for k, v in r.get("shapes", {}).items()},
+            scheme=self.compression,
+            block_size=self.block_size,
+            inner_steps=int(r.get("innerSteps", 0)),
+            overlap=int(r.get("overlap", 0)),
+            max_staleness=int(r.get("maxStaleness", 0)),
+            heartbeat_seconds=float(r.get("heartbeatSeconds", 2.0)),
+        )
+
+    def pull_all(self) -> tuple[dict[str, np.ndarray], list[int]]:
+        _, _, data = self._request("GET", "/v1/params", timeout=max(self.timeout, 60.0))
+        try:
+            tensors, versions, _ = decode_params(data)
+        except WireError as exc:
+            raise SyncerUnavailable(f"GET /v1/params: bad payload: {exc}") from exc
+        return tensors, versions
+
+    def push(
+        self,
+        fragment: int,
+        base_version: int,
+        delta: Mapping[str, np.ndarray],
+        c_steps: int,
+        c_tokens: int,
+    ) -> PushReply:
+        header = PushHeader(
+            fragment, base_version, c_steps, c_tokens, self.compression, self.unit, self.attempt
+        )
+        body, quant_error = encode_push(header, delta, self.block_size)
+        _, _, data = self._request(
+            "POST", f"/v1/fragments/{fragment}/push", body, "application/octet-stream"
+        )
+        r = json.loads(data)
+        return PushReply(
+            bool(r["accepted"]),
+            bool(r.get("duplicate", False)),
+            int(r["version"]),
+            len(body),
+            quant_error,
+        )
+
+    def poll(
+        self, fragment: int, after_version: int, wait: float
+    ) -> tuple[int, dict[str, np.ndarray]] | None:
+        status, _, data = self._request(
+            "GET",
+            f"/v1/fragments/{fragment}?after={after_version}&wait={wait:g}",
+            timeout=wait + self.timeout,
+        )
+        if status == 204:
+            return None
+        try:
+            tensors, versions, _ = decode_params(data)
+        except WireError as exc:
+            raise SyncerUnavailable(f"GET fragment {fragment}: bad payload: {exc}") from exc
+        return versions[0], tensors
+
+    def heartbeat(
+        self, step: int, tokens: int, tokens_per_sec: float, loss: float | None
+    ) -> HeartbeatReply:
+        r = self._post_json(
+            "/v1/heartbeat",
+            {
+                **self._identity(),
+                "step": step,
+                "tokens": tokens,
+                "tokensPerSec": tokens_per_sec,
+                "loss": loss,
+            },
+        )
+        return HeartbeatReply(bool(r["complete"]), list(r["versions"]), int(r["outerStep"]))
+
+    def status(self) -> dict[str, Any]:
+        _, _, data = self._request("GET", "/v1/status")
+        return cast(dict[str, Any], json.loads(data))

@@ -1,0 +1,145 @@
+"""What the syncer knows about learners: heartbeats, per-attempt counters, timings, status JSON.
+
+Counting rule: a learner's step/tokens in a heartbeat are cumulative within its attempt. A restart
+(attempt+1) starts again from zero, and what earlier attempts did still counts: per (unit, attempt)
+we keep the maxima seen, and a unit's total is the sum over its attempts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco_trainer.grace import Ema
+
+
+@dataclass
+class LearnerRecord:
+    unit: str
+    group: str = "default"
+    attempt: int = 0
+    attempts: dict[int, list[int]] = field(default_factory=dict)  # attempt -> [steps, tokens]
+    last_seen: float | None = None
+    last_heartbeat: float | None = None
+    tokens_per_sec: float = 0.0
+    loss: float | None = None
+    step_time: Ema = field(default_factory=lambda: Ema(0.2))
+    lateness: Ema = field(default_factory=lambda: Ema(0.2))
+    _last_hb: tuple[int, int, float] | None = None  # (attempt, step, time) of the previous beat
+
+    @property
+    def steps(self) -> int:
+        return sum(s for s, _ in self.attempts.values())
+
+    @property
+    def tokens(self) -> int:
+        return sum(t for _, t in self.attempts.values())
+
+
+class LearnerRegistry:
+    def __init__(self, ema: float = 0.2, offline_after: float = 10.0) -> None:
+        self.ema = ema
+        self.offline_after = offline_after
+        self.records: dict[str, LearnerRecord] = {}
+
+    def get(self, unit: str) -> LearnerRecord:
+        if unit not in self.records:
+            self.records[unit] = LearnerRecord(
+                unit, step_time=Ema(self.ema), lateness=Ema(self.ema)
+            )
+        return self.records[unit]
+
+    def seen(self, unit: str, attempt: int, group: str, now: float) -> LearnerRecord:
+        rec = self.get(unit)
+        if attempt >= rec.attempt:
+            rec.attempt, rec.group = attempt, group
+        rec.attempts.setdefault(attempt, [0, 0])
+        rec.last_seen = now
+        return rec
+
+    def heartbeat(
+        self,
+        unit: str,
+        attempt: int,
+        group: str,
+        step: int,
+        tokens: int,
+        tokens_per_sec: float,
+        loss: float | None,
+        now: float,
+    ) -> LearnerRecord:
+        rec = self.seen(unit, attempt, group, now)
+        counts = rec.attempts[attempt]
+        counts[0], counts[1] = max(counts[0], step), max(counts[1], tokens)
+        if attempt == rec.attempt:
+            prev = rec._last_hb
+            if prev is not None and prev[0] == attempt and step > prev[1] and now > prev[2]:
+                rec.step_time.update((now - prev[2]) / (step - prev[1]))
+            rec._last_hb = (attempt, step, now)
+            rec.last_heartbeat = now
+            rec.tokens_per_sec = tokens_per_sec
+            rec.loss = loss
+        return rec
+
+    def online(self, now: float) -> list[str]:
+        return sorted(
+            u
+            for u, r in self.records.items()
+            if r.last_seen is not None and now - r.last_seen <= self.offline_after
+        )
+
+    def totals(self) -> tuple[int, int]:
+        return (
+            sum(r.steps for r in self.records.values()),
+            sum(r.tokens for r in self.records.values()),
+        )
+
+    def train_loss(self) -> float | None:
+        """Token-weighted mean of the learners' latest reported losses."""
+        pairs = [(r.tokens, r.loss) for r in self.records.values() if r.loss is not None]
+        weight = sum(t for t, _ in pairs)
+        if not pairs:
+            return None
+        if weight <= 0:
+            return sum(loss for _, loss in pairs) / len(pairs)
+        return sum(t * loss for t, loss in pairs) / weight
+
+    def status(self, now: float) -> dict[str, Any]:
+        out = {}
+        for unit in sorted(self.records):
+            r = self.records[unit]
+            out[unit] = {
+                "attempt": r.attempt,
+                "group": r.group,
+                "lastHeartbeat": r.last_heartbeat,
+                "ageSeconds": None
+                if r.last_heartbeat is None
+                else round(now - r.last_heartbeat, 3),
+                "step": r.steps,
+                "tokens": r.tokens,
+                "tokensPerSec": r.tokens_per_sec,
+                "loss": r.loss,
+            }
+        return out
+
+    # Checkpointed form: counters only (timings are re-learned after a restart).
+    def to_json(self) -> dict[str, Any]:
+        return {
+            u: {
+                "group": r.group,
+                "attempt": r.attempt,
+                "attempts": {str(a): c for a, c in r.attempts.items()},
+                "loss": r.loss,
+            }
+            for u, r in self.records.items()
+        }
+
+    def load_json(self, data: dict[str, Any]) -> None:
+        for unit, raw in data.items():
+            rec = self.get(unit)
+            rec.group = str(raw.get("group", "default"))
+            rec.attempt = int(raw.get("attempt", 0))
+            rec.attempts = {
+                int(a): [int(c[0]), int(c[1])] for a, c in raw.get("attempts", {}).items()
+            }
+            rec.loss = raw.get("loss")

@@ -1,0 +1,514 @@
+"""The syncer: global fragments, quorum + grace merges, outer Nesterov steps, long-poll broadcast.
+
+One asyncio process. The event loop only does bookkeeping; decoding payloads, merging, evaluating
+and checkpointing run in thread executors so a slow merge never delays a heartbeat. State changes
+(params, versions, optimizer states) happen on the loop thread only, by swapping whole dicts, so a
+snapshot is just a set of references. HTTP details are in docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from diloco_trainer.checkpoint import CheckpointStore, Snapshot
+from diloco_trainer.config import ModelConfig, TrainingConfig
+from diloco_trainer.fragments import pack_fragments
+from diloco_trainer.grace import Ema, grace_window, slack_seconds
+from diloco_trainer.learners import LearnerRegistry
+from diloco_trainer.merge import Contribution, merge_fragment
+from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.syncer_metrics import SyncerMetrics
+from diloco_trainer.wire import PayloadMismatch, PushHeader, WireError, decode_push, encode_params
+
+log = logging.getLogger("diloco.syncer")
+
+InitFn = Callable[[ModelConfig, int], dict[str, np.ndarray]]
+EvalFn = Callable[[Mapping[str, np.ndarray], TrainingConfig, int], float]
+MAX_POLL_WAIT = 60.0
+SEEN_PER_FRAGMENT = 4096  # recent push keys remembered for idempotent retries
+
+
+def default_init(model: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    from diloco_trainer.model import init_params
+
+    return init_params(model, seed)
+
+
+def default_eval(params: Mapping[str, np.ndarray], cfg: TrainingConfig, batches: int) -> float:
+    from diloco_trainer.evaluate import eval_loss
+
+    return eval_loss(params, cfg, batches)
+
+
+class Reject(Exception):
+    """A request refused with an HTTP status; never applied."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+@dataclass
+class Pending:
+    header: PushHeader
+    delta: dict[str, np.ndarray]
+    arrived: float
+
+
+@dataclass
+class FragmentState:
+    index: int
+    names: list[str]
+    params: dict[str, np.ndarray]
+    opt_state: Any
+    version: int = 0
+    last_merge: float | None = None
+    max_body: int = 0
+    pending: dict[str, Pending] = field(default_factory=dict)
+    first_arrival: float | None = None
+    first_unit: str | None = None
+    quorum_time: float | None = None
+    merge_task: asyncio.Task[None] | None = None
+    all_in: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    seen: OrderedDict[tuple[str, int, int, int], int] = field(default_factory=OrderedDict)
+    encoded: tuple[int, bytes] | None = None
+
+
+class Syncer:
+    def __init__(
+        self,
+        cfg: TrainingConfig,
+        token: str,
+        run: str = "run",
+        store: CheckpointStore | None = None,
+        init_fn: InitFn = default_init,
+        eval_fn: EvalFn | None = default_eval,
+    ) -> None:
+        if not token:
+            raise ValueError("token: a bearer token is required")
+        self.cfg, self.token, self.run, self.store, self.eval_fn = cfg, token, run, store, eval_fn
+        self.metrics = SyncerMetrics()
+        self.learners = LearnerRegistry(
+            cfg.grace.ema, offline_after=max(5.0, 3 * cfg.heartbeat_seconds)
+        )
+        self.outer = OuterOptimizer(
+            cfg.outer_optimizer.lr, cfg.outer_optimizer.momentum, cfg.outer_optimizer.nesterov
+        )
+        params = init_fn(cfg.model, cfg.seed)
+        self.shapes = {k: tuple(int(d) for d in v.shape) for k, v in params.items()}
+        layout = pack_fragments(self.shapes, cfg.fragments)
+        self.frags = [self._new_fragment(i, names, params) for i, names in enumerate(layout)]
+        self.eval_loss: float | None = None
+        self.sync_time = Ema(cfg.grace.ema)
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self._merge_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="merge")
+        self._aux_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="aux")
+        self._saved_mark: tuple[int, int, int] | None = None
+        self._save_lock = asyncio.Lock()
+        self._background: list[asyncio.Task[None]] = []
+        if store is not None:
+            snap = store.load_latest()
+            if snap is not None:
+                self._restore(snap)
+        self._publish_gauges()
+
+    def _new_fragment(
+        self, index: int, names: list[str], params: Mapping[str, np.ndarray]
+    ) -> FragmentState:
+        frag_params = {n: np.asarray(params[n], dtype=np.float32) for n in names}
+        elements = sum(v.size for v in frag_params.values())
+        # The largest legitimate push is the unquantized float32 fragment plus its header.
+        max_body = 4 * elements + 1024 * len(names) + 65536
+        return FragmentState(
+            index, names, frag_params, self.outer.init(frag_params), max_body=max_body
+        )
+
+    # ---------------------------------------------------------------- checkpoints
+    def _restore(self, snap: Snapshot) -> None:
+        layout = [f.names for f in self.frags]
+        if snap.layout != layout:
+            raise ValueError(
+                "checkpoint layout differs from this config's fragments/model; "
+                "use a fresh checkpoint.path for a changed model"
+            )
+        for f in self.frags:
+            for n in f.names:
+                if n not in snap.params or tuple(snap.params[n].shape) != self.shapes[n]:
+                    raise ValueError(f"checkpoint leaf {n}: missing or wrong shape")
+            f.params = {n: snap.params[n].astype(np.float32) for n in f.names}
+            f.opt_state = self.outer.state_from_leaves(f.params, snap.outer_state[f.index])
+            f.version = snap.versions[f.index]
+            f.last_merge = (snap.extra.get("lastMerge") or [None] * len(self.frags))[f.index]
+        self.learners.load_json(snap.learners)
+        self.eval_loss = snap.extra.get("evalLoss")
+        self._saved_mark = self._mark()
+        log.info(
+            "event=restored seq=%d versions=%s outer_step=%d",
+            snap.seq,
+            snap.versions,
+            self.outer_step,
+        )
+
+    def _mark(self) -> tuple[int, int, int]:
+        steps, tokens = self.learners.totals()
+        return self.outer_step, steps, tokens
+
+    def snapshot(self) -> Snapshot:
+        """References to the current state (taken on the loop thread; arrays are never mutated)."""
+        params: dict[str, np.ndarray] = {}
+        for f in self.frags:
+            params.update(f.params)
+        return Snapshot(
+            params=params,
+            outer_state=[OuterOptimizer.state_leaves(f.opt_state) for f in self.frags],
+            versions=[f.version for f in self.frags],
+            layout=[f.names for f in self.frags],
+            outer_step=self.outer_step,
+            learners=self.learners.to_json(),
+            extra={
+                "run": self.run,
+                "evalLoss": self.eval_loss,
+                "lastMerge": [f.last_merge for f in self.frags],
+            },
+        )
+
+    async def save_checkpoint(self, force: bool = False) -> None:
+        if self.store is None:
+            return
+        async with self._save_lock:
+            mark = self._mark()
+            if not force and mark == self._saved_mark:
+                return
+            snap = self.snapshot()
+            started = time.perf_counter()
+            path = await asyncio.get_running_loop().run_in_executor(
+                self._aux_pool, self.store.save, snap
+            )
+            self._saved_mark = mark
+            self.metrics.checkpoints.inc()
+            log.info(
+                "event=checkpoint_saved path=%s versions=%s seconds=%.3f",
+                path,
+                snap.versions,
+                time.perf_counter() - started,
+            )
+
+    # ---------------------------------------------------------------- derived state
+    @property
+    def outer_step(self) -> int:
+        return sum(f.version for f in self.frags)
+
+    @property
+    def complete(self) -> bool:
+        steps, tokens = self.learners.totals()
+        return (self.cfg.total_steps is not None and steps >= self.cfg.total_steps) or (
+            self.cfg.total_tokens is not None and tokens >= self.cfg.total_tokens
+        )
+
+    def versions(self) -> list[int]:
+        return [f.version for f in self.frags]
+
+    def _publish_gauges(self) -> None:
+        self.metrics.outer_step.set(self.outer_step)
+        for f in self.frags:
+            self.metrics.fragment_version.labels(str(f.index)).set(f.version)
+        self.metrics.tokens.set(self.learners.totals()[1])
+        self.metrics.learners_online.set(len(self.learners.online(time.time())))
+        if self.eval_loss is not None:
+            self.metrics.eval_loss.set(self.eval_loss)
+
+    def status(self) -> dict[str, Any]:
+        now = time.time()
+        steps, tokens = self.learners.totals()
+        return {
+            "run": self.run,
+            "outerStep": self.outer_step,
+            "steps": steps,
+            "tokens": tokens,
+            "loss": self.eval_loss,
+            "trainLoss": self.learners.train_loss(),
+            "complete": self.complete,
+            "time": now,
+            "fragments": [
+                {"index": f.index, "version": f.version, "lastMerge": f.last_merge}
+                for f in self.frags
+            ],
+            "learners": self.learners.status(now),
+            "bytesReceived": self.bytes_received,
+            "bytesSent": self.bytes_sent,
+        }
+
+    # ---------------------------------------------------------------- push path
+    def fragment(self, raw: str) -> FragmentState:
+        try:
+            index = int(raw)
+        except ValueError:
+            index = -1
+        if not 0 <= index < len(self.frags):
+            raise Reject(
+                404,
+                "unknown_fragment",
+                f"unknown fragment {raw!r}: this run has 0..{len(self.frags) - 1}",
+            )
+        return self.frags[index]
+
+    def validate(
+        self, f: FragmentState, header: PushHeader, delta: Mapping[str, np.ndarray]
+    ) -> None:
+        """Everything that makes a decoded push unusable; raises Reject, changes nothing."""
+        if header.fragment != f.index:
+            raise Reject(
+                400, "malformed", f"payload fragment {header.fragment} != URL fragment {f.index}"
+            )
+        missing, extra = sorted(set(f.names) - set(delta)), sorted(set(delta) - set(f.names))
+        if missing or extra:
+            raise Reject(
+                422,
+                "mismatch",
+                f"fragment {f.index} tensors: missing {missing}, unexpected {extra}",
+            )
+        for name in f.names:
+            arr = delta[name]
+            if arr.dtype != np.float32:
+                raise Reject(422, "mismatch", f"tensor {name}: dtype {arr.dtype}, expected float32")
+            if tuple(arr.shape) != self.shapes[name]:
+                raise Reject(
+                    422,
+                    "mismatch",
+                    f"tensor {name}: shape {tuple(arr.shape)}, expected {self.shapes[name]}",
+                )
+            if not np.all(np.isfinite(arr)):
+                raise Reject(422, "non_finite", f"tensor {name}: contains NaN or Inf")
+        if header.base_version > f.version:
+            raise Reject(
+                409,
+                "future_base",
+                f"base version {header.base_version} is newer than fragment {f.index}'s "
+                f"version {f.version} (syncer restored from a checkpoint): pull again",
+            )
+        if header.base_version < f.version - self.cfg.max_staleness:
+            raise Reject(
+                409,
+                "stale",
+                f"base version {header.base_version} is older than {f.version} - "
+                f"maxStaleness {self.cfg.max_staleness}: pull fragment {f.index} again",
+            )
+
+    async def accept_push(self, f: FragmentState, body: bytes) -> dict[str, Any]:
+        if len(body) > f.max_body:
+            raise Reject(
+                413,
+                "too_large",
+                f"body of {len(body)} bytes exceeds {f.max_body} for fragment {f.index}",
+            )
+        loop = asyncio.get_running_loop()
+        try:
+            header, delta = await loop.run_in_executor(self._aux_pool, decode_push, body)
+        except PayloadMismatch as exc:
+            raise Reject(422, "mismatch", str(exc)) from exc
+        except WireError as exc:
+            raise Reject(400, "malformed", str(exc)) from exc
+        # A retry repeats the same push exactly; a later push on the same base has more c_steps.
+        key = (header.unit, header.attempt, header.base_version, header.c_steps)
+        if key in f.seen and header.fragment == f.index:
+            return {
+                "accepted": True,
+                "duplicate": True,
+                "version": f.version,
+                "pending": len(f.pending),
+            }
+        self.validate(f, header, delta)
+        now = time.time()
+        f.seen[key] = f.version
+        while len(f.seen) > SEEN_PER_FRAGMENT:
+            f.seen.popitem(last=False)
+        rec = self.learners.seen(
+            header.unit, header.attempt, self.learners.get(header.unit).group, now
+        )
+        rec.lateness.update(0.0 if f.quorum_time is None else now - f.quorum_time)
+        if not f.pending:
+            f.first_arrival, f.first_unit = now, header.unit
+        f.pending[header.unit] = Pending(header, delta, now)  # newest push of a learner wins
+        log.info(
+            "event=push_accepted fragment=%d unit=%s attempt=%d base=%d version=%d c_steps=%d c_tokens=%d pending=%d scheme=%s",
+            f.index, header.unit, header.attempt, header.base_version, f.version,
+            header.c_steps, header.c_tokens, len(f.pending), header.scheme,
+        )  # fmt: skip
+        self._maybe_schedule_merge(f)
+        return {
+            "accepted": True,
+            "duplicate": False,
+            "version": f.version,
+            "pending": len(f.pending),
+        }
+
+    def _maybe_schedule_merge(self, f: FragmentState) -> None:
+        if len(f.pending) < self.cfg.quorum:
+            return
+        now = time.time()
+        missing = [u for u in self.learners.online(now) if u not in f.pending]
+        if f.merge_task is not None:
+            if not missing:
+                f.all_in.set()
+            return
+        f.quorum_time = now
+        first = self.learners.get(f.first_unit) if f.first_unit else None
+        slack = slack_seconds(
+            self.cfg.overlap,
+            first.step_time.value if first else None,
+            now - (f.first_arrival or now),
+            self.sync_time.value or 0.0,
+            self.cfg.grace.max_seconds,
+        )
+        lateness = [self.learners.get(u).lateness.value for u in missing]
+        grace = grace_window(self.cfg.grace.mode, self.cfg.grace.max_seconds, lateness, slack)
+        self.metrics.grace_seconds.observe(grace)
+        f.all_in = asyncio.Event()
+        f.merge_task = asyncio.get_running_loop().create_task(self._merge_after(f, grace))
+
+    async def _merge_after(self, f: FragmentState, grace: float) -> None:
+        try:
+            if grace > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(f.all_in.wait(), grace)
+            await self._merge(f)
+        except Exception:
+            log.exception("event=merge_failed fragment=%d", f.index)
+        finally:
+            f.merge_task = None
+        if len(f.pending) >= self.cfg.quorum:
+            self._maybe_schedule_merge(f)
+
+    async def _merge(self, f: FragmentState) -> None:
+        pending, f.pending = f.pending, {}
+        f.first_arrival = f.first_unit = f.quorum_time = None
+        contributions = [
+            Contribution(p.delta, p.header.c_steps, p.header.c_tokens) for p in pending.values()
+        ]
+        started = time.perf_counter()
+        new_params, new_state = await asyncio.get_running_loop().run_in_executor(
+            self._merge_pool, self._merge_compute, f.params, f.opt_state, contributions
+        )
+        elapsed = time.perf_counter() - started
+        f.params, f.opt_state = new_params, new_state
+        f.version += 1
+        f.last_merge = time.time()
+        self.sync_time.update(elapsed)
+        self.metrics.merges.labels(str(f.index)).inc()
+        self.metrics.merge_seconds.observe(elapsed)
+        self.metrics.merge_contributions.observe(len(contributions))
+        self._publish_gauges()
+        f.changed.set()
+        f.changed = asyncio.Event()
+        log.info(
+            "event=merged fragment=%d version=%d contributions=%d units=%s seconds=%.4f",
+            f.index, f.version, len(contributions), ",".join(sorted(pending)), elapsed,
+        )  # fmt: skip
+
+    def _merge_compute(
+        self, params: dict[str, np.ndarray], state: Any, contributions: list[Contribution]
+    ) -> tuple[dict[str, np.ndarray], Any]:
+        merged = merge_fragment(
+            contributions, self.cfg.merge.method, self.cfg.merge.token_weighting
+        )
+        return self.outer.step(params, state, merged)
+
+    # ---------------------------------------------------------------- downloads
+    def fragment_payload(self, f: FragmentState) -> bytes:
+        if f.encoded is None or f.encoded[0] != f.version:
+            f.encoded = (f.version, encode_params(f.params, [f.version], fragment=f.index))
+        return f.encoded[1]
+
+    async def wait_for_change(self, f: FragmentState, after: int, wait: float) -> bool:
+        """True once f.version != after (newer, or older after a restore), False on timeout."""
+        deadline = time.monotonic() + wait
+        while f.version == after:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(f.changed.wait(), remaining)
+            except TimeoutError:
+                return f.version != after
+        return True
+
+    # ---------------------------------------------------------------- background work
+    async def _every(self, seconds: float, work: Callable[[], Awaitable[None]], name: str) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await work()
+            except Exception:
+                log.exception("event=%s_failed", name)
+
+    async def run_eval(self) -> None:
+        if self.eval_fn is None:
+            return
+        params: dict[str, np.ndarray] = {}
+        for f in self.frags:
+            params.update(f.params)
+        step = self.outer_step
+        eval_fn, cfg = self.eval_fn, self.cfg
+        loss = await asyncio.get_running_loop().run_in_executor(
+            self._aux_pool, lambda: eval_fn(params, cfg, cfg.eval.batches)
+        )
+        if math.isfinite(loss):
+            self.eval_loss = float(loss)
+            self.metrics.eval_loss.set(loss)
+        log.info("event=eval outer_step=%d loss=%.4f", step, loss)
+
+    async def start_background(self, app: web.Application) -> None:
+        if self.store is not None:
+            self._background.append(
+                asyncio.create_task(
+                    self._every(
+                        self.cfg.checkpoint.every_seconds, self.save_checkpoint, "checkpoint"
+                    )
+                )
+            )
+        if self.eval_fn is not None and self.cfg.eval.every_seconds is not None:
+            self._background.append(
+                asyncio.create_task(self._every(self.cfg.eval.every_seconds, self.run_eval, "eval"))
+            )
+
+    async def stop_background(self, app: web.Application) -> None:
+        for task in self._background:
+            task.cancel()
+        for f in self.frags:
+            if f.merge_task is not None:
+                f.merge_task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        self._background.clear()
+        await self.save_checkpoint(force=False)
+
+    def close(self) -> None:
+        self._merge_pool.shutdown(wait=True)
+        self._aux_pool.shutdown(wait=True)
+
+    def app(self) -> web.Application:
+        from diloco_trainer.syncer_http import build_app
+
+        return build_app(self)
+
+
+def json_error(status: int, reason: str, message: str) -> web.Response:
+    return web.Response(
+        status=status,
+        text=json.dumps({"error": message, "reason": reason}),
+        content_type="application/json",
+    )

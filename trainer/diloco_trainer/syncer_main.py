@@ -1,0 +1,141 @@
+"""`diloco-syncer`: run the syncer service.
+
+    diloco-syncer --config run.yaml [--host 0.0.0.0] [--port 8470] [--token T] [--checkpoint-dir D]
+
+Environment (docs/contracts.md): DILOCO_TOKEN / DILOCO_TOKEN_FILE, DILOCO_SYNCER_PORT,
+DILOCO_CHECKPOINT_PATH, and DILOCO_RUN (run name; defaults to the manifest's metadata.name or the
+config file's stem). Exit 2 on a config error (the message names the field). SIGTERM/SIGINT stop
+serving, write a final checkpoint and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from diloco_trainer.checkpoint import CheckpointError, CheckpointStore
+from diloco_trainer.config import ConfigError, load_training_config, read_document
+
+log = logging.getLogger("diloco.syncer")
+DEFAULT_PORT = 8470
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="diloco-syncer", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="DilocoRun manifest or bare training block")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=None, help="listen port (0: any free port)")
+    p.add_argument("--token", default=None, help="bearer token (else DILOCO_TOKEN[_FILE])")
+    p.add_argument("--checkpoint-dir", default=None, help="overrides training.checkpoint.path")
+    p.add_argument("--run", default=None, help="run name shown in status")
+    p.add_argument("--log-level", default=os.environ.get("DILOCO_LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+def resolve_token(flag: str | None) -> str:
+    if flag:
+        return flag
+    if os.environ.get("DILOCO_TOKEN"):
+        return os.environ["DILOCO_TOKEN"]
+    token_file = os.environ.get("DILOCO_TOKEN_FILE")
+    if token_file:
+        try:
+            return Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"DILOCO_TOKEN_FILE: cannot read {token_file}: {exc.strerror}"
+            ) from exc
+    raise ConfigError("token: required (--token, DILOCO_TOKEN or DILOCO_TOKEN_FILE)")
+
+
+def resolve_port(flag: int | None) -> int:
+    if flag is not None:
+        return flag
+    raw = os.environ.get("DILOCO_SYNCER_PORT")
+    if not raw:
+        return DEFAULT_PORT
+    try:
+        port = int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"DILOCO_SYNCER_PORT: not an integer: {raw!r}") from exc
+    if not 0 <= port < 65536:
+        raise ConfigError(f"DILOCO_SYNCER_PORT: out of range: {port}")
+    return port
+
+
+def run_name(flag: str | None, config_path: str) -> str:
+    if flag or os.environ.get("DILOCO_RUN"):
+        return flag or os.environ["DILOCO_RUN"]
+    doc = read_document(config_path)
+    name = (doc.get("metadata") or {}).get("name") if doc.get("kind") == "DilocoRun" else None
+    return str(name) if name else Path(config_path).stem
+
+
+async def serve(syncer: object, host: str, port: int) -> None:
+    from diloco_trainer.syncer import Syncer
+
+    assert isinstance(syncer, Syncer)
+    runner = web.AppRunner(syncer.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    # runner.addresses gives the real port when --port 0 asked for any free one.
+    bound = [addr[1] for addr in runner.addresses if isinstance(addr, tuple)]
+    log.info(
+        "event=listening host=%s port=%s run=%s fragments=%d",
+        host,
+        bound[0] if bound else port,
+        syncer.run,
+        len(syncer.frags),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("event=stopping reason=signal")
+    await runner.cleanup()  # stops background tasks and writes the final checkpoint
+    await syncer.save_checkpoint(force=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        cfg = load_training_config(args.config)
+        token = resolve_token(args.token)
+        port = resolve_port(args.port)
+        name = run_name(args.run, args.config)
+        ckpt_path = (
+            args.checkpoint_dir or os.environ.get("DILOCO_CHECKPOINT_PATH") or cfg.checkpoint.path
+        )
+    except ConfigError as exc:
+        print(f"diloco-syncer: config error: {exc}", file=sys.stderr)
+        return 2
+    from diloco_trainer.syncer import Syncer
+
+    try:
+        syncer = Syncer(cfg, token, run=name, store=CheckpointStore(ckpt_path, cfg.checkpoint.keep))
+    except (CheckpointError, ValueError) as exc:
+        print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    try:
+        asyncio.run(serve(syncer, args.host, port))
+    finally:
+        syncer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

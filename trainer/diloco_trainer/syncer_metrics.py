@@ -1,0 +1,58 @@
+"""Prometheus metrics of one syncer (own registry, so several syncers can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class SyncerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.pushes = Counter(
+            "diloco_syncer_pushes_total",
+            "Fragment pushes by result and reason",
+            ["result", "reason"],
+            registry=r,
+        )
+        self.merges = Counter(
+            "diloco_syncer_merges_total", "Merges by fragment", ["fragment"], registry=r
+        )
+        self.merge_seconds = Histogram(
+            "diloco_syncer_merge_seconds",
+            "Merge + outer step latency",
+            buckets=(0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.merge_contributions = Histogram(
+            "diloco_syncer_merge_contributions",
+            "Contributions per merge",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
+        )
+        self.grace_seconds = Histogram(
+            "diloco_syncer_grace_seconds",
+            "Grace window chosen after the quorum",
+            buckets=(0, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
+            registry=r,
+        )
+        self.bytes_in = Counter(
+            "diloco_syncer_bytes_received_total", "Request body bytes", registry=r
+        )
+        self.bytes_out = Counter(
+            "diloco_syncer_bytes_sent_total", "Tensor payload bytes sent", registry=r
+        )
+        self.outer_step = Gauge("diloco_syncer_outer_step", "Sum of fragment versions", registry=r)
+        self.fragment_version = Gauge(
+            "diloco_syncer_fragment_version", "Version per fragment", ["fragment"], registry=r
+        )
+        self.learners_online = Gauge(
+            "diloco_syncer_learners_online", "Learners with a recent heartbeat", registry=r
+        )
+        self.eval_loss = Gauge(
+            "diloco_syncer_eval_loss", "Held-out loss of the global parameters", registry=r
+        )
+        self.tokens = Gauge("diloco_syncer_tokens", "Tokens summed over learners", registry=r)
+        self.checkpoints = Counter(
+            "diloco_syncer_checkpoints_total", "Checkpoints written", registry=r
+        )
