@@ -1,0 +1,413 @@
+"""Kubernetes objects of a run, as plain dicts (pure functions; tests round-trip them through the
+`kubernetes` package's models).
+
+Per learner unit: a headless Service (the pods' DNS subdomain) and an Indexed Job with one pod
+per TPU host. Per run: the syncer Deployment + Service, the bearer-token Secret, the ConfigMap
+holding the config file both programs read, and the checkpoint PVC.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import yaml
+
+from diloco_operator.accelerators import (
+    ACCELERATOR_LABEL,
+    TOPOLOGY_LABEL,
+    TPU_RESOURCE,
+    TPU_TAINT_KEY,
+)
+from diloco_operator.api import (
+    API_VERSION,
+    KIND,
+    LABEL_ATTEMPT,
+    LABEL_COMPONENT,
+    LABEL_GROUP,
+    LABEL_INDEX,
+    LABEL_RUN,
+    LABEL_UNIT,
+    DilocoRunSpec,
+    ResourceRequirements,
+    UnitGroup,
+)
+from diloco_operator.planner import CreateUnit
+
+CONFIG_DIR = "/etc/diloco"
+CONFIG_FILE = "run.yaml"
+CHECKPOINT_MOUNT = "/var/lib/diloco/checkpoints"
+TOKEN_KEY = "token"
+LEARNER = "learner"
+SYNCER = "syncer"
+MANAGED_BY = "diloco-operator"
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
+
+
+class Run:
+    """Identity of the owning DilocoRun: what every child needs to name and own itself."""
+
+    def __init__(self, name: str, namespace: str, uid: str, spec: DilocoRunSpec) -> None:
+        self.name = name
+        self.namespace = namespace
+        self.uid = uid
+        self.spec = spec
+
+    @property
+    def syncer_name(self) -> str:
+        return f"{self.name}-syncer"
+
+    @property
+    def token_secret(self) -> str:
+        return f"{self.name}-token"
+
+    @property
+    def config_map(self) -> str:
+        return f"{self.name}-config"
+
+    @property
+    def checkpoint_claim(self) -> str:
+        path = self.spec.syncer.checkpoint.path
+        return path if path and not path.startswith("gs://") else f"{self.name}-checkpoints"
+
+    @property
+    def syncer_address(self) -> str:
+        return f"http://{self.syncer_name}.{self.namespace}.svc:{self.spec.syncer.port}"
+
+
+def labels(run: Run, component: str, **extra: str) -> dict[str, str]:
+    base = {
+        "app.kubernetes.io/name": "diloco",
+        "app.kubernetes.io/instance": run.name,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        LABEL_COMPONENT: component,
+        LABEL_RUN: run.name,
+    }
+    return {**base, **extra}
+
+
+def owner_reference(run: Run) -> dict[str, Any]:
+    """Children are garbage-collected with their run, so no finalizer is needed for cleanup."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": run.name,
+        "uid": run.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(run: Run, name: str, component: str, **extra: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": run.namespace,
+        "labels": labels(run, component, **extra),
+        "ownerReferences": [owner_reference(run)],
+    }
+
+
+def _resources(res: ResourceRequirements | None, tpu_chips: int = 0) -> dict[str, Any]:
+    out = res.to_wire() if res else {}
+    out = {k: {rk: str(rv) for rk, rv in v.items()} for k, v in out.items()}
+    if tpu_chips:
+        # TPU chips are an extended resource: requests must equal limits.
+        for kind in ("requests", "limits"):
+            out.setdefault(kind, {})[TPU_RESOURCE] = str(tpu_chips)
+    return out
+
+
+def config_map(run: Run) -> dict[str, Any]:
+    """The config file of learners and the syncer: a DilocoRun manifest reduced to its training
+    block (`load_training_config` reads spec.training from it)."""
+    doc = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": run.name, "namespace": run.namespace},
+        "spec": {"training": run.spec.training.to_wire()},
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(run, run.config_map, "config"),
+        "data": {CONFIG_FILE: yaml.safe_dump(doc, sort_keys=False)},
+    }
+
+
+def token_secret(run: Run, token: str | None = None) -> dict[str, Any]:
+    """Created once per run (a create conflict keeps the existing token)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(run, run.token_secret, "token"),
+        "stringData": {TOKEN_KEY: token or secrets.token_urlsafe(32)},
+    }
+
+
+def checkpoint_claim(run: Run) -> dict[str, Any] | None:
+    """The PVC the operator owns, or None (bucket, ephemeral, or a user-provided claim)."""
+    ckpt = run.spec.syncer.checkpoint
+    if ckpt.ephemeral or ckpt.is_bucket or ckpt.path:
+        return None
+    spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": str(ckpt.size)}},
+    }
+    if ckpt.storage_class:
+        spec["storageClassName"] = ckpt.storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _meta(run, run.checkpoint_claim, SYNCER),
+        "spec": spec,
+    }
+
+
+def _config_volume(run: Run) -> dict[str, Any]:
+    return {"name": "config", "configMap": {"name": run.config_map}}
+
+
+def _config_mount() -> dict[str, Any]:
+    return {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
+
+
+def _secret_env(run: Run) -> dict[str, Any]:
+    return {
+        "name": "DILOCO_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": run.token_secret, "key": TOKEN_KEY}},
+    }
+
+
+def syncer_deployment(run: Run) -> dict[str, Any]:
+    spec = run.spec
+    ckpt = spec.syncer.checkpoint
+    port = spec.syncer.port
+    env = [
+        _secret_env(run),
+        {"name": "DILOCO_SYNCER_PORT", "value": str(port)},
+        {
+            "name": "DILOCO_CHECKPOINT_PATH",
+            "value": ckpt.path if ckpt.is_bucket else CHECKPOINT_MOUNT,
+        },
+    ]
+    volumes = [_config_volume(run)]
+    mounts = [_config_mount()]
+    if not ckpt.is_bucket:
+        volumes.append(
+            {"name": "checkpoints", "emptyDir": {}}
+            if ckpt.ephemeral
+            else {
+                "name": "checkpoints",
+                "persistentVolumeClaim": {"claimName": run.checkpoint_claim},
+            }
+        )
+        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})
+    probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5}
+    pod_labels = labels(run, SYNCER)
+    pod_spec: dict[str, Any] = {
+        "containers": [
+            {
+                "name": SYNCER,
+                "image": spec.image,
+                "imagePullPolicy": spec.image_pull_policy,
+                "command": ["diloco-syncer", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+                "env": env,
+                "ports": [{"name": "http", "containerPort": port}],
+                "readinessProbe": probe,
+                "livenessProbe": {**probe, "failureThreshold": 6, "initialDelaySeconds": 10},
+                "resources": _resources(spec.syncer.resources),
+                "volumeMounts": mounts,
+            }
+        ],
+        "volumes": volumes,
+    }
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(run, run.syncer_name, SYNCER),
+        "spec": {
+            "replicas": 1,
+            # Never two syncers on one checkpoint: the old pod goes before the new one starts.
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER}},
+            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+        },
+    }
+
+
+def syncer_service(run: Run) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(run, run.syncer_name, SYNCER),
+        "spec": {
+            "selector": {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER},
+            "ports": [{"name": "http", "port": run.spec.syncer.port, "targetPort": "http"}],
+        },
+    }
+
+
+def unit_labels(run: Run, unit: CreateUnit) -> dict[str, str]:
+    return labels(
+        run,
+        LEARNER,
+        **{
+            LABEL_GROUP: unit.group,
+            LABEL_UNIT: unit.name,
+            LABEL_INDEX: str(unit.index),
+            LABEL_ATTEMPT: str(unit.attempt),
+        },
+    )
+
+
+def unit_service(run: Run, unit: CreateUnit) -> dict[str, Any]:
+    """Headless Service = the pods' subdomain, so hosts of a slice find each other by name."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(
+            run, unit.name, LEARNER, **{LABEL_GROUP: unit.group, LABEL_UNIT: unit.name}
+        ),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_UNIT: unit.name},
+        },
+    }
+
+
+def _worker_hostnames(unit: CreateUnit) -> str:
+    # Indexed Job pods are named <job>-<index>; with subdomain=<service> they resolve as below.
+    return ",".join(f"{unit.name}-{i}.{unit.name}" for i in range(unit.hosts))
+
+
+def _affinity(run: Run, unit: CreateUnit) -> dict[str, Any]:
+    """Exclusive topology: all hosts of this unit share one node pool, and no other unit's pods
+    land on it (a slice is never split or shared)."""
+    mine = {"matchLabels": {LABEL_UNIT: unit.name}}
+    others = {
+        "matchExpressions": [
+            {"key": LABEL_UNIT, "operator": "Exists"},
+            {"key": LABEL_UNIT, "operator": "NotIn", "values": [unit.name]},
+        ]
+    }
+    return {
+        "podAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": mine, "topologyKey": NODEPOOL_LABEL}
+            ]
+        },
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": others, "topologyKey": NODEPOOL_LABEL}
+            ]
+        },
+    }
+
+
+def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
+    spec = run.spec
+    group: UnitGroup | None = spec.group(unit.group)
+    if group is None:
+        raise ValueError(f"unit {unit.name}: group {unit.group!r} is not in spec.unitGroups")
+    env: list[dict[str, Any]] = [
+        {"name": "DILOCO_SYNCER_ADDR", "value": run.syncer_address},
+        _secret_env(run),
+        {"name": "DILOCO_UNIT", "value": str(unit.global_index)},
+        {"name": "DILOCO_UNIT_NAME", "value": unit.name},
+        {"name": "DILOCO_NUM_UNITS", "value": str(unit.num_units)},
+        {"name": "DILOCO_ATTEMPT", "value": str(unit.attempt)},
+        {"name": "DILOCO_GROUP", "value": unit.group},
+        {
+            "name": "TPU_WORKER_ID",
+            "valueFrom": {
+                "fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}
+            },
+        },
+        {"name": "TPU_WORKER_HOSTNAMES", "value": _worker_hostnames(unit)},
+    ]
+    node_selector: dict[str, str] = {}
+    tolerations: list[dict[str, Any]] = []
+    chips = 0
+    if group.tpu:
+        node_selector[ACCELERATOR_LABEL] = group.tpu.accelerator
+        node_selector[TOPOLOGY_LABEL] = group.tpu.topology
+        tolerations.append({"key": TPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"})
+        chips = group.tpu.chips_on_each_host
+    node_selector.update(group.node_selector or {})
+    tolerations.extend(t.to_wire() for t in group.tolerations or [])
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "subdomain": unit.name,
+        "containers": [
+            {
+                "name": LEARNER,
+                "image": spec.image,
+                "imagePullPolicy": spec.image_pull_policy,
+                "command": ["diloco-learner", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+                "env": env,
+                "resources": _resources(group.resources, chips),
+                "volumeMounts": [_config_mount()],
+            }
+        ],
+        "volumes": [_config_volume(run)],
+    }
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if group.exclusive_topology:
+        pod_spec["affinity"] = _affinity(run, unit)
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    job_labels = unit_labels(run, unit)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _meta(
+            run,
+            unit.name,
+            LEARNER,
+            **{k: v for k, v in job_labels.items() if k.startswith("diloco.dev/")},
+        ),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": unit.hosts,
+            "parallelism": unit.hosts,
+            # A slice is atomic: any lost host fails the Job, and the operator replaces the unit.
+            "backoffLimit": 0,
+            "podFailurePolicy": {
+                "rules": [
+                    {
+                        "action": "FailJob",
+                        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                    },
+                    {
+                        # Exit 2 = config error (docs/contracts.md): retrying cannot help.
+                        "action": "FailJob",
+                        "onExitCodes": {"containerName": LEARNER, "operator": "In", "values": [2]},
+                    },
+                ]
+            },
+            "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
+        },
+    }
+
+
+def run_objects(run: Run, token: str | None = None) -> list[dict[str, Any]]:
+    """Every per-run object (not the units), in creation order."""
+    objs = [token_secret(run, token), config_map(run)]
+    claim = checkpoint_claim(run)
+    if claim is not None:
+        objs.append(claim)
+    objs += [syncer_service(run), syncer_deployment(run)]
+    return objs
+
+
+def unit_objects(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
+    """The children of one unit, Service first so the pods' names resolve from the start."""
+    return [unit_service(run, unit), unit_job(run, unit)]

@@ -1,0 +1,338 @@
+"""kopf handlers: thin adapters between the cluster and the planner.
+
+Watches (as kopf indexes, so no extra API reads per pass): learner Jobs and Pods and syncer
+Deployments of every run (label-selected), and Nodes. One asyncio daemon per DilocoRun runs
+the loop: observe -> poll the syncer -> plan -> apply actions -> write status once. Child events
+wake the run's daemon at once; otherwise it wakes every `poll_interval` seconds (and sooner when
+the plan asks, e.g. when a restart backoff ends).
+
+Deliberate kopf choices: kopf's own log messages are not posted as Events (we post our own, one
+per decision); server-side watch timeouts bound silent stale watches; per-run daemons stop by
+themselves when a peer with higher priority takes over (peering, for HA replicas). kopf puts its
+finalizer on runs so it can stop the daemon cleanly; children are cleaned up by owner references.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import kopf
+from prometheus_client import Counter, Gauge, Histogram
+
+from diloco_operator import builders, kube
+from diloco_operator.api import (
+    GROUP,
+    LABEL_ATTEMPT,
+    LABEL_COMPONENT,
+    LABEL_RUN,
+    LABEL_UNIT,
+    PLURAL,
+    VERSION,
+    DilocoRunStatus,
+    parse_spec,
+)
+from diloco_operator.observe import PodView, job_view, node_ready, observe_unit, pod_view
+from diloco_operator.planner import (
+    CreateSyncer,
+    CreateUnit,
+    DeleteUnit,
+    EmitEvent,
+    ObservedSyncer,
+    Plan,
+    SyncerReport,
+    plan,
+)
+
+log = logging.getLogger("diloco_operator")
+
+PASSES = Counter("diloco_operator_reconcile_passes_total", "Reconcile passes", ["outcome"])
+ACTIONS = Counter("diloco_operator_actions_total", "Actions applied", ["action", "reason"])
+PASS_SECONDS = Histogram("diloco_operator_reconcile_seconds", "Duration of one reconcile pass")
+RUNS = Gauge("diloco_operator_runs", "DilocoRuns with a running reconcile loop")
+UNITS_ONLINE = Gauge("diloco_operator_units_online", "Units online", ["namespace", "run"])
+
+
+@dataclass
+class Options:
+    poll_interval: float = 5.0
+    syncer_timeout: float = 2.0
+    # How the operator reaches a syncer: {name} {namespace} {port}. Out-of-cluster operators
+    # (development, e2e) can point it at a port-forward or proxy.
+    syncer_url: str = "http://{name}.{namespace}.svc:{port}"
+
+
+@dataclass
+class State:
+    options: Options = field(default_factory=Options)
+    wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    # Pods seen deleted while their Job lived: (namespace, unit, attempt) -> pod names.
+    deleted_pods: dict[tuple[str, str, int], set[str]] = field(
+        default_factory=lambda: defaultdict(set)
+    )
+    tokens: dict[tuple[str, str], str] = field(default_factory=dict)
+    http: aiohttp.ClientSession | None = None
+
+
+STATE = State()
+
+
+def wake(namespace: str | None, run: str | None) -> None:
+    event = STATE.wakers.get((namespace or "", run or ""))
+    if event is not None:
+        event.set()
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Our own Events carry the decisions; kopf's log lines as Events would be noise.
+    settings.posting.level = logging.WARNING
+    # Watches end server-side every few minutes and are re-established: a silently dead TCP
+    # connection can never hide changes for long.
+    settings.watching.server_timeout = 270
+    settings.watching.client_timeout = 300
+    settings.watching.connect_timeout = 30
+    settings.persistence.finalizer = f"{GROUP}/kopf-finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    kube.load_config()
+    STATE.http = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=STATE.options.syncer_timeout)
+    )
+
+
+@kopf.on.cleanup()
+async def close(**_: Any) -> None:
+    if STATE.http is not None:
+        await STATE.http.close()
+
+
+@kopf.on.probe(id="runs")
+def probe_runs(**_: Any) -> int:
+    return len(STATE.wakers)
+
+
+LEARNER_LABELS: dict[str, Any] = {
+    LABEL_RUN: kopf.PRESENT,
+    LABEL_COMPONENT: builders.LEARNER,
+}
+SYNCER_LABELS: dict[str, Any] = {
+    LABEL_RUN: kopf.PRESENT,
+    LABEL_COMPONENT: builders.SYNCER,
+}
+
+
+@kopf.index("batch", "v1", "jobs", labels=LEARNER_LABELS)
+def learner_jobs(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> Any:
+    wake(namespace, labels.get(LABEL_RUN))
+    return {(namespace or "", labels[LABEL_RUN]): job_view(body)}
+
+
+@kopf.index("", "v1", "pods", labels=LEARNER_LABELS)
+def learner_pods(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> Any:
+    wake(namespace, labels.get(LABEL_RUN))
+    return {(namespace or "", labels[LABEL_RUN]): pod_view(body)}
+
+
+@kopf.index("apps", "v1", "deployments", labels=SYNCER_LABELS)
+def syncer_deployments(
+    namespace: str | None, labels: Mapping[str, str], status: kopf.Status, **_: Any
+) -> Any:
+    wake(namespace, labels.get(LABEL_RUN))
+    ready = int(status.get("readyReplicas") or 0) > 0
+    return {(namespace or "", labels[LABEL_RUN]): ready}
+
+
+@kopf.index("", "v1", "nodes")
+def cluster_nodes(name: str, body: Any, **_: Any) -> Any:
+    ready = node_ready(body)
+    return {name: ready}
+
+
+@kopf.on.event("", "v1", "nodes")
+def node_changed(type: str, body: Any, **_: Any) -> None:
+    # A node going NotReady or away concerns whichever runs have pods on it: wake them all
+    # (cheap: a pass is pure computation plus the writes it really needs).
+    if type == "DELETED" or not node_ready(body):
+        for event in STATE.wakers.values():
+            event.set()
+
+
+@kopf.on.event("", "v1", "pods", labels=LEARNER_LABELS)
+def learner_pod_deleted(
+    type: str, namespace: str | None, labels: Mapping[str, str], name: str, **_: Any
+) -> None:
+    if type == "DELETED":
+        attempt = int(labels.get(LABEL_ATTEMPT, "0") or 0)
+        key = (namespace or "", labels.get(LABEL_UNIT, ""), attempt)
+        STATE.deleted_pods[key].add(name)
+        wake(namespace, labels.get(LABEL_RUN))
+
+
+async def syncer_report(run: builders.Run) -> SyncerReport | None:
+    """GET /v1/status of the run's syncer; None when unreachable (the run keeps reconciling)."""
+    key = (run.namespace, run.name)
+    token = STATE.tokens.get(key)
+    if token is None:
+        token = await kube.read_token(run.namespace, run.token_secret, builders.TOKEN_KEY)
+        if token is None:
+            return None
+        STATE.tokens[key] = token
+    url = STATE.options.syncer_url.format(
+        name=run.syncer_name, namespace=run.namespace, port=run.spec.syncer.port
+    )
+    if STATE.http is None:
+        return None
+    try:
+        async with STATE.http.get(
+            f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}
+        ) as resp:
+            if resp.status != 200:
+                log.debug("syncer status run=%s http=%s", run.name, resp.status)
+                return None
+            return SyncerReport.from_json(await resp.json())
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        log.debug("syncer unreachable run=%s error=%r", run.name, exc)
+        return None
+
+
+async def apply(run: builders.Run, the_plan: Plan, body: Any) -> None:
+    for action in the_plan.actions:
+        if isinstance(action, CreateSyncer):
+            for obj in builders.run_objects(run):
+                await kube.create(obj)
+            ACTIONS.labels("create_syncer", "").inc()
+        elif isinstance(action, CreateUnit):
+            for obj in builders.unit_objects(run, action):
+                await kube.create(obj)
+            ACTIONS.labels("create_unit", f"attempt{min(action.attempt, 1)}").inc()
+        elif isinstance(action, DeleteUnit):
+            await kube.delete_unit(run.namespace, action.name)
+            ACTIONS.labels("delete_unit", action.reason).inc()
+        elif isinstance(action, EmitEvent):
+            kopf.event(body, type=action.type, reason=action.reason, message=action.message)
+            log.log(
+                logging.WARNING if action.type == "Warning" else logging.INFO,
+                "event run=%s reason=%s unit=%s message=%s",
+                run.name,
+                action.reason,
+                action.unit,
+                action.message,
+            )
+            ACTIONS.labels("event", action.reason).inc()
+
+
+def observed_units(namespace: str, name: str, indexes: dict[str, Any]) -> list[Any]:
+    key = (namespace, name)
+    jobs = [j for j in indexes["learner_jobs"].get(key, [])]
+    pods: list[PodView] = list(indexes["learner_pods"].get(key, []))
+    nodes_index = indexes["cluster_nodes"]
+    nodes = {node: all(store) for node, store in nodes_index.items()}
+    units = []
+    for job in jobs:
+        deleted = STATE.deleted_pods.get((namespace, job.name, job.attempt), set())
+        units.append(observe_unit(job, pods, nodes, deleted))
+    return units
+
+
+async def reconcile_once(
+    name: str,
+    namespace: str,
+    uid: str,
+    body: Any,
+    last: DilocoRunStatus | None,
+    indexes: dict[str, Any],
+) -> tuple[Plan | None, DilocoRunStatus | None]:
+    try:
+        spec = parse_spec(dict(body.get("spec") or {}))
+    except ValueError as exc:
+        # The CRD should have rejected it; an older CRD may not have. Say so, change nothing.
+        kopf.warn(body, reason="InvalidSpec", message=str(exc)[:1024])
+        PASSES.labels("invalid").inc()
+        return None, last
+    run = builders.Run(name, namespace, uid, spec)
+    key = (namespace, name)
+    syncer_ready = list(indexes["syncer_deployments"].get(key, []))
+    syncer = ObservedSyncer(present=bool(syncer_ready), ready=any(syncer_ready))
+    report = await syncer_report(run) if syncer.present else None
+    status = last
+    if status is None and body.get("status"):
+        try:
+            status = DilocoRunStatus.model_validate(dict(body["status"]))
+        except ValueError:
+            status = None  # unreadable status: rebuilt from the children
+    the_plan = plan(
+        name,
+        spec,
+        observed_units(namespace, name, indexes),
+        status,
+        time.time(),
+        syncer=syncer,
+        report=report,
+        generation=body.get("metadata", {}).get("generation"),
+    )
+    await apply(run, the_plan, body)
+    new = the_plan.status
+    if last is None or new != last:
+        await kube.patch_status(namespace, name, new.model_dump(mode="json", by_alias=True))
+    UNITS_ONLINE.labels(namespace, name).set(new.units_online)
+    PASSES.labels("ok").inc()
+    return the_plan, new
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
+async def run_loop(
+    stopped: kopf.DaemonStopped,
+    name: str,
+    namespace: str | None,
+    uid: str,
+    body: kopf.Body,
+    **kwargs: Any,
+) -> None:
+    """The reconcile loop of one run; kopf starts it per DilocoRun and stops it on deletion or
+    when this operator replica is paused by a higher-priority peer."""
+    # kopf passes every index by its function's name.
+    indexes = {
+        key: kwargs[key]
+        for key in ("learner_jobs", "learner_pods", "syncer_deployments", "cluster_nodes")
+    }
+    namespace = namespace or ""
+    key = (namespace, name)
+    waker = STATE.wakers.setdefault(key, asyncio.Event())
+    RUNS.inc()
+    last: DilocoRunStatus | None = None
+    try:
+        while not stopped:
+            waker.clear()
+            delay = STATE.options.poll_interval
+            started = time.monotonic()
+            try:
+                the_plan, last = await reconcile_once(name, namespace, uid, body, last, indexes)
+                if the_plan is not None and the_plan.requeue_after is not None:
+                    delay = max(0.2, min(delay, the_plan.requeue_after))
+            except Exception as exc:  # one bad pass must not end the loop
+                PASSES.labels("error").inc()
+                log.warning("reconcile failed run=%s/%s error=%r", namespace, name, exc)
+                last = None  # re-read status from the cluster next time
+            PASS_SECONDS.observe(time.monotonic() - started)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waker.wait(), timeout=delay)
+    finally:
+        RUNS.dec()
+        STATE.wakers.pop(key, None)
+        STATE.tokens.pop(key, None)
+        with contextlib.suppress(KeyError):
+            UNITS_ONLINE.remove(namespace, name)

@@ -1,0 +1,92 @@
+"""Thin Kubernetes I/O used by the handlers: create (409 = success), delete (404 = success),
+status patch, secret read. Blocking client calls run in a thread so the kopf loop stays free."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from diloco_operator.api import GROUP, PLURAL, VERSION
+
+log = logging.getLogger("diloco_operator.kube")
+
+
+def load_config() -> None:
+    """In-cluster credentials when running as a pod, else the local kubeconfig."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+def _creator(kind: str) -> Callable[..., Any]:
+    core, apps, batch = client.CoreV1Api(), client.AppsV1Api(), client.BatchV1Api()
+    creators: dict[str, Callable[..., Any]] = {
+        "Service": core.create_namespaced_service,
+        "Secret": core.create_namespaced_secret,
+        "ConfigMap": core.create_namespaced_config_map,
+        "PersistentVolumeClaim": core.create_namespaced_persistent_volume_claim,
+        "Deployment": apps.create_namespaced_deployment,
+        "Job": batch.create_namespaced_job,
+    }
+    return creators[kind]
+
+
+async def create(obj: dict[str, Any]) -> bool:
+    """Create an object; True if created, False if it already existed (not an error: names are
+    deterministic, so an existing object is the one a previous pass created)."""
+    ns = obj["metadata"]["namespace"]
+    try:
+        await asyncio.to_thread(_creator(obj["kind"]), ns, obj)
+    except ApiException as exc:
+        if exc.status == 409:
+            return False
+        raise
+    log.info("created kind=%s name=%s namespace=%s", obj["kind"], obj["metadata"]["name"], ns)
+    return True
+
+
+async def delete_unit(namespace: str, name: str) -> None:
+    """Delete a unit's Job with foreground propagation: the Job stays visible (Terminating) until
+    its pods are gone, which is exactly the 'wait until gone' the planner needs."""
+    body = client.V1DeleteOptions(propagation_policy="Foreground")
+    for call in (
+        lambda: client.BatchV1Api().delete_namespaced_job(name, namespace, body=body),
+        lambda: client.CoreV1Api().delete_namespaced_service(name, namespace),
+    ):
+        try:
+            await asyncio.to_thread(call)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+    log.info("deleted unit=%s namespace=%s", name, namespace)
+
+
+async def patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
+    api = client.CustomObjectsApi()
+    await asyncio.to_thread(
+        api.patch_namespaced_custom_object_status,
+        GROUP,
+        VERSION,
+        namespace,
+        PLURAL,
+        name,
+        {"status": status},
+    )
+
+
+async def read_token(namespace: str, secret: str, key: str) -> str | None:
+    try:
+        obj = await asyncio.to_thread(client.CoreV1Api().read_namespaced_secret, secret, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    data = (obj.data or {}).get(key)
+    return base64.b64decode(data).decode() if data else None

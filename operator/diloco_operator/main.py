@@ -1,0 +1,91 @@
+"""`diloco-operator`: run the DilocoRun operator (kopf) in a cluster or against a kubeconfig.
+
+diloco-operator --namespace team-a --namespace team-b     # namespaced
+diloco-operator --all-namespaces --peering diloco          # HA: 2 replicas, one active
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import kopf
+from prometheus_client import start_http_server
+
+from diloco_operator import handlers
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="diloco-operator", description=__doc__.splitlines()[0])
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch this namespace (repeatable; glob patterns allowed)",
+    )
+    scope.add_argument(
+        "-A", "--all-namespaces", action="store_true", help="watch the whole cluster"
+    )
+    p.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="kopf peering object for HA replicas (only the highest priority one acts); "
+        "default: standalone",
+    )
+    p.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
+    p.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="kopf liveness endpoint URL (empty to disable)",
+    )
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (0: off)")
+    p.add_argument("--poll-interval", type=float, default=5.0, help="seconds between passes")
+    p.add_argument(
+        "--syncer-url",
+        default=handlers.Options.syncer_url,
+        help="how to reach a run's syncer; fields {name} {namespace} {port}",
+    )
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    if args.poll_interval <= 0:
+        p.error("--poll-interval: must be > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    handlers.STATE.options = handlers.Options(
+        poll_interval=args.poll_interval, syncer_url=args.syncer_url
+    )
+    if args.metrics_port:
+        start_http_server(args.metrics_port)
+    clusterwide = args.all_namespaces or not args.namespace
+    logging.getLogger("diloco_operator").info(
+        "starting scope=%s peering=%s",
+        "cluster" if clusterwide else ",".join(args.namespace),
+        args.peering or "standalone",
+    )
+    asyncio.run(
+        kopf.operator(
+            clusterwide=clusterwide,
+            namespaces=[] if clusterwide else args.namespace,
+            standalone=args.peering is None,
+            peering_name=args.peering,
+            priority=args.priority,
+            liveness_endpoint=args.liveness or None,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""Map Kubernetes children (Jobs, Pods, Nodes) to the planner's neutral ObservedUnit (pure).
+
+Views are small summaries of the objects, so the operator's watch indexes stay light
+(50 runs x 16 units is a few thousand entries, not a few thousand full pod bodies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from diloco_operator.api import LABEL_ATTEMPT, LABEL_GROUP, LABEL_INDEX, LABEL_UNIT
+from diloco_operator.planner.model import (
+    DISRUPTION_TARGET,
+    JOB_FAILED,
+    NODE_DELETED,
+    NODE_NOT_READY,
+    POD_DELETED,
+    POD_FAILED,
+    ObservedUnit,
+)
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _time(value: Any) -> float:
+    if not isinstance(value, str) or not value:
+        return 0.0
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def _condition(
+    conditions: Iterable[Mapping[str, Any]] | None, type_: str
+) -> Mapping[str, Any] | None:
+    return next(
+        (c for c in conditions or () if c.get("type") == type_ and c.get("status") == "True"), None
+    )
+
+
+@dataclass(frozen=True)
+class JobView:
+    name: str
+    group: str
+    index: int
+    attempt: int
+    hosts: int
+    terminating: bool
+    failed: bool
+    complete: bool
+    message: str
+    created: float
+
+
+@dataclass(frozen=True)
+class PodView:
+    name: str
+    unit: str
+    attempt: int
+    phase: str
+    ready: bool
+    disrupted: bool
+    node: str | None
+    terminating: bool
+    message: str
+
+
+def job_view(body: Mapping[str, Any]) -> JobView:
+    meta = body.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    spec = body.get("spec") or {}
+    status = body.get("status") or {}
+    conditions = status.get("conditions")
+    failed = _condition(conditions, "Failed")
+    return JobView(
+        name=meta.get("name", ""),
+        group=labels.get(LABEL_GROUP, ""),
+        index=_int(labels.get(LABEL_INDEX)),
+        attempt=_int(labels.get(LABEL_ATTEMPT)),
+        hosts=_int(spec.get("completions"), 1),
+        terminating=bool(meta.get("deletionTimestamp")),
+        failed=failed is not None,
+        complete=_condition(conditions, "Complete") is not None,
+        message=f"{failed.get('reason', '')}: {failed.get('message', '')}" if failed else "",
+        created=_time(meta.get("creationTimestamp")),
+    )
+
+
+def pod_view(body: Mapping[str, Any]) -> PodView:
+    meta = body.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    status = body.get("status") or {}
+    conditions = status.get("conditions")
+    disrupted = _condition(conditions, "DisruptionTarget")
+    message = status.get("message") or status.get("reason") or ""
+    if disrupted is not None:
+        message = f"{disrupted.get('reason', '')}: {disrupted.get('message', '')}"
+    return PodView(
+        name=meta.get("name", ""),
+        unit=labels.get(LABEL_UNIT, ""),
+        attempt=_int(labels.get(LABEL_ATTEMPT)),
+        phase=status.get("phase") or "Pending",
+        ready=_condition(conditions, "Ready") is not None,
+        disrupted=disrupted is not None,
+        node=(body.get("spec") or {}).get("nodeName"),
+        terminating=bool(meta.get("deletionTimestamp")),
+        message=str(message),
+    )
+
+
+def node_ready(body: Mapping[str, Any]) -> bool:
+    return _condition((body.get("status") or {}).get("conditions"), "Ready") is not None
+
+
+def observe_unit(
+    job: JobView,
+    pods: Iterable[PodView],
+    nodes: Mapping[str, bool] | None,
+    deleted_pods: Iterable[str] = (),
+) -> ObservedUnit:
+    """One unit as the planner sees it. `nodes` maps node name -> Ready (None: nodes unknown,
+    e.g. no permission; node signals are then skipped). `deleted_pods`: names of this unit's
+    pods seen deleted while the Job was alive."""
+    mine = [p for p in pods if p.unit == job.name and p.attempt == job.attempt]
+
+    def unit(
+        phase: Any, failure: str | None = None, message: str = "", ready: bool = False
+    ) -> ObservedUnit:
+        return ObservedUnit(
+            name=job.name,
+            group=job.group,
+            index=job.index,
+            attempt=job.attempt,
+            phase=phase,
+            ready=ready,
+            failure=failure,
+            message=message,
+            since=job.created,
+        )
+
+    if job.terminating:
+        return unit("Terminating")
+    for pod in mine:
+        if pod.disrupted:
+            return unit("Failed", DISRUPTION_TARGET, f"pod {pod.name}: {pod.message}")
+    if job.failed:
+        return unit("Failed", JOB_FAILED, job.message)
+    if job.complete:
+        return unit("Succeeded")
+    for pod in mine:
+        if pod.phase == "Failed":
+            return unit("Failed", POD_FAILED, f"pod {pod.name}: {pod.message}")
+    if nodes is not None:
+        for pod in mine:
+            if pod.node and pod.node not in nodes:
+                return unit("Running", NODE_DELETED, f"node {pod.node} of pod {pod.name} is gone")
+            if pod.node and not nodes[pod.node]:
+                return unit(
+                    "Running", NODE_NOT_READY, f"node {pod.node} of pod {pod.name} is NotReady"
+                )
+    for pod in mine:
+        if pod.terminating:
+            return unit("Running", POD_DELETED, f"pod {pod.name} is being deleted")
+    gone = sorted(set(deleted_pods))
+    if gone:
+        return unit("Running", POD_DELETED, f"pod {gone[0]} was deleted")
+    running = [p for p in mine if p.phase == "Running"]
+    if len(running) >= job.hosts:
+        return unit("Running", ready=all(p.ready for p in running))
+    return unit("Pending")
