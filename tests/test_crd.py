@@ -1,0 +1,109 @@
+"""The generated CRD: fresh (crds/ and the chart's copy match the models), structural, bounded
+for CEL cost, with the scale/status subresources, printer columns and CEL rules that name real
+fields."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from crd_schema import ROOT, openapi_schema
+from diloco_operator import crdgen
+
+FORBIDDEN = {"$ref", "anyOf", "oneOf", "allOf", "const", "title", "$defs", "propertyNames"}
+
+
+def walk(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every schema node below `node` (properties, items, additionalProperties)."""
+    found = [(path, node)]
+    for key, child in (node.get("properties") or {}).items():
+        found += walk(child, f"{path}.{key}")
+    if isinstance(node.get("items"), dict):
+        found += walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        found += walk(node["additionalProperties"], f"{path}{{}}")
+    return found
+
+
+def test_checked_in_crd_is_fresh_in_crds_and_in_the_chart() -> None:
+    rendered = crdgen.render()
+    for path in (
+        ROOT / "crds" / crdgen.CRD_FILE,
+        ROOT / "charts/diloco-operator/crds" / crdgen.CRD_FILE,
+    ):
+        assert path.read_text() == rendered, f"{path} is stale: run `make crds`"
+
+
+def test_crdgen_cli_writes_both_copies(tmp_path: Path) -> None:
+    assert crdgen.main(["--out", str(tmp_path / "a"), "--chart", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "a" / crdgen.CRD_FILE).read_text() == (
+        tmp_path / "b" / crdgen.CRD_FILE
+    ).read_text()
+
+
+def test_schema_is_structural_and_cost_bounded() -> None:
+    for path, node in walk(openapi_schema()):
+        assert not FORBIDDEN & set(node), f"{path}: {FORBIDDEN & set(node)}"
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path}: untyped"
+        if "properties" in node:
+            assert "additionalProperties" not in node, path
+        if path.startswith(".spec") and node.get("type") == "string":
+            assert "maxLength" in node or "enum" in node, f"{path}: unbounded string"
+        if node.get("type") == "array":
+            assert "maxItems" in node, f"{path}: unbounded list"
+
+
+def test_explain_has_descriptions_for_the_main_fields() -> None:
+    spec = openapi_schema()["properties"]["spec"]
+    for field in ("image", "replicas", "unitGroups", "training", "syncer", "failurePolicy"):
+        assert spec["properties"][field].get("description"), field
+    group = spec["properties"]["unitGroups"]["items"]
+    assert "first group" in group["properties"]["replicas"]["description"]
+    assert "Default: 8470." in spec["properties"]["syncer"]["properties"]["port"]["description"]
+
+
+def test_subresources_printer_columns_and_names() -> None:
+    crd = yaml.safe_load((ROOT / "crds" / crdgen.CRD_FILE).read_text())
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["names"]["shortNames"] == ["dlr"]
+    assert crd["spec"]["scope"] == "Namespaced"
+    scale = version["subresources"]["scale"]
+    assert version["subresources"]["status"] == {}
+    schema = openapi_schema()
+    for json_path in (
+        scale["specReplicasPath"],
+        scale["statusReplicasPath"],
+        scale["labelSelectorPath"],
+        *(c["jsonPath"] for c in version["additionalPrinterColumns"]),
+    ):
+        node = schema
+        for part in json_path.strip(".").split("."):
+            node = node["properties"][part] if part != "creationTimestamp" else {"type": "string"}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert {"Online", "Step", "Loss", "Phase", "Age"} <= set(columns)
+
+
+def test_cel_rules_only_reference_fields_that_exist() -> None:
+    """A typo in a CEL field name would make the API server refuse the whole CRD."""
+    rules = 0
+    for path, node in walk(openapi_schema()):
+        for rule in node.get("x-kubernetes-validations", []):
+            rules += 1
+            props = node["properties"]
+            for chain in re.findall(r"\bself((?:\.\w+)+)", rule["rule"]):
+                head = chain.strip(".").split(".")
+                cursor: dict[str, Any] = {"properties": props, "type": "object"}
+                for part in head:
+                    if (
+                        part in ("size", "all", "map", "exists", "sum")
+                        or "properties" not in cursor
+                    ):
+                        break
+                    assert part in cursor["properties"], f"{path}: {rule['rule']}: {part}"
+                    cursor = cursor["properties"][part]
+            for field in re.findall(r"\bg\.(\w+)", rule["rule"]):
+                item = props["unitGroups"]["items"]["properties"]
+                assert field in item, f"{path}: g.{field}"
+    assert rules >= 8
