@@ -1,0 +1,86 @@
+"""API models: accelerator table, replica semantics, clear field-naming errors, status wire form."""
+
+from __future__ import annotations
+
+import pytest
+from diloco_operator.accelerators import ACCELERATORS, allowed_chips_per_host, check_tpu, hosts
+from diloco_operator.api import DilocoRunStatus, UnitGroup, parse_manifest, parse_spec
+
+BASE = {"image": "t", "training": {"totalSteps": 10}}
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "topology", "per_host", "expected_hosts"),
+    [
+        ("tpu-v6e-slice", "2x4", None, 2),  # the e2e pool: 4 chips per host, 2 hosts
+        ("tpu-v6e-slice", "2x4", 8, 1),  # the single-host 8-chip machine type
+        ("tpu-v6e-slice", "1x1", None, 1),
+        ("tpu-v6e-slice", "4x8", None, 8),
+        ("tpu-v5p-slice", "2x2x1", None, 1),
+        ("tpu-v5p-slice", "2x2x4", None, 4),
+        ("tpu-v4-podslice", "2x2x2", None, 2),
+        ("tpu-v5-lite-podslice", "2x2", None, 1),
+    ],
+)
+def test_hosts_per_slice(
+    accelerator: str, topology: str, per_host: int | None, expected_hosts: int
+) -> None:
+    assert check_tpu(accelerator, topology, per_host) is None
+    assert hosts(accelerator, topology, per_host) == expected_hosts
+
+
+def test_every_known_topology_has_a_host_size_dividing_it() -> None:
+    for name, acc in ACCELERATORS.items():
+        for topology in acc.topologies:
+            sizes = allowed_chips_per_host(name, topology)
+            assert sizes and hosts(name, topology, None) >= 1, (name, topology)
+
+
+def test_spec_defaults_to_one_default_group() -> None:
+    spec = parse_spec(BASE)
+    assert [g.name for g in spec.unit_groups] == ["default"]
+    assert spec.total_units == 1 and spec.unit_groups[0].hosts == 1
+
+
+def test_replicas_semantics() -> None:
+    spec = parse_spec(
+        {**BASE, "replicas": 3, "unitGroups": [{"name": "a"}, {"name": "b", "replicas": 2}]}
+    )
+    assert [spec.group_replicas(i) for i in range(2)] == [3, 2]
+    assert spec.total_units == 5
+    assert spec.group("b") == UnitGroup(name="b", replicas=2)
+    assert spec.group("zz") is None
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"apiVersion": "v1", "kind": "DilocoRun"}, "apiVersion"),
+        ({"apiVersion": "diloco.dev/v1alpha1", "kind": "Job"}, "kind"),
+        (
+            {"apiVersion": "diloco.dev/v1alpha1", "kind": "DilocoRun", "metadata": {}},
+            "metadata.name",
+        ),
+        (
+            {"apiVersion": "diloco.dev/v1alpha1", "kind": "DilocoRun", "metadata": {"name": "x"}},
+            "spec",
+        ),
+    ],
+)
+def test_manifest_envelope_errors_name_the_field(doc: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_manifest(doc)
+
+
+def test_errors_are_one_line_per_problem_without_pydantic_noise() -> None:
+    with pytest.raises(ValueError) as info:
+        parse_spec({"image": "", "replicas": 0, "training": {"totalSteps": 1, "fragments": 0}})
+    lines = str(info.value).splitlines()
+    assert len(lines) == 3
+    assert all(line.startswith("spec.") for line in lines)
+    assert "Value error" not in str(info.value)
+
+
+def test_status_wire_form_is_camel_case() -> None:
+    wire = DilocoRunStatus(units_online=2, outer_step=5).to_wire()
+    assert wire["unitsOnline"] == 2 and wire["outerStep"] == 5 and wire["phase"] == "Pending"

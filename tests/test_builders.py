@@ -1,0 +1,208 @@
+"""Builders produce valid Kubernetes objects (round-tripped through the kubernetes models) with
+the TPU placement, env contract, labels and owner references the design asks for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from diloco_operator import builders
+from diloco_operator.api import parse_spec
+from diloco_operator.planner import CreateUnit, desired_units
+from diloco_trainer.config import load_training_config
+from k8s_roundtrip import roundtrip
+
+MIXED = {
+    "image": "trainer:1",
+    "replicas": 2,
+    "unitGroups": [
+        {
+            "name": "v6e",
+            "tpu": {"accelerator": "tpu-v6e-slice", "topology": "2x4"},
+            "exclusiveTopology": True,
+            "resources": {"requests": {"cpu": 4, "memory": "16Gi"}},
+            "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],
+        },
+        {
+            "name": "v5p",
+            "replicas": 1,
+            "tpu": {"accelerator": "tpu-v5p-slice", "topology": "2x2x1"},
+        },
+        {"name": "cpu", "replicas": 1, "nodeSelector": {"pool": "cpu"}},
+    ],
+    "training": {"totalSteps": 100, "quorum": 2, "innerSteps": 7},
+    "serviceAccountName": "trainer",
+}
+
+
+def make_run(**overrides: Any) -> builders.Run:
+    return builders.Run("mix", "ml", "uid-123", parse_spec({**MIXED, **overrides}))
+
+
+def create(run: builders.Run, name: str, attempt: int = 0) -> CreateUnit:
+    slot = next(s for s in desired_units(run.name, run.spec) if s.name == name)
+    return CreateUnit(
+        slot.name,
+        slot.group,
+        slot.index,
+        slot.global_index,
+        attempt,
+        run.spec.total_units,
+        slot.hosts,
+    )
+
+
+def env_of(job: dict[str, Any]) -> dict[str, Any]:
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def all_objects(run: builders.Run) -> list[dict[str, Any]]:
+    objs = builders.run_objects(run)
+    for slot in desired_units(run.name, run.spec):
+        objs += builders.unit_objects(run, create(run, slot.name))
+    return objs
+
+
+def test_every_object_round_trips_through_the_kubernetes_models() -> None:
+    objs = all_objects(make_run())
+    assert {o["kind"] for o in objs} == {
+        "Job",
+        "Service",
+        "Secret",
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "Deployment",
+    }
+    for obj in objs:
+        assert roundtrip(obj) == obj, f"{obj['kind']} {obj['metadata']['name']}"
+
+
+def test_multi_host_tpu_unit_is_an_indexed_job_over_its_hosts() -> None:
+    run = make_run()
+    job = builders.unit_job(run, create(run, "mix-v6e-1", attempt=3))
+    spec = job["spec"]
+    assert (
+        spec["completionMode"],
+        spec["completions"],
+        spec["parallelism"],
+        spec["backoffLimit"],
+    ) == ("Indexed", 2, 2, 0)
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["subdomain"] == "mix-v6e-1"
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+        "cloud.google.com/gke-tpu-topology": "2x4",
+    }
+    assert {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    assert {"key": "spot", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    res = pod["containers"][0]["resources"]
+    assert res["limits"]["google.com/tpu"] == res["requests"]["google.com/tpu"] == "4"
+    assert res["requests"]["cpu"] == "4"
+    assert "podAntiAffinity" in pod["affinity"]
+    assert pod["serviceAccountName"] == "trainer"
+    env = env_of(job)
+    # fixed groups first: v5p-0 is 0, cpu-0 is 1, then v6e-0 = 2, v6e-1 = 3
+    assert env["DILOCO_UNIT"] == "3" and env["DILOCO_NUM_UNITS"] == "4"
+    assert (env["DILOCO_UNIT_NAME"], env["DILOCO_ATTEMPT"], env["DILOCO_GROUP"]) == (
+        "mix-v6e-1",
+        "3",
+        "v6e",
+    )
+    assert env["DILOCO_SYNCER_ADDR"] == "http://mix-syncer.ml.svc:8470"
+    assert env["DILOCO_TOKEN"] == {"secretKeyRef": {"name": "mix-token", "key": "token"}}
+    assert env["TPU_WORKER_HOSTNAMES"] == "mix-v6e-1-0.mix-v6e-1,mix-v6e-1-1.mix-v6e-1"
+    labels = spec["template"]["metadata"]["labels"]
+    assert labels["diloco.dev/run"] == "mix" and labels["diloco.dev/attempt"] == "3"
+    assert labels["diloco.dev/unit"] == "mix-v6e-1" and labels["diloco.dev/group"] == "v6e"
+    owner = job["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == ("DilocoRun", "uid-123", True)
+
+
+def test_single_host_and_cpu_units() -> None:
+    run = make_run()
+    v5p = builders.unit_job(run, create(run, "mix-v5p-0"))
+    assert v5p["spec"]["completions"] == 1
+    assert v5p["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
+        "google.com/tpu": "4"
+    }
+    cpu = builders.unit_job(run, create(run, "mix-cpu-0"))
+    pod = cpu["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "cpu"}
+    assert "tolerations" not in pod and "affinity" not in pod
+    assert pod["containers"][0]["resources"] == {}
+
+
+def test_unit_service_is_headless_and_selects_the_unit() -> None:
+    run = make_run()
+    svc = builders.unit_service(run, create(run, "mix-v6e-0"))
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"] == {"diloco.dev/unit": "mix-v6e-0"}
+
+
+def test_syncer_deployment_recreate_with_readiness_and_checkpoint_pvc() -> None:
+    run = make_run()
+    dep = builders.syncer_deployment(run)
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["command"][0] == "diloco-syncer"
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "mix-checkpoints"
+    claim = builders.checkpoint_claim(run)
+    assert claim is not None and claim["spec"]["resources"]["requests"]["storage"] == "10Gi"
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "volume", "path"),
+    [
+        ({"path": "gs://b/runs"}, None, "gs://b/runs"),
+        ({"ephemeral": True}, "emptyDir", builders.CHECKPOINT_MOUNT),
+        ({"path": "my-claim"}, "persistentVolumeClaim", builders.CHECKPOINT_MOUNT),
+    ],
+)
+def test_checkpoint_storage_variants(
+    checkpoint: dict[str, Any], volume: str | None, path: str
+) -> None:
+    run = make_run(syncer={"checkpoint": checkpoint})
+    assert builders.checkpoint_claim(run) is None  # nothing for the operator to own
+    dep = builders.syncer_deployment(run)
+    env = {
+        e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["DILOCO_CHECKPOINT_PATH"] == path
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    if volume is None:
+        assert "checkpoints" not in volumes
+    else:
+        assert volume in volumes["checkpoints"]
+    assert roundtrip(dep) == dep
+
+
+def test_token_is_random_per_run() -> None:
+    run = make_run()
+    a, b = builders.token_secret(run), builders.token_secret(run)
+    assert a["stringData"]["token"] != b["stringData"]["token"]
+    assert len(a["stringData"]["token"]) >= 32
+
+
+def test_config_map_is_readable_by_the_trainer(tmp_path: Path) -> None:
+    """The learner and syncer load this very file with the trainer's own loader."""
+    run = make_run()
+    cm = builders.config_map(run)
+    path = tmp_path / "run.yaml"
+    path.write_text(cm["data"][builders.CONFIG_FILE])
+    assert load_training_config(path) == run.spec.training
+    assert yaml.safe_load(path.read_text())["metadata"]["name"] == "mix"
+
+
+def test_unknown_group_is_a_clear_error() -> None:
+    run = make_run()
+    with pytest.raises(ValueError, match="group 'gone'"):
+        builders.unit_job(run, CreateUnit("mix-gone-0", "gone", 0, 0, 0, 1, 1))
