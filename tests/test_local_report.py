@@ -22,25 +22,31 @@ def hb(unit: str, attempt: int, t: float, step: int) -> Heartbeat:
 
 def test_goodput_counts_progress_between_heartbeats_only() -> None:
     beats = [
-        # unit a: steady progress 100..110 s, killed, attempt 1 heartbeats from 115 s
+        # unit a: compiling (step 0) until 100 s, steady progress to 104 s, killed; attempt 1
+        # heartbeats from 115 s (restart cost counts against it), progress from 117 s
+        hb("a", 0, 98, 0),
         hb("a", 0, 100, 0),
         hb("a", 0, 102, 5),
         hb("a", 0, 104, 10),
-        hb("a", 1, 115, 0),
-        hb("a", 1, 117, 4),
-        hb("a", 1, 120, 9),
+        hb("a", 1, 115, 10),
+        hb("a", 1, 117, 10),
+        hb("a", 1, 120, 15),
         # unit b: progress, then a heartbeat without progress (stalled), then progress
         hb("b", 0, 101, 3),
         hb("b", 0, 103, 3),
         hb("b", 0, 105, 8),
+        # unit c: joined but never trained: not accounted
+        hb("c", 0, 101, 0),
+        hb("c", 0, 110, 0),
     ]
-    good = compute_goodput(beats, [], {"a": 90.0, "b": 91.0}, end=120.0)
-    # a: useful 4 (attempt 0) + 5 (attempt 1) of 20 s; b: useful 2 of 19 s.
-    assert good.useful_seconds == pytest.approx(11.0)
-    assert good.total_seconds == pytest.approx(39.0)
-    assert good.ratio == pytest.approx(11 / 39)
-    assert good.startup_seconds == pytest.approx(10.0 + 10.0)
-    assert good.per_unit["a"] == pytest.approx(9 / 20)
+    good = compute_goodput(beats, [], {"a": 90.0, "b": 91.0, "c": 92.0}, end=120.0)
+    # a: useful 4 (attempt 0) + 3 (attempt 1) of 20 s; b: useful 2 of 17 s (from 103 s).
+    assert good.useful_seconds == pytest.approx(9.0)
+    assert good.total_seconds == pytest.approx(37.0)
+    assert good.ratio == pytest.approx(9 / 37)
+    assert good.startup_seconds == pytest.approx(10.0 + 12.0)
+    assert good.per_unit["a"] == pytest.approx(7 / 20)
+    assert "c" not in good.per_unit
 
 
 def test_goodput_subtracts_time_a_unit_was_stopped() -> None:
@@ -55,14 +61,8 @@ def test_goodput_without_heartbeats_is_zero_not_an_error() -> None:
     assert (good.useful_seconds, good.total_seconds, good.ratio) == (0.0, 0.0, 0.0)
 
 
-def test_rejoins_count_later_attempts_that_reached_the_syncer() -> None:
-    beats = [
-        hb("a", 0, 1, 1),
-        hb("a", 1, 5, 1),
-        hb("a", 1, 6, 2),
-        hb("a", 3, 9, 1),
-        hb("b", 0, 1, 1),
-    ]
+def test_rejoins_count_restarted_attempts_that_reached_the_syncer() -> None:
+    beats = [hb("a", 1, 5, 1), hb("a", 1, 6, 2), hb("a", 3, 9, 1), hb("b", 0, 1, 1)]
     assert count_rejoins(beats) == 2
 
 

@@ -125,13 +125,14 @@ def render(view: View) -> RenderableType:
             _fmt_loss(row.loss),
         )
 
-    log = Table.grid()
-    log.add_column(style="dim", width=8)
+    log = Table.grid(padding=(0, 1))
+    log.add_column(style="dim", no_wrap=True)
     log.add_column()
     for ev in list(view.events)[-8:]:
         when = time.strftime("%H:%M:%S", time.localtime(ev.time))
         style = "red" if "kill" in ev.kind or "failed" in ev.kind else ""
-        log.add_row(when, Text(f"{ev.kind}: {ev.message}", style=style))
+        who = f"{ev.unit} " if ev.unit and ev.unit not in ev.message else ""
+        log.add_row(when, Text(f"{ev.kind}: {who}{ev.message}", style=style))
 
     return Group(
         Panel(head, title="decoupled DiLoCo, local", subtitle=f"report: {view.report_dir}"),

@@ -134,15 +134,11 @@ class ProcessTable:
             proc.paused = False
         return True
 
-    def stop(self, key: str, grace_seconds: float = 5.0) -> int | None:
-        """Stop one child: SIGCONT (a stopped process cannot handle SIGTERM), SIGTERM to the
-        group, then SIGKILL after `grace_seconds`. Returns its exit code."""
-        proc = self._procs.get(key)
-        if proc is None:
-            return None
-        _terminate_groups([proc], grace_seconds)
+    def stop(self, keys: Iterable[str], grace_seconds: float = 5.0) -> None:
+        """Stop children together: SIGCONT (a stopped process cannot handle SIGTERM), SIGTERM
+        to each group, then SIGKILL whatever is left after `grace_seconds`."""
+        _terminate_groups([self._procs[k] for k in keys if k in self._procs], grace_seconds)
         self.poll()
-        return proc.returncode
 
     def stop_all(self, grace_seconds: float = 5.0, batches: Iterable[Iterable[str]] = ()) -> None:
         """Stop every child. Each batch of keys is stopped together (one shared grace period)

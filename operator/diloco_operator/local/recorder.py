@@ -8,6 +8,7 @@ All times are wall-clock seconds (time.time()), the clock the syncer's status us
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -70,6 +71,8 @@ class Recorder:
     _current_state: dict[str, str] = field(default_factory=dict)
     _last_heartbeat: dict[str, float] = field(default_factory=dict)
     _events_file: IO[str] | None = None
+    # Called with each event as it is recorded (the plain-output mode prints them).
+    on_event: Callable[[Event], None] | None = None
 
     def __post_init__(self) -> None:
         if self.events_path is not None:
@@ -87,6 +90,8 @@ class Recorder:
         if self._events_file is not None:
             line = {"elapsed": round(now - self.started_at, 3), **asdict(ev)}
             self._events_file.write(json.dumps(line, default=str) + "\n")
+        if self.on_event is not None:
+            self.on_event(ev)
         return ev
 
     def state(self, now: float, unit: str, state: str) -> None:

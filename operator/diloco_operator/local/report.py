@@ -1,7 +1,8 @@
 """The report of a local run: goodput, summary.json and the PNG plots.
 
-Goodput (docs/local.md has the prose): for each unit, learner-seconds are counted from its first
-heartbeat until the end of the run (its one-time start-up is reported separately). A learner-second
+Goodput (docs/local.md has the prose): for each unit, learner-seconds are counted from the moment
+it started training (the last heartbeat before its first reported inner step) until the end of the
+run; its one-time start-up is reported separately. A learner-second
 is *useful* when it lies between two consecutive heartbeats of the same attempt whose step counter
 advanced, and the unit was not SIGSTOPped during it. Everything else (restart backoff, process
 start and JIT compile after a kill, work since the last heartbeat before a kill, pauses) is not.
@@ -58,13 +59,20 @@ def compute_goodput(
     startup = 0.0
     per_unit: dict[str, float] = {}
     for unit, beats in by_unit.items():
-        first = beats[0].time
+        pairs = list(itertools.pairwise(beats))
+        advancing = [
+            (prev, cur)
+            for prev, cur in pairs
+            if cur.attempt == prev.attempt and cur.step > prev.step
+        ]
+        if not advancing:
+            continue  # never trained: nothing to account (its start-up never ended)
+        first = advancing[0][0].time
         unit_total = max(0.0, end - first)
         useful = 0.0
-        for prev, cur in itertools.pairwise(beats):
-            if cur.attempt == prev.attempt and cur.step > prev.step:
-                span = cur.time - prev.time
-                useful += max(0.0, span - _overlap(prev.time, cur.time, paused[unit]))
+        for prev, cur in advancing:
+            span = cur.time - prev.time
+            useful += max(0.0, span - _overlap(prev.time, cur.time, paused[unit]))
         useful_total += useful
         total += unit_total
         if unit in unit_started:
@@ -74,12 +82,9 @@ def compute_goodput(
 
 
 def count_rejoins(heartbeats: Sequence[Heartbeat]) -> int:
-    """Attempts after the first that reached the syncer (sent a heartbeat): a unit rejoined."""
-    attempts = {(hb.unit, hb.attempt) for hb in heartbeats}
-    firsts: dict[str, int] = {}
-    for unit, attempt in attempts:
-        firsts[unit] = min(attempt, firsts.get(unit, attempt))
-    return sum(1 for unit, attempt in attempts if attempt > firsts[unit])
+    """Restarted attempts (attempt > 0, numbered by the planner from 0) that reached the syncer
+    again, i.e. rejoined the run."""
+    return len({(hb.unit, hb.attempt) for hb in heartbeats if hb.attempt > 0})
 
 
 def final_loss(samples: Sequence[GlobalSample]) -> float | None:

@@ -15,7 +15,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,10 +25,11 @@ from diloco_operator.local.chaos import ChaosScheduler, ChaosSettings, Fault
 from diloco_operator.local.display import UnitRow, View, render
 from diloco_operator.local.manifest import LocalRun
 from diloco_operator.local.processes import ProcessTable
-from diloco_operator.local.recorder import Recorder
+from diloco_operator.local.recorder import Event, Recorder
 from diloco_operator.local.report import write_report
 from diloco_operator.local.syncer_client import SyncerClient, free_port
 from diloco_operator.planner import (
+    Action,
     CreateSyncer,
     CreateUnit,
     DeleteUnit,
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 SYNCER = "syncer"
 # Exit code of both programs for a config error (docs/contracts.md): restarting cannot help.
 CONFIG_ERROR_EXIT = 2
+# A learner busy in an XLA compile can take seconds to act on SIGTERM; then it gets SIGKILL.
+UNIT_STOP_GRACE = 5.0
 # Planner event reasons under the names the report counts (others keep their reason).
 EVENT_KINDS = {
     "UnitOffline": "unit-failed",
@@ -155,6 +158,8 @@ class LocalRuntime:
         self.status = DilocoRunStatus()
         self.started_at = time.time()
         self.recorder = Recorder(self.started_at, self.report_dir / "events.jsonl")
+        if not options.live:
+            self.recorder.on_event = self._print_event
         self.unit_started: dict[str, float] = {}
         self.attempts: dict[str, int] = {}
         self.exit_codes: dict[str, int] = {}
@@ -220,26 +225,28 @@ class LocalRuntime:
         self.exit_codes.pop(action.name, None)
         self.unit_started.setdefault(action.name, now)
 
-    def _delete_unit(self, action: DeleteUnit, now: float) -> None:
-        if action.name in self.procs:
-            self.procs.stop(action.name, grace_seconds=2.0)
-        self.resume_at.pop(action.name, None)
-        self.exit_codes.pop(action.name, None)
-        self._forget(action.name)
+    def _delete_units(self, names: list[str]) -> None:
+        """Stop the units' process groups together; afterwards they are Missing to the planner."""
+        self.procs.stop(names, grace_seconds=UNIT_STOP_GRACE)
+        for name in names:
+            self.resume_at.pop(name, None)
+            self.exit_codes.pop(name, None)
+            self._forget(name)
 
     def _forget(self, name: str) -> None:
         """After a delete the unit is Missing to the planner until it is created again."""
         self.attempts.pop(name, None)
         self.ready.discard(name)
 
-    def apply(self, actions: Any, now: float) -> None:
+    def apply(self, actions: Sequence[Action], now: float) -> None:
+        # Deletes first and together (one grace period for all), then creates and events; a
+        # plan never creates and deletes the same unit in one pass.
+        self._delete_units([a.name for a in actions if isinstance(a, DeleteUnit)])
         for action in actions:
             if isinstance(action, CreateSyncer):
                 self._start_syncer(now)
             elif isinstance(action, CreateUnit):
                 self._start_unit(action, now)
-            elif isinstance(action, DeleteUnit):
-                self._delete_unit(action, now)
             elif isinstance(action, EmitEvent):
                 kind = EVENT_KINDS.get(action.reason, action.reason)
                 self.recorder.event(now, kind, action.unit, action.message, type=action.type)
@@ -437,6 +444,16 @@ class LocalRuntime:
             events=self.recorder.events[-8:],
             chaos=chaos,
             report_dir=str(self.report_dir),
+        )
+
+    def _print_event(self, ev: Event) -> None:
+        """Plain output (no terminal): one key=value line per event."""
+        self.console.print(
+            f"elapsed={ev.time - self.started_at:.1f} event={ev.kind} unit={ev.unit or '-'} "
+            f"message={ev.message!r}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
         )
 
     # --- main loop --------------------------------------------------------------------------
