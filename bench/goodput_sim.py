@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from bench.common import BenchContext, Section, md_table
 from diloco_operator import simulator as sim
+
+from bench.common import BenchContext, Section, md_table
 
 
 def run(ctx: BenchContext) -> Section:

@@ -1,0 +1,141 @@
+"""Real pieces for the benchmarks: a `diloco-syncer` process on a loopback port, and
+in-process learner runs against it (`run_learner`, real HTTP) with their progress records."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from diloco_trainer.config import TrainingConfig
+
+TOKEN = "bench-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class SyncerProc:
+    url: str
+    proc: subprocess.Popen[bytes]
+    workdir: Path
+
+    def status(self) -> dict[str, Any]:
+        import json
+
+        req = urllib.request.Request(
+            f"{self.url}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            out: dict[str, Any] = json.loads(resp.read())
+            return out
+
+
+@contextmanager
+def syncer(cfg: TrainingConfig, nice: int = 0) -> Iterator[SyncerProc]:
+    """Start `diloco-syncer` for `cfg` on 127.0.0.1, wait for /healthz, stop it with SIGTERM."""
+    with tempfile.TemporaryDirectory(prefix="diloco-bench-") as tmp:
+        work = Path(tmp)
+        config = work / "run.yaml"
+        config.write_text(yaml.safe_dump(cfg.to_wire()))
+        port = free_port()
+        log_file = (work / "syncer.log").open("wb")
+        cmd = [sys.executable, "-m", "diloco_trainer.syncer_main", "--config", str(config)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--token", TOKEN]
+        cmd += ["--checkpoint-dir", str(work / "ckpt"), "--log-level", "WARNING"]
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        proc = subprocess.Popen(
+            ["nice", "-n", str(nice), *cmd] if nice else cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(url, proc, work / "syncer.log")
+            yield SyncerProc(url, proc, work)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log_file.close()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"syncer exited with {proc.returncode}: {log_path.read_text()[-2000:]}"
+            )
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("syncer did not become healthy within 120 s")
+
+
+_PROGRESS = re.compile(r"event=progress .*?step=(\d+) ")
+
+
+class ProgressRecorder(logging.Handler):
+    """Collects (wall time, step) from the learner's `event=progress` log records."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.points: list[tuple[float, int]] = []
+        self._lock2 = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        m = _PROGRESS.search(record.getMessage())
+        if m:
+            with self._lock2:
+                self.points.append((record.created, int(m.group(1))))
+
+    def steady_steps_per_sec(self, skip: int = 2) -> float:
+        """Steps/s between the `skip`-th progress record and the last (compile and the first
+        syncs excluded)."""
+        pts = self.points[skip:]
+        if len(pts) < 2:
+            raise RuntimeError(f"too few progress records ({len(self.points)}) to time the learner")
+        (t0, s0), (t1, s1) = pts[0], pts[-1]
+        return (s1 - s0) / (t1 - t0)
+
+
+@contextmanager
+def recording() -> Iterator[ProgressRecorder]:
+    rec = ProgressRecorder()
+    logger = logging.getLogger("diloco_trainer.learner")
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(rec)
+    try:
+        yield rec
+    finally:
+        logger.removeHandler(rec)
+        logger.setLevel(old_level)
