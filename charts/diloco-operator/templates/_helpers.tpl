@@ -1,0 +1,74 @@
+{{- define "diloco-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "diloco-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "diloco-operator.labels" -}}
+app.kubernetes.io/name: {{ include "diloco-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "diloco-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "diloco-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "diloco-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "diloco-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* What the operator does inside a namespace it manages: nothing more. */}}
+{{- define "diloco-operator.namespacedRules" -}}
+# DilocoRuns: watched; kopf patches its annotations/finalizer; status written once per pass.
+- apiGroups: ["diloco.dev"]
+  resources: ["dilocoruns"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["diloco.dev"]
+  resources: ["dilocoruns/status"]
+  verbs: ["get", "patch"]
+# Learner units: Indexed Jobs (watched, created, deleted) and their pods (watched).
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["list", "watch", "create", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch"]
+# Unit subdomains and the syncer Service.
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["create", "delete"]
+# The syncer: Deployment (watched for readiness), token Secret (read to poll its status),
+# config and checkpoint storage.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["list", "watch", "create"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
+- apiGroups: [""]
+  resources: ["configmaps", "persistentvolumeclaims"]
+  verbs: ["create"]
+# Events about runs and units.
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create"]
+{{- if .Values.ha.enabled }}
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
+{{- end -}}
