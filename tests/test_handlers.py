@@ -328,3 +328,16 @@ def test_cli_options() -> None:
         parse_args(["--poll-interval", "0"])
     with pytest.raises(SystemExit):
         parse_args(["-A", "-n", "x"])
+
+
+def test_operator_imports_without_jax() -> None:
+    """The operator image has no JAX: importing every operator module must not pull it in."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, diloco_operator.main, diloco_operator.crdgen;"
+        "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')];"
+        "sys.exit(1 if bad else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
