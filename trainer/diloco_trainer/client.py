@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import threading
 import urllib.parse
 from collections.abc import Mapping
@@ -245,6 +246,8 @@ class SyncerClient:
     def heartbeat(
         self, step: int, tokens: int, tokens_per_sec: float, loss: float | None
     ) -> HeartbeatReply:
+        if loss is not None and not math.isfinite(loss):
+            loss = None  # JSON has no NaN; a diverged loss shows as unknown
         r = self._post_json(
             "/v1/heartbeat",
             {

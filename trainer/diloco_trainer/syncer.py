@@ -97,6 +97,7 @@ class Syncer:
         store: CheckpointStore | None = None,
         init_fn: InitFn = default_init,
         eval_fn: EvalFn | None = default_eval,
+        restore: Snapshot | None = None,
     ) -> None:
         if not token:
             raise ValueError("token: a bearer token is required")
@@ -121,10 +122,10 @@ class Syncer:
         self._saved_mark: tuple[int, int, int] | None = None
         self._save_lock = asyncio.Lock()
         self._background: list[asyncio.Task[None]] = []
-        if store is not None:
-            snap = store.load_latest()
-            if snap is not None:
-                self._restore(snap)
+        # `restore` lets the caller read (and vet) the checkpoint before paying for model init.
+        snap = restore if restore is not None else (store.load_latest() if store else None)
+        if snap is not None:
+            self._restore(snap)
         self._publish_gauges()
 
     def _new_fragment(

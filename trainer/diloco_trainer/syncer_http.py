@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -146,7 +147,9 @@ async def params(request: web.Request) -> web.Response:
     for f in s.frags:
         snap.update(f.params)
     versions = s.versions()
-    payload = await request.app.loop.run_in_executor(None, encode_params, snap, versions, None)
+    payload = await asyncio.get_running_loop().run_in_executor(
+        None, encode_params, snap, versions, None
+    )
     s.bytes_sent += len(payload)
     s.metrics.bytes_out.inc(len(payload))
     return _tensors(payload, **{"X-Diloco-Versions": json.dumps(versions)})

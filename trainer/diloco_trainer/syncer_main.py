@@ -123,13 +123,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"diloco-syncer: config error: {exc}", file=sys.stderr)
         return 2
+    store = CheckpointStore(ckpt_path, cfg.checkpoint.keep)
+    try:
+        snapshot = store.load_latest()  # before importing JAX: a bad checkpoint dir fails fast
+    except CheckpointError as exc:
+        print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
+        return 1
     from diloco_trainer.syncer import Syncer
 
     try:
-        syncer = Syncer(cfg, token, run=name, store=CheckpointStore(ckpt_path, cfg.checkpoint.keep))
-    except (CheckpointError, ValueError) as exc:
+        syncer = Syncer(cfg, token, run=name, store=store, restore=snapshot)
+    except ValueError as exc:  # a checkpoint that does not fit this config
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ValueError) else 1
+        return 2
     try:
         asyncio.run(serve(syncer, args.host, port))
     finally:

@@ -1,0 +1,426 @@
+"""The syncer in-process on a loopback port, driven through the real HTTP client.
+
+Every bad input must get its 4xx and leave the global parameters and versions untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+from aiohttp import web
+from diloco_trainer.client import SyncerClient, SyncerRejected
+from diloco_trainer.config import TrainingConfig
+from diloco_trainer.fragments import pack_fragments
+from diloco_trainer.merge import Contribution, merge_fragment
+from diloco_trainer.model import init_params
+from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.syncer import Syncer
+from diloco_trainer.wire import PushHeader, encode_push, encode_tensors
+
+T = TypeVar("T")
+TOKEN = "test-token"
+
+
+def tiny_cfg(**overrides: Any) -> TrainingConfig:
+    raw: dict[str, Any] = {
+        "model": {"preset": "tiny", "dModel": 16, "nLayers": 1, "nHeads": 2, "seqLen": 8},
+        "fragments": 3,
+        "quorum": 1,
+        "maxStaleness": 1,
+        "grace": {"mode": "none", "maxSeconds": 0.5},
+        "totalSteps": 100,
+        "eval": {"everySeconds": None},
+    }
+    raw.update(overrides)
+    return TrainingConfig.model_validate(raw)
+
+
+class LiveSyncer:
+    """A Syncer served by aiohttp on 127.0.0.1 from a background event-loop thread."""
+
+    def __init__(self, syncer: Syncer) -> None:
+        self.syncer = syncer
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runner = web.AppRunner(syncer.app())
+        self.port: int = self.run(self._start())
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def _start(self) -> int:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return int(self.runner.addresses[0][1])
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def client(self, unit: str = "unit-0", attempt: int = 0, token: str = TOKEN) -> SyncerClient:
+        return SyncerClient(self.url, token, unit, attempt)
+
+    def raw(
+        self, method: str, path: str, body: bytes | None = None, token: str | None = TOKEN
+    ) -> tuple[int, dict[str, Any]]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        conn.request(method, path, body=body, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            parsed = {"raw": data}
+        return resp.status, parsed
+
+    def close(self) -> None:
+        self.run(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.syncer.close()
+
+
+@pytest.fixture
+def live(request: pytest.FixtureRequest) -> Iterator[LiveSyncer]:
+    cfg = tiny_cfg(**getattr(request, "param", {}))
+    server = LiveSyncer(Syncer(cfg, TOKEN, run="test-run", store=None, eval_fn=None))
+    yield server
+    server.close()
+
+
+def fragment_delta(
+    live: LiveSyncer, p: int, scale: float = 0.01, seed: int = 0
+) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        n: (rng.normal(size=live.syncer.shapes[n]) * scale).astype(np.float32)
+        for n in live.syncer.frags[p].names
+    }
+
+
+def global_state(live: LiveSyncer) -> tuple[dict[str, np.ndarray], list[int]]:
+    return live.client("observer").pull_all()
+
+
+def assert_unchanged(live: LiveSyncer, before: tuple[dict[str, np.ndarray], list[int]]) -> None:
+    params, versions = global_state(live)
+    assert versions == before[1]
+    for k, v in before[0].items():
+        np.testing.assert_array_equal(params[k], v)
+    assert all(not f.pending for f in live.syncer.frags)
+
+
+def wait_until(cond: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def test_join_and_pull_give_the_initial_model(live: LiveSyncer) -> None:
+    cfg = live.syncer.cfg
+    reply = live.client().join()
+    init = init_params(cfg.model, cfg.seed)
+    assert reply.run == "test-run" and reply.versions == [0, 0, 0] and not reply.complete
+    assert reply.layout == pack_fragments({k: v.shape for k, v in init.items()}, 3)
+    assert reply.scheme == "none" and reply.max_staleness == 1
+    params, versions = live.client().pull_all()
+    assert versions == [0, 0, 0]
+    for k, v in init.items():
+        np.testing.assert_array_equal(params[k], v)
+
+
+def test_push_merges_and_long_poll_delivers(live: LiveSyncer) -> None:
+    c = live.client()
+    c.join()
+    assert c.poll(1, 0, wait=0.2) is None  # nothing new: 204 after the wait
+    before, _ = c.pull_all()
+    delta = fragment_delta(live, 1)
+    reply = c.push(1, 0, delta, c_steps=5, c_tokens=320)
+    assert reply.accepted and not reply.duplicate
+    got = c.poll(1, 0, wait=5)
+    assert got is not None and got[0] == 1
+    # K=1, one learner: the merged delta is the delta itself; Nesterov first step = lr*(1+mu)*delta.
+    lr, mu = 0.7, 0.9
+    for name, value in got[1].items():
+        np.testing.assert_allclose(
+            value, before[name] - lr * (1 + mu) * delta[name], rtol=1e-5, atol=1e-7
+        )
+    assert live.client("x").status()["fragments"][1]["version"] == 1
+
+
+def _valid_push(
+    live: LiveSyncer, p: int = 0, base: int = 0, unit: str = "unit-0", scheme: str = "none"
+) -> bytes:
+    header = PushHeader(p, base, 3, 96, scheme, unit, 0)  # type: ignore[arg-type]
+    return encode_push(header, fragment_delta(live, p), 32)[0]
+
+
+def _meta(p: int = 0, base: int = 0) -> dict[str, str]:
+    return {"kind": "push", "fragment": str(p), "baseVersion": str(base), "cSteps": "1", "cTokens": "8",
+            "scheme": "none", "unit": "unit-0", "attempt": "0"}  # fmt: skip
+
+
+def _with(live: LiveSyncer, p: int, **changes: np.ndarray | None) -> bytes:
+    delta: dict[str, np.ndarray] = dict(fragment_delta(live, p))
+    for k, v in changes.items():
+        if v is None:
+            delta.pop(k.replace("__", "."))
+        else:
+            delta[k.replace("__", ".")] = v
+    return encode_tensors(delta, _meta(p))
+
+
+def bad_requests(live: LiveSyncer) -> list[tuple[str, str, bytes | None, str | None, int, str]]:
+    """(label, path, body, token, expected status, expected reason)."""
+    names = live.syncer.frags[0].names
+    first = names[0]
+    shape = live.syncer.shapes[first]
+    good = _valid_push(live)
+
+    def replace(value: np.ndarray) -> bytes:
+        delta = fragment_delta(live, 0)
+        delta[first] = value
+        return encode_tensors(delta, _meta())
+
+    nan = np.zeros(shape, np.float32)
+    nan.flat[0] = np.nan
+    inf = np.zeros(shape, np.float32)
+    inf.flat[-1] = np.inf
+    missing = fragment_delta(live, 0)
+    missing.pop(first)
+    extra = {**fragment_delta(live, 0), "not.a.leaf": np.zeros(3, np.float32)}
+    quant_nan = bytearray(_valid_push(live, scheme="int8"))
+    return [
+        ("no token", "/v1/fragments/0/push", good, None, 401, "unauthorized"),
+        ("wrong token", "/v1/fragments/0/push", good, "nope", 401, "unauthorized"),
+        ("unknown fragment", "/v1/fragments/7/push", good, TOKEN, 404, "unknown_fragment"),
+        ("non-numeric fragment", "/v1/fragments/x/push", good, TOKEN, 404, "unknown_fragment"),
+        (
+            "shape mismatch",
+            "/v1/fragments/0/push",
+            replace(np.zeros((*shape, 2), np.float32)),
+            TOKEN,
+            422,
+            "mismatch",
+        ),
+        (
+            "dtype mismatch",
+            "/v1/fragments/0/push",
+            replace(np.zeros(shape, np.float64)),
+            TOKEN,
+            422,
+            "mismatch",
+        ),
+        (
+            "missing tensor",
+            "/v1/fragments/0/push",
+            encode_tensors(missing, _meta()),
+            TOKEN,
+            422,
+            "mismatch",
+        ),
+        (
+            "extra tensor",
+            "/v1/fragments/0/push",
+            encode_tensors(extra, _meta()),
+            TOKEN,
+            422,
+            "mismatch",
+        ),
+        ("NaN", "/v1/fragments/0/push", replace(nan), TOKEN, 422, "non_finite"),
+        ("Inf", "/v1/fragments/0/push", replace(inf), TOKEN, 422, "non_finite"),
+        (
+            "future base",
+            "/v1/fragments/0/push",
+            _valid_push(live, base=5),
+            TOKEN,
+            409,
+            "future_base",
+        ),
+        (
+            "oversized",
+            "/v1/fragments/0/push",
+            b"\0" * (live.syncer.frags[0].max_body + 1),
+            TOKEN,
+            413,
+            "too_large",
+        ),
+        ("garbage", "/v1/fragments/0/push", b"this is not safetensors", TOKEN, 400, "malformed"),
+        ("truncated", "/v1/fragments/0/push", good[: len(good) // 2], TOKEN, 400, "malformed"),
+        ("fragment differs from URL", "/v1/fragments/1/push", good, TOKEN, 400, "malformed"),
+        (
+            "quantized NaN scale",
+            "/v1/fragments/0/push",
+            _nan_scale(bytes(quant_nan)),
+            TOKEN,
+            422,
+            "non_finite",
+        ),
+    ]
+
+
+def _nan_scale(payload: bytes) -> bytes:
+    from diloco_trainer.wire import decode_tensors
+
+    tensors, meta = decode_tensors(payload)
+    key = next(k for k in tensors if k.startswith("s/"))
+    tensors[key] = tensors[key].copy()
+    tensors[key][0] = np.nan
+    return encode_tensors(tensors, {k: v for k, v in meta.items() if k != "format"})
+
+
+def test_every_bad_push_is_refused_and_never_applied(live: LiveSyncer) -> None:
+    before = global_state(live)
+    for label, path, body, token, status, reason in bad_requests(live):
+        got_status, reply = live.raw("POST", path, body, token)
+        assert (got_status, reply.get("reason")) == (status, reason), label
+        assert reply.get("error"), f"{label}: the 4xx must carry a message"
+    assert_unchanged(live, before)
+    text = live.raw("GET", "/healthz")[1]  # still serving
+    assert text == {"raw": b"ok"} or text == "ok"
+
+
+def test_stale_base_is_refused(live: LiveSyncer) -> None:
+    c = live.client()
+    c.join()
+    for base in (0, 1):  # two merges of fragment 0: version 2; maxStaleness 1 -> base 0 too old
+        c.push(0, base, fragment_delta(live, 0, seed=base), 2, 64)
+        assert c.poll(0, base, wait=5) is not None
+    before = global_state(live)
+    with pytest.raises(SyncerRejected) as err:
+        c.push(0, 0, fragment_delta(live, 0, seed=9), 3, 96)  # more steps: not a retry
+    assert (
+        err.value.status == 409
+        and err.value.reason == "stale"
+        and "maxStaleness" in err.value.message
+    )
+    assert_unchanged(live, before)
+    assert c.push(0, 1, fragment_delta(live, 0, seed=3), 2, 64).accepted  # within the bound: fine
+
+
+def test_bad_json_endpoints_name_the_field(live: LiveSyncer) -> None:
+    status, reply = live.raw(
+        "POST", "/v1/heartbeat", json.dumps({"unit": "u", "step": "many", "tokens": 1}).encode()
+    )
+    assert status == 400 and "step" in reply["error"]
+    status, reply = live.raw("POST", "/v1/join", b"{not json")
+    assert status == 400 and reply["reason"] == "malformed"
+    status, reply = live.raw("POST", "/v1/join", json.dumps({"attempt": 0}).encode())
+    assert status == 400 and "unit" in reply["error"]
+    status, _ = live.raw("GET", "/v1/fragments/0?after=0&wait=-1")
+    assert status == 400
+    status, _ = live.raw("GET", "/v1/params", token="wrong")
+    assert status == 401
+
+
+@pytest.mark.parametrize("live", [dict(quorum=2)], indirect=True)
+def test_duplicate_push_is_idempotent_and_newest_push_per_learner_wins(live: LiveSyncer) -> None:
+    c = live.client()
+    c.join()
+    body = _valid_push(live)
+    s1, r1 = live.raw("POST", "/v1/fragments/0/push", body)
+    s2, r2 = live.raw("POST", "/v1/fragments/0/push", body)
+    assert (s1, r1["duplicate"], s2, r2["duplicate"]) == (200, False, 200, True)
+    assert len(live.syncer.frags[0].pending) == 1
+    newer = fragment_delta(live, 0, seed=42)
+    c.push(0, 0, newer, c_steps=6, c_tokens=192)  # same learner again before any merge
+    pending = live.syncer.frags[0].pending
+    assert list(pending) == ["unit-0"] and pending["unit-0"].header.c_steps == 6
+    assert live.syncer.frags[0].version == 0  # one learner is not a quorum of 2
+
+
+@pytest.mark.parametrize(
+    "live", [dict(quorum=2, grace={"mode": "fixed", "maxSeconds": 20.0})], indirect=True
+)
+def test_quorum_two_waits_for_a_straggler_within_grace(live: LiveSyncer) -> None:
+    units = ["unit-0", "unit-1", "unit-2"]
+    clients = {u: live.client(u) for u in units}
+    for c in clients.values():
+        c.join()
+        c.heartbeat(1, 64, 100.0, 3.0)  # online
+    base, _ = clients["unit-0"].pull_all()
+    deltas = {u: fragment_delta(live, 2, seed=i) for i, u in enumerate(units)}
+    counters = {"unit-0": (4, 256), "unit-1": (4, 128), "unit-2": (2, 128)}
+    clients["unit-0"].push(2, 0, deltas["unit-0"], *counters["unit-0"])
+    assert live.syncer.frags[2].merge_task is None  # below quorum
+    clients["unit-1"].push(2, 0, deltas["unit-1"], *counters["unit-1"])
+    time.sleep(0.3)  # quorum met: the grace window is open, nothing merged yet
+    assert live.syncer.frags[2].version == 0 and live.syncer.frags[2].merge_task is not None
+    t0 = time.monotonic()
+    clients["unit-2"].push(2, 0, deltas["unit-2"], *counters["unit-2"])
+    got = clients["unit-0"].poll(2, 0, wait=5)
+    # Everyone online has pushed: the merge does not sit out the 20 s grace window (the
+    # bound is loose because the first outer step of a fragment includes its jit compile).
+    assert got is not None and got[0] == 1 and time.monotonic() - t0 < 10.0
+    expected = merge_fragment(
+        [Contribution(deltas[u], *counters[u]) for u in units], method="rda", token_weighting=True
+    )
+    opt = OuterOptimizer(0.7, 0.9, True)
+    frag_base = {n: base[n] for n in live.syncer.frags[2].names}
+    want, _ = opt.step(frag_base, opt.init(frag_base), expected)
+    for n, v in want.items():
+        np.testing.assert_allclose(got[1][n], v, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "live", [dict(quorum=2, grace={"mode": "fixed", "maxSeconds": 0.4})], indirect=True
+)
+def test_grace_expires_without_the_straggler(live: LiveSyncer) -> None:
+    for u in ("unit-0", "unit-1", "unit-2"):
+        live.client(u).heartbeat(1, 64, 100.0, None)
+    live.client("unit-0").push(1, 0, fragment_delta(live, 1, seed=1), 1, 64)
+    live.client("unit-1").push(1, 0, fragment_delta(live, 1, seed=2), 1, 64)
+    t0 = time.monotonic()
+    got = live.client("unit-0").poll(1, 0, wait=5)
+    waited = time.monotonic() - t0
+    assert got is not None and got[0] == 1
+    assert 0.2 < waited < 2.0
+
+
+def test_heartbeats_count_across_attempts_and_complete_the_run(live: LiveSyncer) -> None:
+    a0, a1, other = live.client("unit-0", 0), live.client("unit-0", 1), live.client("unit-1")
+    a0.heartbeat(40, 40 * 64, 1000.0, 3.0)
+    a0.heartbeat(30, 30 * 64, 1000.0, 3.0)  # out of order: maxima per attempt are kept
+    a1.heartbeat(20, 20 * 64, 900.0, 2.5)  # restarted unit: attempt 1 counts from zero again
+    r = other.heartbeat(30, 30 * 64, 1100.0, float("nan"))
+    assert not r.complete
+    status = other.status()
+    assert set(status) == {
+        "run", "outerStep", "steps", "tokens", "loss", "trainLoss", "complete", "time",
+        "fragments", "learners", "bytesReceived", "bytesSent",
+    }  # fmt: skip
+    assert status["steps"] == 90 and status["tokens"] == 90 * 64
+    assert (
+        status["learners"]["unit-0"]["step"] == 60 and status["learners"]["unit-0"]["attempt"] == 1
+    )
+    assert set(status["learners"]["unit-0"]) == {
+        "attempt", "group", "lastHeartbeat", "ageSeconds", "step", "tokens", "tokensPerSec", "loss",
+    }  # fmt: skip
+    assert status["learners"]["unit-1"]["loss"] is None
+    assert status["trainLoss"] == pytest.approx(2.5)
+    assert status["loss"] is None and status["complete"] is False
+    assert other.heartbeat(40, 40 * 64, 1100.0, 2.0).complete  # 100 = totalSteps
+    assert live.client("late").join().complete
+
+
+def test_metrics_count_rejections_and_merges(live: LiveSyncer) -> None:
+    c = live.client()
+    live.raw("POST", "/v1/fragments/0/push", b"junk")
+    c.push(0, 0, fragment_delta(live, 0), 1, 8)
+    wait_until(lambda: live.syncer.frags[0].version == 1)
+    conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=5)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    assert 'diloco_syncer_pushes_total{reason="malformed",result="rejected"} 1.0' in text
+    assert 'diloco_syncer_merges_total{fragment="0"} 1.0' in text
+    assert "diloco_syncer_outer_step 1.0" in text

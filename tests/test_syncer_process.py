@@ -1,0 +1,194 @@
+"""`diloco-syncer` as a real process: SIGKILL + restart from checkpoint, SIGTERM, config errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from diloco_trainer import syncer_main
+from diloco_trainer.checkpoint import CheckpointStore
+from diloco_trainer.client import SyncerClient, SyncerUnavailable
+
+TOKEN = "process-token"
+
+
+def write_config(path: Path, **overrides: object) -> Path:
+    cfg: dict[str, object] = {
+        "model": {"preset": "tiny", "dModel": 16, "nLayers": 1, "nHeads": 2, "seqLen": 8},
+        "fragments": 2,
+        "quorum": 1,
+        "grace": {"mode": "none"},
+        "totalSteps": 1000,
+        "checkpoint": {"everySeconds": 0.3, "keep": 2},
+        "eval": {"everySeconds": None},
+    }
+    cfg.update(overrides)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+class SyncerProcess:
+    def __init__(self, config: Path, ckpt: Path, log: Path, port: int = 0) -> None:
+        self.log = log
+        self.offset = log.stat().st_size if log.exists() else 0  # earlier runs share the log
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "DILOCO_TOKEN": TOKEN}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "diloco_trainer.syncer_main", "--config", str(config),
+             "--host", "127.0.0.1", "--port", str(port), "--checkpoint-dir", str(ckpt)],
+            stdout=subprocess.DEVNULL, stderr=log.open("ab"), env=env,
+        )  # fmt: skip
+        self.port = self._wait_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _wait_port(self, timeout: float = 90.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"syncer exited {self.proc.returncode}:\n{self.log.read_text()}"
+                )
+            ports = re.findall(r"event=listening host=\S+ port=(\d+)", self._new_output())
+            if ports:
+                return int(ports[-1])
+            time.sleep(0.1)
+        raise AssertionError(f"syncer did not start:\n{self.log.read_text()}")
+
+    def _new_output(self) -> str:
+        with self.log.open("rb") as f:
+            f.seek(self.offset)
+            return f.read().decode(errors="replace")
+
+    def stop(self, sig: int) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(30)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[SyncerProcess]]:
+    started: list[SyncerProcess] = []
+    yield started
+    for p in started:
+        if p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait(10)
+
+
+def start(
+    procs: list[SyncerProcess], config: Path, ckpt: Path, log: Path, port: int = 0
+) -> SyncerProcess:
+    p = SyncerProcess(config, ckpt, log, port)
+    procs.append(p)
+    return p
+
+
+def delta_for(
+    client: SyncerClient, layout: list[list[str]], p: int, seed: int
+) -> dict[str, np.ndarray]:
+    shapes = client.join().shapes
+    rng = np.random.default_rng(seed)
+    return {n: (rng.normal(size=shapes[n]) * 0.01).astype(np.float32) for n in layout[p]}
+
+
+def test_sigkill_then_restart_loses_no_checkpointed_version(
+    tmp_path: Path, procs: list[SyncerProcess]
+) -> None:
+    config, ckpt, log = (
+        write_config(tmp_path / "run.yaml"),
+        tmp_path / "ckpt",
+        tmp_path / "syncer.log",
+    )
+    first = start(procs, config, ckpt, log)
+    learner = SyncerClient(first.url, TOKEN, "unit-0", 0, timeout=5)
+    join = learner.join()
+    for i in range(3):  # fragment 0 -> version 3, fragment 1 -> version 3
+        for p in range(2):
+            learner.push(
+                p, i, delta_for(learner, join.layout, p, 10 * i + p), c_steps=4, c_tokens=4 * 64
+            )
+            assert learner.poll(p, i, wait=10) is not None
+    learner.heartbeat(12, 12 * 64, 500.0, 4.0)
+    store = CheckpointStore(ckpt)
+    deadline = time.monotonic() + 30
+    while True:  # wait until the periodic checkpoint has caught up with the state
+        snap = store.load_latest()
+        if snap is not None and snap.versions == [3, 3] and snap.learners:
+            break
+        assert time.monotonic() < deadline, "no checkpoint with versions [3, 3]"
+        time.sleep(0.1)
+    assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+    with pytest.raises(SyncerUnavailable):
+        learner.heartbeat(13, 13 * 64, 500.0, 4.0)  # the learner sees the outage as retryable
+
+    # Same address, so learners reconnect; periodic checkpoints off, to see the SIGTERM one.
+    quiet = write_config(tmp_path / "quiet.yaml", checkpoint={"everySeconds": 3600, "keep": 2})
+    second = start(procs, quiet, ckpt, log, port=first.port)
+    status = learner.status()
+    assert [f["version"] for f in status["fragments"]] == [3, 3]
+    assert status["steps"] == 12 and status["outerStep"] == 6
+    params, versions = learner.pull_all()
+    assert versions == [3, 3]
+    for name, value in snap.params.items():
+        np.testing.assert_array_equal(params[name], value)
+    # Training goes on: the outer optimizer state came back too, and new versions follow.
+    learner.join()
+    learner.push(0, 3, delta_for(learner, join.layout, 0, 99), 4, 256)
+    got = learner.poll(0, 3, wait=10)
+    assert got is not None and got[0] == 4
+    assert second.stop(signal.SIGTERM) == 0
+    final = store.load_latest()
+    assert final is not None and final.versions == [4, 3] and final.seq > snap.seq
+    np.testing.assert_array_equal(final.params[join.layout[0][0]], got[1][join.layout[0][0]])
+
+
+def test_config_errors_exit_2_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DILOCO_TOKEN", raising=False)
+    monkeypatch.delenv("DILOCO_TOKEN_FILE", raising=False)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"innerSteps": 0, "totalSteps": 10}))
+    assert syncer_main.main(["--config", str(bad), "--token", "t"]) == 2
+    assert "innerSteps" in capsys.readouterr().err
+    good = write_config(tmp_path / "good.yaml")
+    assert syncer_main.main(["--config", str(good)]) == 2
+    assert "token: required" in capsys.readouterr().err
+    monkeypatch.setenv("DILOCO_SYNCER_PORT", "http")
+    assert syncer_main.main(["--config", str(good), "--token", "t"]) == 2
+    assert "DILOCO_SYNCER_PORT" in capsys.readouterr().err
+
+
+def test_token_file_and_run_name_from_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DILOCO_TOKEN", raising=False)
+    monkeypatch.delenv("DILOCO_RUN", raising=False)
+    (tmp_path / "tok").write_text("s3cret\n")
+    monkeypatch.setenv("DILOCO_TOKEN_FILE", str(tmp_path / "tok"))
+    assert syncer_main.resolve_token(None) == "s3cret"
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(
+        yaml.safe_dump({"kind": "DilocoRun", "metadata": {"name": "llm-7"}, "spec": {}})
+    )
+    assert syncer_main.run_name(None, str(manifest)) == "llm-7"
+    assert syncer_main.run_name(None, str(write_config(tmp_path / "bare.yaml"))) == "bare"
+
+
+def test_checkpoint_dir_with_foreign_files_refuses_to_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "something.bin").write_bytes(b"x")
+    config = write_config(tmp_path / "run.yaml")
+    args = ["--config", str(config), "--token", "t", "--checkpoint-dir", str(ckpt)]
+    assert syncer_main.main(args) == 1
+    assert "no valid checkpoint" in capsys.readouterr().err
