@@ -301,3 +301,14 @@ def test_mixed_groups_give_fixed_groups_the_low_global_indices() -> None:
         ("r-v6e-0", 1, 2),
         ("r-v6e-1", 2, 2),
     ]
+
+
+def test_all_learners_stale_at_once_blames_the_syncer_not_the_units() -> None:
+    spec = make_spec(3)
+    observed, status = online_run(spec)
+    everyone_stale = SyncerReport(
+        learners={o.name: LearnerReport(attempt=0, age_seconds=500) for o in observed}
+    )
+    p = plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=everyone_stale)
+    assert not p.of_type(DeleteUnit)
+    assert p.status.phase == "Running"

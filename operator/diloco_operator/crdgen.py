@@ -84,7 +84,13 @@ RULES: dict[str, list[dict[str, str]]] = {
         {
             "rule": "has(self.totalSteps) || has(self.totalTokens)",
             "message": "set totalSteps or totalTokens: a run needs a budget",
-        }
+        },
+        {
+            # Learners and the syncer read it once; fragments or model changes mid-run would
+            # make their states incompatible. A different training is a new run.
+            "rule": "self == oldSelf",
+            "message": "training: immutable once the run exists; create a new DilocoRun",
+        },
     ],
     "DataConfig": [
         {

@@ -242,9 +242,14 @@ def observed_units(namespace: str, name: str, indexes: dict[str, Any]) -> list[A
     nodes_index = indexes["cluster_nodes"]
     nodes = {node: all(store) for node, store in nodes_index.items()}
     units = []
+    current = {job.name: job.attempt for job in jobs}
     for job in jobs:
         deleted = STATE.deleted_pods.get((namespace, job.name, job.attempt), set())
         units.append(observe_unit(job, pods, nodes, deleted))
+    # Forget deletions of attempts that have been replaced (keeps the memory bounded).
+    for ns, unit, attempt in list(STATE.deleted_pods):
+        if ns == namespace and unit in current and attempt < current[unit]:
+            del STATE.deleted_pods[(ns, unit, attempt)]
     return units
 
 

@@ -28,6 +28,16 @@ class Signal:
     message: str
 
 
+def heartbeats_trusted(report: SyncerReport | None, policy: FailurePolicy) -> bool:
+    """Whether stale heartbeats can be blamed on the units. When two or more learners are all
+    stale at once, the likelier culprit is the syncer (just restarted from a checkpoint, or cut
+    off): restarting every unit would only stop the run, so staleness is ignored then."""
+    if report is None or not report.learners:
+        return False
+    ages = [entry.age_seconds for entry in report.learners.values()]
+    return len(ages) < 2 or min(ages) <= policy.offline_after_seconds
+
+
 def failure_signal(
     obs: ObservedUnit | None,
     unit: UnitStatus,
@@ -43,7 +53,8 @@ def failure_signal(
         return Signal(obs.failure, obs.message or f"unit {unit.name}: {obs.failure}")
     if obs.phase == "Failed":
         return Signal(POD_FAILED, obs.message or f"unit {unit.name} failed")
-    learner = report.learners.get(unit.name) if report else None
+    trusted = heartbeats_trusted(report, policy)
+    learner = report.learners.get(unit.name) if report and trusted else None
     if (
         unit.state == "Online"
         and learner is not None
