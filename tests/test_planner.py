@@ -312,3 +312,23 @@ def test_all_learners_stale_at_once_blames_the_syncer_not_the_units() -> None:
     p = plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=everyone_stale)
     assert not p.of_type(DeleteUnit)
     assert p.status.phase == "Running"
+
+
+def test_replacement_created_before_a_lost_status_write_is_adopted_not_killed() -> None:
+    spec = make_spec(2)
+    observed, status = online_run(spec)
+    offline = plan(
+        "r",
+        spec,
+        [observed[0], running("r-default-1", phase="Failed")],
+        status,
+        T0 + 5,
+        syncer=SYNCER_UP,
+    )
+    assert unit(offline, "r-default-1").state == "Offline"
+    # The operator created attempt 1 and crashed before writing status: status still says Offline.
+    world = [observed[0], running("r-default-1", attempt=1, phase="Pending", ready=False)]
+    p = plan("r", spec, world, offline.status, T0 + 30, syncer=SYNCER_UP)
+    assert not p.of_type(DeleteUnit) and not p.of_type(CreateUnit)
+    assert (unit(p, "r-default-1").state, unit(p, "r-default-1").attempt) == ("Recreating", 1)
+    assert unit(p, "r-default-1").restarts == 1

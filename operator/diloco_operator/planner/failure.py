@@ -106,6 +106,17 @@ def recover(
 ) -> tuple[UnitStatus, list[Action], float | None]:
     """An Offline unit: keep deleting until it is gone, then after the backoff recreate it.
     Returns the unit, the actions and the seconds until it should be looked at again."""
+    if obs is not None and obs.attempt > unit.attempt and obs.phase != "Terminating":
+        # The replacement exists but its status write was lost (operator crash): adopt it.
+        adopted = unit.model_copy(
+            update={
+                "state": "Recreating",
+                "attempt": obs.attempt,
+                "restarts": unit.restarts + 1,
+                "since": at(now),
+            }
+        )
+        return adopted, [], None
     if obs is not None and obs.phase != "Missing":
         # Still there: (re)issue the delete unless it is already going; deleting is idempotent
         # and this also covers an operator that crashed between status write and delete.
