@@ -332,3 +332,54 @@ def test_replacement_created_before_a_lost_status_write_is_adopted_not_killed() 
     assert not p.of_type(DeleteUnit) and not p.of_type(CreateUnit)
     assert (unit(p, "r-default-1").state, unit(p, "r-default-1").attempt) == ("Recreating", 1)
     assert unit(p, "r-default-1").restarts == 1
+
+
+def test_random_crashes_and_failures_converge_without_duplicates() -> None:
+    """A simulated cluster: actions are applied partially and status writes are lost at random
+    (operator crashes), units fail at random. Invariants: a unit is never created while another
+    attempt of it still exists, and once failures stop everything converges to Running."""
+    import random
+
+    rng = random.Random(7)
+    spec = make_spec(4, failurePolicy={"maxUnitRestarts": 1000, "restartBackoffSeconds": 2})
+    world: dict[str, ObservedUnit] = {}
+    status: DilocoRunStatus | None = None
+    now = T0
+    for step in range(300):
+        now += 1
+        failing = step < 200
+        # The cluster moves: terminating units vanish, pending ones start, some fail.
+        for name, o in list(world.items()):
+            if o.phase == "Terminating":
+                del world[name]
+            elif o.phase == "Pending":
+                world[name] = running(name, attempt=o.attempt)
+            elif failing and rng.random() < 0.05:
+                world[name] = running(name, attempt=o.attempt, phase="Failed", ready=False)
+        p = plan("r", spec, list(world.values()), status, now, syncer=SYNCER_UP)
+        crash_at = rng.randrange(len(p.actions) + 1) if rng.random() < 0.2 else len(p.actions)
+        for action in p.actions[:crash_at]:
+            if isinstance(action, CreateUnit):
+                existing = world.get(action.name)
+                assert existing is None or existing.attempt == action.attempt, (
+                    step,
+                    action,
+                    existing,
+                )
+                if existing is None:
+                    world[action.name] = running(
+                        action.name, attempt=action.attempt, phase="Pending", ready=False
+                    )
+            elif isinstance(action, DeleteUnit) and action.name in world:
+                o = world[action.name]
+                world[action.name] = running(o.name, attempt=o.attempt, phase="Terminating")
+        if crash_at == len(p.actions):
+            status = p.status  # the single status write of the pass
+    assert status is not None and status.phase == "Running"
+    assert sorted(world) == [f"r-default-{i}" for i in range(4)]
+    assert all(u.state == "Online" for u in status.units)
+    assert sum(u.restarts for u in status.units) >= 10  # failures really happened
+    assert all(
+        o.attempt == u.attempt
+        for o, u in zip(sorted(world.values(), key=lambda o: o.name), status.units, strict=True)
+    )
