@@ -162,6 +162,12 @@ def cluster_nodes(name: str, body: Any, **_: Any) -> Any:
     return {name: ready}
 
 
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def run_changed(namespace: str | None, name: str, **_: Any) -> None:
+    # Spec edits (kubectl scale, apply) are acted on at once, not at the next poll.
+    wake(namespace, name)
+
+
 @kopf.on.event("", "v1", "nodes")
 def node_changed(type: str, body: Any, **_: Any) -> None:
     # A node going NotReady or away concerns whichever runs have pods on it: wake them all
