@@ -6,10 +6,10 @@ quorum is met, `quorum_elapsed` seconds of that budget are gone, and the merge p
 `sync_time`. So at most `overlap*step_time - quorum_elapsed - sync_time` remain for stragglers,
 never more than `grace.maxSeconds`.
 
-Within that slack we only wait as long as the missing learners are expected to need: each learner
-has an EMA of how late (after the quorum) its pushes usually arrive. Learners with no history might
-arrive any time, so they get the whole slack; learners expected later than the slack are not
-waited for at all.
+Within that slack we only wait as long as the missing learners are expected to need: a learner
+pushes fragment p every H of its steps, so it is expected at (its last push of p) + H * (its EMA
+step time). Learners with no history, or overdue ones, might arrive any moment, so they get the
+whole slack; learners expected later than the slack are not waited for at all.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def grace_window(
 ) -> float:
     """Seconds to wait after the quorum for the learners that have not pushed yet.
 
-    `missing_lateness`: per online learner that has not contributed, its expected lateness after
-    the quorum (None = unknown). No missing learners means nobody to wait for.
+    `missing_lateness`: per online learner that has not contributed, seconds until it is expected
+    to push (None = unknown or overdue). No missing learners means nobody to wait for.
     """
     if mode == "none" or not missing_lateness:
         return 0.0

@@ -24,7 +24,6 @@ class LearnerRecord:
     tokens_per_sec: float = 0.0
     loss: float | None = None
     step_time: Ema = field(default_factory=lambda: Ema(0.2))
-    lateness: Ema = field(default_factory=lambda: Ema(0.2))
     _last_hb: tuple[int, int, float] | None = None  # (attempt, step, time) of the previous beat
 
     @property
@@ -44,9 +43,7 @@ class LearnerRegistry:
 
     def get(self, unit: str) -> LearnerRecord:
         if unit not in self.records:
-            self.records[unit] = LearnerRecord(
-                unit, step_time=Ema(self.ema), lateness=Ema(self.ema)
-            )
+            self.records[unit] = LearnerRecord(unit, step_time=Ema(self.ema))
         return self.records[unit]
 
     def seen(self, unit: str, attempt: int, group: str, now: float) -> LearnerRecord:

@@ -81,6 +81,7 @@ class FragmentState:
     first_arrival: float | None = None
     first_unit: str | None = None
     quorum_time: float | None = None
+    last_push: dict[str, float] = field(default_factory=dict)  # unit -> arrival of its last push
     merge_task: asyncio.Task[None] | None = None
     all_in: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -118,7 +119,10 @@ class Syncer:
         self.bytes_received = 0
         self.bytes_sent = 0
         self._merge_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="merge")
-        self._aux_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="aux")
+        # Separate pools: a checkpoint write or an eval never queues behind the other or a decode.
+        self._decode_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="decode")
+        self._ckpt_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._eval_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eval")
         self._saved_mark: tuple[int, int, int] | None = None
         self._save_lock = asyncio.Lock()
         self._background: list[asyncio.Task[None]] = []
@@ -198,7 +202,7 @@ class Syncer:
             snap = self.snapshot()
             started = time.perf_counter()
             path = await asyncio.get_running_loop().run_in_executor(
-                self._aux_pool, self.store.save, snap
+                self._ckpt_pool, self.store.save, snap
             )
             self._saved_mark = mark
             self.metrics.checkpoints.inc()
@@ -319,7 +323,7 @@ class Syncer:
             )
         loop = asyncio.get_running_loop()
         try:
-            header, delta = await loop.run_in_executor(self._aux_pool, decode_push, body)
+            header, delta = await loop.run_in_executor(self._decode_pool, decode_push, body)
         except PayloadMismatch as exc:
             raise Reject(422, "mismatch", str(exc)) from exc
         except WireError as exc:
@@ -338,13 +342,11 @@ class Syncer:
         f.seen[key] = f.version
         while len(f.seen) > SEEN_PER_FRAGMENT:
             f.seen.popitem(last=False)
-        rec = self.learners.seen(
-            header.unit, header.attempt, self.learners.get(header.unit).group, now
-        )
-        rec.lateness.update(0.0 if f.quorum_time is None else now - f.quorum_time)
+        self.learners.seen(header.unit, header.attempt, self.learners.get(header.unit).group, now)
         if not f.pending:
             f.first_arrival, f.first_unit = now, header.unit
         f.pending[header.unit] = Pending(header, delta, now)  # newest push of a learner wins
+        f.last_push[header.unit] = now
         log.info(
             "event=push_accepted fragment=%d unit=%s attempt=%d base=%d version=%d c_steps=%d c_tokens=%d pending=%d scheme=%s",
             f.index, header.unit, header.attempt, header.base_version, f.version,
@@ -376,11 +378,21 @@ class Syncer:
             self.sync_time.value or 0.0,
             self.cfg.grace.max_seconds,
         )
-        lateness = [self.learners.get(u).lateness.value for u in missing]
+        lateness = [self._expected_arrival(f, u, now) for u in missing]
         grace = grace_window(self.cfg.grace.mode, self.cfg.grace.max_seconds, lateness, slack)
         self.metrics.grace_seconds.observe(grace)
         f.all_in = asyncio.Event()
         f.merge_task = asyncio.get_running_loop().create_task(self._merge_after(f, grace))
+
+    def _expected_arrival(self, f: FragmentState, unit: str, now: float) -> float | None:
+        """Seconds until `unit` is expected to push fragment f again: its last push of f plus H
+        steps at its EMA step time. None when unknown, or overdue (it may arrive any moment)."""
+        last = f.last_push.get(unit)
+        step_time = self.learners.get(unit).step_time.value
+        if last is None or step_time is None:
+            return None
+        eta = last + self.cfg.inner_steps * step_time - now
+        return eta if eta >= 0 else None
 
     async def _merge_after(self, f: FragmentState, grace: float) -> None:
         try:
@@ -466,7 +478,7 @@ class Syncer:
         step = self.outer_step
         eval_fn, cfg = self.eval_fn, self.cfg
         loss = await asyncio.get_running_loop().run_in_executor(
-            self._aux_pool, lambda: eval_fn(params, cfg, cfg.eval.batches)
+            self._eval_pool, lambda: eval_fn(params, cfg, cfg.eval.batches)
         )
         if math.isfinite(loss):
             self.eval_loss = float(loss)
@@ -499,7 +511,9 @@ class Syncer:
 
     def close(self) -> None:
         self._merge_pool.shutdown(wait=True)
-        self._aux_pool.shutdown(wait=True)
+        self._decode_pool.shutdown(wait=True)
+        self._ckpt_pool.shutdown(wait=True)
+        self._eval_pool.shutdown(wait=False, cancel_futures=True)
 
     def app(self) -> web.Application:
         from diloco_trainer.syncer_http import build_app
