@@ -86,14 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_resume_dir(path: Path) -> str | None:
-    """Why `path` cannot be resumed from, or None. The syncer checks the checkpoint contents
-    itself; here only what needs no knowledge of its format."""
+    """Why `path` cannot be resumed from, or None."""
     if not path.exists():
         return f"--resume-from: checkpoint directory {path} does not exist"
     if not path.is_dir():
         return f"--resume-from: {path} is not a directory"
     if not any(path.iterdir()):
         return f"--resume-from: checkpoint directory {path} is empty (no checkpoint to resume)"
+    # The syncer's own reader (numpy + safetensors, no JAX): a corrupt checkpoint is reported
+    # now, before anything starts, with the reader's message.
+    from diloco_trainer.checkpoint import CheckpointError, CheckpointStore
+
+    try:
+        CheckpointStore(path).load_latest()
+    except CheckpointError as exc:
+        return f"--resume-from: {exc}"
     return None
 
 

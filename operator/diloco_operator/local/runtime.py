@@ -490,6 +490,7 @@ class LocalRuntime:
         }
         complete = False
         reason = "unknown"
+        aborted: RunAborted | None = None
         try:
             with (
                 Live(
@@ -505,7 +506,7 @@ class LocalRuntime:
         except RunAborted as exc:
             reason = f"aborted: {exc}"
             self.recorder.event(time.time(), "aborted", None, str(exc))
-            raise
+            aborted = exc
         finally:
             # Ignore further Ctrl-C while stopping, so shutdown itself is never cut short.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -526,6 +527,8 @@ class LocalRuntime:
             exit_reason=reason,
         )
         self.recorder.close()
+        if aborted is not None:
+            raise aborted
         return RunResult(
             complete=complete, exit_reason=reason, report_dir=self.report_dir, summary=summary
         )
