@@ -212,7 +212,7 @@ def crd() -> dict[str, Any]:
     }
     columns = [
         ("Online", "integer", ".status.unitsOnline", "Units online"),
-        ("Units", "integer", ".spec.replicas", "Units of the first (scalable) group"),
+        ("Replicas", "integer", ".spec.replicas", "Units of the first (scalable) group"),
         ("Step", "integer", ".status.outerStep", "Outer step (sum of fragment versions)"),
         ("Loss", "number", ".status.loss", "Held-out loss of the global model"),
         ("Phase", "string", ".status.phase", "Run phase"),
@@ -248,7 +248,14 @@ def crd() -> dict[str, Any]:
                         },
                     },
                     "additionalPrinterColumns": [
-                        {"name": n, "type": t, "jsonPath": p, **({"description": d} if d else {})}
+                        {
+                            "name": n,
+                            "type": t,
+                            "jsonPath": p,
+                            **({"description": d} if d else {}),
+                            # Replicas only in -o wide: for mixed runs it is one group's count.
+                            **({"priority": 1} if n == "Replicas" else {}),
+                        }
                         for n, t, p, d in columns
                     ],
                 }
