@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -83,3 +84,50 @@ def broadcast_from_leader(tree: T) -> T:
 
     result: Any = multihost_utils.broadcast_one_to_all(tree)
     return result
+
+
+def exchange_arrivals(
+    arrivals: dict[int, tuple[int, dict[str, np.ndarray]]],
+    layout: list[list[str]],
+    shapes: Mapping[str, tuple[int, ...]],
+    stop: bool,
+) -> tuple[dict[int, tuple[int, dict[str, np.ndarray]]], bool]:
+    """The leader's newest fragment arrivals and stop flag, on every process of the unit.
+
+    Two broadcasts keep the structure identical everywhere: first a header (one version per
+    fragment, -1 = nothing new, plus the stop flag), then the arrays of exactly those fragments.
+    Non-leaders pass empty `arrivals`. Identity on a single process.
+    """
+    if jax.process_count() == 1:
+        return arrivals, stop
+    header = np.full(len(layout) + 1, -1, np.int64)
+    for fragment, (version, _) in arrivals.items():
+        header[fragment] = version
+    header[-1] = int(stop)
+    header = np.asarray(broadcast_from_leader(header))
+    chosen = [p for p in range(len(layout)) if header[p] >= 0]
+    payload = {
+        f"{p}/{name}": (
+            arrivals[p][1][name] if p in arrivals else np.zeros(shapes[name], np.float32)
+        )
+        for p in chosen
+        for name in layout[p]
+    }
+    payload = broadcast_from_leader(payload)
+    received = {
+        p: (int(header[p]), {name: np.asarray(payload[f"{p}/{name}"]) for name in layout[p]})
+        for p in chosen
+    }
+    return received, bool(header[-1])
+
+
+def enable_compilation_cache(env: Mapping[str, str] | None = None) -> None:
+    """Persist compiled XLA programs (~/.cache/diloco/jax unless JAX_COMPILATION_CACHE_DIR is
+    set): a restarted learner, or the next of several learners of one model, skips compiling."""
+    env = os.environ if env is None else env
+    if env.get("JAX_COMPILATION_CACHE_DIR"):
+        return  # JAX reads it itself
+    from diloco_trainer.data import cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,0 +1,241 @@
+"""The learner: inner AdamW steps on its own shard; fragments go out and come back in the background.
+
+    join + pull the global parameters (a fresh learner waits for the syncer, with backoff)
+    loop:
+        one train step (async dispatch; at most one step in flight)
+        for each fragment due now: hand (base_p, theta_p, counters_p) to the sender thread
+        install new global fragments the pollers received: overwrite theta_p (AdamW state kept),
+            base_p = new global, reset counters_p
+        heartbeat thread reports progress; stop when the syncer says the run is complete
+
+Once running, the loop never waits on the syncer: an unreachable syncer only means pushes are
+retried (newest per fragment kept) and nothing new arrives; training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from diloco_trainer.client import SyncerClient
+from diloco_trainer.config import TrainingConfig
+from diloco_trainer.data import train_batches
+from diloco_trainer.distributed import exchange_arrivals, is_leader
+from diloco_trainer.fragments import FragmentCounters, is_due, pack_fragments
+from diloco_trainer.model import init_params, param_shapes
+from diloco_trainer.sync_link import PendingPush, Progress, SyncLink, retry_until
+from diloco_trainer.train import (
+    check_batch_divisible,
+    init_opt_state,
+    make_mesh,
+    make_optimizer,
+    make_train_step,
+    place_params,
+    replicated,
+    shard_batch,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LearnerOptions:
+    syncer: str
+    token: str
+    unit: int
+    num_units: int
+    unit_name: str = ""
+    attempt: int = 0
+    group: str = "default"
+    slowdown: float = 1.0  # >= 1: sleep (slowdown-1) * step time after each step
+    log_every: int = 50
+    max_steps: int | None = None  # stop after this many local steps (benchmarks, debugging)
+
+    @property
+    def name(self) -> str:
+        return self.unit_name or f"unit-{self.unit}"
+
+
+@dataclass
+class LearnerResult:
+    steps: int
+    tokens: int
+    seconds: float
+    complete: bool
+    final_loss: float | None
+    versions: list[int]
+    link_stats: dict[str, int] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def learner_horizon(cfg: TrainingConfig, num_units: int) -> int:
+    """This learner's expected share of the run's inner steps (for the LR schedule)."""
+    if cfg.total_steps is not None:
+        total = cfg.total_steps
+    else:
+        assert cfg.total_tokens is not None
+        total = -(-cfg.total_tokens // cfg.tokens_per_step)
+    return max(1, -(-total // num_units))
+
+
+def join_and_pull(
+    client: SyncerClient, stop: threading.Event
+) -> tuple[list[list[str]], dict[str, np.ndarray], list[int], bool] | None:
+    """Join the run and fetch the current global parameters, retrying while unreachable."""
+    joined = retry_until(client.join, stop, "join")
+    if joined is None:
+        return None
+    if joined.complete:
+        return joined.layout, {}, joined.versions, True
+    pulled = retry_until(client.pull_all, stop, "pull")
+    if pulled is None:
+        return None
+    return joined.layout, pulled[0], pulled[1], False
+
+
+def run_learner(
+    cfg: TrainingConfig, opts: LearnerOptions, stop: threading.Event | None = None
+) -> LearnerResult:
+    stop = stop or threading.Event()
+    leader = is_leader()
+    started = time.monotonic()
+    shapes = param_shapes(cfg.model)
+    client = SyncerClient(opts.syncer, opts.token, opts.name, opts.attempt, opts.group)
+
+    # ---- start: the leader joins and pulls; other hosts of the unit get the same via broadcast
+    layout = pack_fragments(shapes, cfg.fragments)
+    global_params: dict[str, np.ndarray] = init_params(cfg.model, cfg.seed)
+    versions = [0] * len(layout)
+    if leader:
+        joined = join_and_pull(client, stop)
+        if joined is None:  # stopped while waiting for the syncer
+            return LearnerResult(0, 0, time.monotonic() - started, False, None, versions)
+        layout, pulled, versions, complete = joined
+        if complete:
+            log.info("event=already_complete unit=%s", opts.name)
+            return LearnerResult(0, 0, time.monotonic() - started, True, None, versions)
+        global_params.update(pulled)
+        log.info("event=joined unit=%s attempt=%d versions=%s", opts.name, opts.attempt, versions)
+    startup = {
+        p: (versions[p], {n: global_params[n] for n in layout[p]}) for p in range(len(layout))
+    }
+    startup, _ = exchange_arrivals(startup, layout, shapes, stop=False)
+    versions = [startup[p][0] for p in range(len(layout))]
+
+    # ---- the unit's SPMD training state
+    mesh = make_mesh()
+    check_batch_divisible(cfg.data.batch_size, mesh.devices.size)
+    optimizer = make_optimizer(cfg.inner_optimizer, learner_horizon(cfg, opts.num_units))
+    params = place_params(
+        {**global_params, **{n: a for _, t in startup.values() for n, a in t.items()}}, mesh
+    )
+    opt_state = init_opt_state(optimizer, params, mesh)
+    train_step = make_train_step(optimizer, mesh)
+    rows = cfg.data.batch_size // jax.process_count()
+    batches = train_batches(
+        cfg, opts.unit, opts.num_units, opts.attempt, jax.process_index(), batch_size=rows
+    )
+    base = {p: startup[p][1] for p in startup}  # host copy of the global version last received
+    counters = FragmentCounters(len(layout))
+    tokens_per_step = cfg.tokens_per_step
+
+    progress = Progress()
+    link = SyncLink(client, versions, cfg.heartbeat_seconds, progress) if leader else None
+    if link is not None:
+        link.start()
+
+    step, prev_loss, last_done = 0, None, time.monotonic()
+    window_start, window_steps = last_done, 0
+    try:
+        while True:
+            params, opt_state, loss = train_step(
+                params, opt_state, shard_batch(next(batches), mesh)
+            )
+            step += 1
+            counters.add_step(tokens_per_step)
+            for p in range(len(layout)):
+                if link is not None and is_due(step, p, cfg.inner_steps, len(layout)):
+                    c_steps, c_tokens = counters.get(p)
+                    theta = {n: params[n] for n in layout[p]}
+                    link.enqueue_push(
+                        PendingPush(p, versions[p], base[p], theta, c_steps, c_tokens, step)
+                    )
+            if prev_loss is not None:
+                prev_loss.block_until_ready()  # keep one step in flight, no more
+            prev_loss = loss
+            now = time.monotonic()
+            step_time, last_done = now - last_done, now
+            if opts.slowdown > 1.0 and step > 2:  # the first steps' time is compilation
+                time.sleep((opts.slowdown - 1.0) * step_time)
+                last_done = time.monotonic()
+
+            # ---- arrivals from the syncer (and the stop decision) reach every host at this step
+            done = stop.is_set() or (opts.max_steps is not None and step >= opts.max_steps)
+            newest: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+            if link is not None:
+                done = done or link.complete.is_set()
+                for arrival in link.drain():
+                    newest[arrival.fragment] = (arrival.version, arrival.tensors)
+            newest, done = exchange_arrivals(newest, layout, shapes, done)
+            for p, (version, tensors) in sorted(newest.items()):
+                if version <= versions[p]:
+                    continue
+                sharding = replicated(mesh)
+                for name, value in tensors.items():
+                    params[name] = jax.device_put(value, sharding)
+                base[p], versions[p] = tensors, version
+                counters.received(p)
+
+            window_steps += 1
+            progress.step, progress.tokens, progress.loss = step, step * tokens_per_step, loss
+            if step % opts.log_every == 0 or done:
+                elapsed = time.monotonic() - window_start
+                progress.tokens_per_sec = window_steps * tokens_per_step / max(elapsed, 1e-9)
+                window_start, window_steps = time.monotonic(), 0
+                _log_progress(opts, step, progress, versions, link)
+            if done:
+                break
+    finally:
+        if link is not None:
+            link.stop()
+        client.close()
+    final = float(prev_loss) if prev_loss is not None else None
+    return LearnerResult(
+        steps=step,
+        tokens=step * tokens_per_step,
+        seconds=time.monotonic() - started,
+        complete=link is not None and link.complete.is_set(),
+        final_loss=final,
+        versions=versions,
+        link_stats=dict(link.stats) if link is not None else {},
+        bytes_sent=client.bytes_sent,
+        bytes_received=client.bytes_received,
+    )
+
+
+def _log_progress(
+    opts: LearnerOptions, step: int, progress: Progress, versions: list[int], link: Any
+) -> None:
+    loss = float(progress.loss) if progress.loss is not None else float("nan")
+    log.info(
+        "event=progress unit=%s step=%d tokens=%d loss=%.4f tokens_per_sec=%.0f versions=%s "
+        "pending_pushes=%d",
+        opts.name,
+        step,
+        progress.tokens,
+        loss,
+        progress.tokens_per_sec,
+        ",".join(map(str, versions)),
+        link.pending_pushes() if link is not None else 0,
+    )

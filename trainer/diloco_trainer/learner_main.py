@@ -1,0 +1,159 @@
+"""`diloco-learner --config FILE --unit N`: one learner unit (flags or DILOCO_* env, see contracts).
+
+Exit codes: 0 when the syncer reports the run complete (or --max-steps was reached), 2 for a
+config/usage error (the message names the field), 143 after SIGTERM/SIGINT (stopped, not done),
+1 for anything else (the supervisor restarts the unit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+
+from diloco_trainer.config import ConfigError, load_training_config
+
+log = logging.getLogger("diloco_trainer.learner_main")
+EXIT_STOPPED = 143
+
+
+class UsageError(Exception):
+    """A flag or environment variable with an unusable value; the message names it."""
+
+
+def _env_default(env: Mapping[str, str], name: str, default: str | None = None) -> str | None:
+    value = env.get(name)
+    return value if value not in (None, "") else default
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diloco-learner", description=__doc__)
+    add = parser.add_argument
+    add("--config", required=True, help="DilocoRun manifest or bare training block (YAML/JSON)")
+    add("--syncer", default=_env_default(env, "DILOCO_SYNCER_ADDR"), help="syncer base URL")
+    add("--token", default=_env_default(env, "DILOCO_TOKEN"), help="bearer token of the run")
+    add("--unit", default=_env_default(env, "DILOCO_UNIT"), help="global unit index 0..N-1")
+    add("--unit-name", default=_env_default(env, "DILOCO_UNIT_NAME", ""), help="name in status")
+    add("--num-units", default=_env_default(env, "DILOCO_NUM_UNITS"), help="units in the run")
+    add("--attempt", default=_env_default(env, "DILOCO_ATTEMPT", "0"), help="restart attempt")
+    add("--group", default=_env_default(env, "DILOCO_GROUP", "default"), help="unit group")
+    add("--slowdown", default=_env_default(env, "DILOCO_SLOWDOWN", "1"), help="factor >= 1")
+    add("--log-every", type=int, default=50, help="progress log period in steps")
+    add("--max-steps", type=int, default=None, help="stop after this many local steps")
+    add("--log-level", default="INFO")
+    return parser
+
+
+def _int(value: str | None, flag: str, env: str, minimum: int = 0) -> int:
+    if value is None:
+        raise UsageError(f"{flag} (or {env}) is required")
+    try:
+        number = int(value)
+    except ValueError:
+        raise UsageError(f"{flag} (or {env}) must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise UsageError(f"{flag} (or {env}) must be >= {minimum}, got {number}")
+    return number
+
+
+def _token(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    if args.token:
+        return str(args.token)
+    token_file = _env_default(env, "DILOCO_TOKEN_FILE")
+    if token_file:
+        try:
+            return Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise UsageError(
+                f"DILOCO_TOKEN_FILE: cannot read {token_file}: {exc.strerror}"
+            ) from exc
+    raise UsageError("--token (or DILOCO_TOKEN / DILOCO_TOKEN_FILE) is required")
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    args = build_parser(env).parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        cfg = load_training_config(args.config)
+        unit = _int(args.unit, "--unit", "DILOCO_UNIT")
+        num_units = _int(args.num_units or str(unit + 1), "--num-units", "DILOCO_NUM_UNITS", 1)
+        if unit >= num_units:
+            raise UsageError(f"--unit {unit} must be < --num-units {num_units}")
+        attempt = _int(args.attempt, "--attempt", "DILOCO_ATTEMPT")
+        try:
+            slowdown = float(args.slowdown)
+        except ValueError:
+            raise UsageError(
+                f"--slowdown (or DILOCO_SLOWDOWN) must be a number, got {args.slowdown!r}"
+            ) from None
+        if not slowdown >= 1.0:
+            raise UsageError(f"--slowdown (or DILOCO_SLOWDOWN) must be >= 1, got {slowdown}")
+        if not args.syncer:
+            raise UsageError("--syncer (or DILOCO_SYNCER_ADDR) is required")
+        token = _token(args, env)
+    except (ConfigError, UsageError) as exc:
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return 2
+
+    # Heavy imports (JAX) only after the config is known to be good: errors stay fast.
+    from diloco_trainer.distributed import enable_compilation_cache, init_distributed
+    from diloco_trainer.learner import LearnerOptions, run_learner
+
+    enable_compilation_cache()
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("event=signal signal=%s", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    init_distributed()
+    opts = LearnerOptions(
+        syncer=args.syncer,
+        token=token,
+        unit=unit,
+        num_units=num_units,
+        unit_name=args.unit_name,
+        attempt=attempt,
+        group=args.group,
+        slowdown=slowdown,
+        log_every=args.log_every,
+        max_steps=args.max_steps,
+    )
+    try:
+        result = run_learner(cfg, opts, stop)
+    except ValueError as exc:  # e.g. batch size vs devices, data that cannot be windowed
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return 2
+    log.info(
+        "event=exit unit=%s steps=%d tokens=%d tokens_per_sec=%.0f complete=%s loss=%s "
+        "versions=%s bytes_sent=%d bytes_received=%d",
+        opts.name,
+        result.steps,
+        result.tokens,
+        result.tokens_per_sec,
+        result.complete,
+        result.final_loss,
+        ",".join(map(str, result.versions)),
+        result.bytes_sent,
+        result.bytes_received,
+    )
+    if stop.is_set() and not result.complete:
+        return EXIT_STOPPED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
