@@ -109,3 +109,14 @@ def test_path_that_is_a_file_is_an_error(tmp_path: Path) -> None:
     f.write_text("x")
     with pytest.raises(CheckpointError, match="not a directory"):
         CheckpointStore(f).load_latest()
+
+
+def test_version_journal_round_trip_and_alone_is_a_fresh_start(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    assert store.recorded_versions() is None
+    store.record_versions([3, 1])
+    store.record_versions([4, 1])
+    assert store.recorded_versions() == [4, 1]
+    assert store.load_latest() is None  # a journal without checkpoints is not foreign content
+    (tmp_path / "versions.json").write_text("{broken")
+    assert store.recorded_versions() is None

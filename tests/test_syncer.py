@@ -11,11 +11,13 @@ import json
 import threading
 import time
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 from aiohttp import web
+from diloco_trainer.checkpoint import CheckpointStore
 from diloco_trainer.client import SyncerClient, SyncerRejected
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import pack_fragments
@@ -424,3 +426,35 @@ def test_metrics_count_rejections_and_merges(live: LiveSyncer) -> None:
     assert 'diloco_syncer_pushes_total{reason="malformed",result="rejected"} 1.0' in text
     assert 'diloco_syncer_merges_total{fragment="0"} 1.0' in text
     assert "diloco_syncer_outer_step 1.0" in text
+
+
+def test_versions_lost_in_a_crash_are_never_reissued(tmp_path: Path) -> None:
+    """A version published after the last checkpoint dies with the process; the restarted syncer
+    numbers above it, so a learner that saw it installs the restored content as a newer version."""
+    cfg = tiny_cfg(checkpoint={"path": str(tmp_path), "everySeconds": 3600})
+    crashed = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
+    learner = crashed.client()
+    learner.join()
+    initial, _ = learner.pull_all()
+    learner.push(0, 0, fragment_delta(crashed, 0), 2, 64)
+    got = learner.poll(0, 0, wait=10)
+    assert got is not None and got[0] == 1  # the learner now holds version 1 of fragment 0
+    # Crash: the loop stops with no cleanup, so no final checkpoint (only the startup one).
+    crashed.loop.call_soon_threadsafe(crashed.loop.stop)
+    crashed.thread.join(10)
+    snap = CheckpointStore(tmp_path).load_latest()
+    assert snap is not None and snap.versions == [0, 0, 0]
+
+    restarted = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
+    try:
+        learner = restarted.client()
+        assert learner.join().versions == [2, 0, 0]
+        again = learner.poll(0, 1, wait=10)  # returns at once: 2 is newer than what it holds
+        assert again is not None and again[0] == 2
+        for name, value in again[1].items():
+            np.testing.assert_array_equal(value, initial[name])  # the checkpointed content
+        learner.push(0, 2, fragment_delta(restarted, 0, seed=5), 2, 64)
+        assert learner.poll(0, 2, wait=10) is not None
+        assert CheckpointStore(tmp_path).recorded_versions() == [3, 0, 0]
+    finally:
+        restarted.close()

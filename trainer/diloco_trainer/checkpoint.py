@@ -10,6 +10,10 @@ A save writes `<root>/.tmp-<seq>-<pid>/`, fsyncs every file and the directory, r
 `ckpt-<seq>` and fsyncs the root; rename is atomic, so a SIGKILL leaves either the old set of
 checkpoints or the new one plus a stray `.tmp-*` (removed on the next load). Load takes the newest
 checkpoint whose manifest parses and whose checksums match, warning about every one it skips.
+
+`versions.json` (the version journal) holds the highest version of each fragment ever published,
+rewritten (write + rename) before each new version is announced. After a crash the syncer resumes
+numbering above it, so version numbers never go backwards even when content does.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from safetensors.numpy import load_file, save_file
 log = logging.getLogger("diloco.checkpoint")
 
 FORMAT = "diloco-syncer-checkpoint/1"
+JOURNAL = "versions.json"
 _NAME = re.compile(r"^ckpt-(\d{10})$")
 
 
@@ -135,6 +140,24 @@ class CheckpointStore:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
+    def record_versions(self, versions: list[int]) -> None:
+        """Journal the published versions (atomic replace; survives a process kill)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{JOURNAL}.tmp"
+        tmp.write_text(json.dumps({"versions": versions}))
+        os.replace(tmp, self.root / JOURNAL)
+
+    def recorded_versions(self) -> list[int] | None:
+        path = self.root / JOURNAL
+        if not path.exists():
+            return None
+        try:
+            raw = json.loads(path.read_text())["versions"]
+            return [int(v) for v in raw]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("event=version_journal_unreadable path=%s error=%r", path, str(exc))
+            return None
+
     @staticmethod
     def read(path: Path) -> Snapshot:
         """Read and verify one checkpoint directory; raises CheckpointError if it is unusable."""
@@ -197,7 +220,9 @@ class CheckpointStore:
                 "event=checkpoint_loaded seq=%d path=%s outer_step=%d", seq, path, snap.outer_step
             )
             return snap
-        leftovers = sorted(e.name for e in self.root.iterdir())
+        leftovers = sorted(
+            e.name for e in self.root.iterdir() if e.name not in (JOURNAL, f".{JOURNAL}.tmp")
+        )
         if leftovers:
             detail = "; ".join(problems) if problems else f"unexpected entries {leftovers[:5]}"
             raise CheckpointError(

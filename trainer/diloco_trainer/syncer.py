@@ -130,6 +130,8 @@ class Syncer:
         snap = restore if restore is not None else (store.load_latest() if store else None)
         if snap is not None:
             self._restore(snap)
+        self._journal_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="journal")
+        self._published = self._resume_numbering()
         self._publish_gauges()
 
     def _new_fragment(
@@ -168,6 +170,25 @@ class Syncer:
             snap.versions,
             self.outer_step,
         )
+
+    def _resume_numbering(self) -> list[int]:
+        """Versions published before a crash but not checkpointed are lost; their numbers are not
+        reused. A fragment whose journal is ahead resumes at journal+1, so every learner sees a
+        strictly newer version (carrying the restored content) and installs it."""
+        versions = self.versions()
+        journal = self.store.recorded_versions() if self.store is not None else None
+        if journal is not None and len(journal) == len(versions):
+            for f in self.frags:
+                if journal[f.index] > f.version:
+                    log.warning(
+                        "event=versions_lost fragment=%d checkpointed=%d published=%d resume=%d",
+                        f.index, f.version, journal[f.index], journal[f.index] + 1,
+                    )  # fmt: skip
+                    f.version = journal[f.index] + 1
+            versions = self.versions()
+        if self.store is not None:
+            self.store.record_versions(versions)
+        return versions
 
     def _mark(self) -> tuple[int, int, int]:
         steps, tokens = self.learners.totals()
@@ -417,9 +438,16 @@ class Syncer:
         new_params, new_state = await asyncio.get_running_loop().run_in_executor(
             self._merge_pool, self._merge_compute, f.params, f.opt_state, contributions
         )
+        new_version = f.version + 1
+        if self.store is not None:
+            # Journal first, announce second: a number a learner has seen is never reissued.
+            self._published[f.index] = max(self._published[f.index], new_version)
+            await asyncio.get_running_loop().run_in_executor(
+                self._journal_pool, self.store.record_versions, list(self._published)
+            )
         elapsed = time.perf_counter() - started
         f.params, f.opt_state = new_params, new_state
-        f.version += 1
+        f.version = new_version
         f.last_merge = time.time()
         self.sync_time.update(elapsed)
         self.metrics.merges.labels(str(f.index)).inc()
@@ -487,6 +515,7 @@ class Syncer:
 
     async def start_background(self, app: web.Application) -> None:
         if self.store is not None:
+            await self.save_checkpoint()  # a fresh run has a checkpoint from its first second
             self._background.append(
                 asyncio.create_task(
                     self._every(
@@ -514,6 +543,7 @@ class Syncer:
         self._decode_pool.shutdown(wait=True)
         self._ckpt_pool.shutdown(wait=True)
         self._eval_pool.shutdown(wait=False, cancel_futures=True)
+        self._journal_pool.shutdown(wait=True)
 
     def app(self) -> web.Application:
         from diloco_trainer.syncer_http import build_app
