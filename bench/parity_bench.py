@@ -1,0 +1,237 @@
+"""Row 1: ML parity at equal tokens. Same model, data, seed, and tokens per learner-step:
+
+- data-parallel: one model, batch M x B, S steps (synchronous; the reference);
+- synchronous DiLoCo: M learners in this process, batch B each, every H inner steps all
+  fragments are merged (`merge_fragment`) and stepped by the outer Nesterov SGD (`OuterOptimizer`);
+  also the ablations: plain mean vs RDA, int8/int4 quantized deltas vs none;
+- decoupled DiLoCo: a real `diloco-syncer` process and M `diloco-learner` processes (fragments
+  staggered, quorum, grace, RDA, token weighting), S steps each; the final global parameters are
+  pulled from the syncer.
+
+All are evaluated by `eval_loss` on the same held-out batches.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from diloco_trainer.client import SyncerClient
+from diloco_trainer.config import TrainingConfig
+from diloco_trainer.data import train_batches
+from diloco_trainer.evaluate import eval_loss
+from diloco_trainer.fragments import pack_fragments
+from diloco_trainer.merge import Contribution, merge_fragment
+from diloco_trainer.model import init_params, param_shapes
+from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.quantize import dequantize, quantize
+from diloco_trainer.train import (
+    init_opt_state,
+    make_mesh,
+    make_optimizer,
+    make_train_step,
+    place_params,
+    shard_batch,
+)
+
+from bench.common import BenchContext, Section, log, md_table
+from bench.live import TOKEN, syncer
+
+M = 4
+EVAL_BATCHES = 16
+
+
+def parity_config(steps: int, inner_steps: int, batch: int = 16) -> TrainingConfig:
+    return TrainingConfig.model_validate(
+        {
+            "model": {"preset": "tiny"},
+            "data": {"batchSize": batch, "maxBytes": 8_000_000},
+            "innerSteps": inner_steps,
+            "fragments": 4,
+            "quorum": 1,
+            "innerOptimizer": {"lr": 2e-3, "warmupSteps": 50},
+            "outerOptimizer": {"lr": 0.7, "momentum": 0.9, "nesterov": True},
+            "totalSteps": steps * M,
+            "eval": {"everySeconds": None, "batches": EVAL_BATCHES},
+            "checkpoint": {"everySeconds": 600},
+            "heartbeatSeconds": 1.0,
+        }
+    )
+
+
+@dataclass
+class Outcome:
+    name: str
+    loss: float
+    seconds: float
+    note: str = ""
+
+
+def data_parallel(cfg: TrainingConfig, steps: int) -> Outcome:
+    start = time.perf_counter()
+    dp = cfg.model_copy(
+        update={"data": cfg.data.model_copy(update={"batch_size": M * cfg.data.batch_size})}
+    )
+    mesh = make_mesh()
+    opt = make_optimizer(dp.inner_optimizer, steps)
+    params = place_params(init_params(dp.model, dp.seed), mesh)
+    state = init_opt_state(opt, params, mesh)
+    step = make_train_step(opt, mesh)
+    batches = train_batches(dp, 0, 1)
+    for _ in range(steps):
+        params, state, _ = step(params, state, shard_batch(next(batches), mesh))
+    loss = eval_loss({k: np.asarray(v) for k, v in params.items()}, cfg, EVAL_BATCHES)
+    return Outcome("data-parallel (batch M x B)", loss, time.perf_counter() - start)
+
+
+def _roundtrip(delta: dict[str, np.ndarray], scheme: str, block: int) -> dict[str, np.ndarray]:
+    if scheme == "none":
+        return delta
+    return {k: dequantize(quantize(v, scheme, block)) for k, v in delta.items()}  # type: ignore[arg-type]
+
+
+def sync_diloco(
+    cfg: TrainingConfig, steps: int, method: str = "rda", scheme: str = "none", name: str = ""
+) -> Outcome:
+    start = time.perf_counter()
+    mesh = make_mesh()
+    opt = make_optimizer(cfg.inner_optimizer, steps)
+    step = make_train_step(opt, mesh)
+    shapes = param_shapes(cfg.model)
+    layout = pack_fragments(shapes, cfg.fragments)
+    global_params = init_params(cfg.model, cfg.seed)
+    outer = OuterOptimizer(cfg.outer_optimizer.lr, cfg.outer_optimizer.momentum, True)
+    outer_states = [outer.init({n: global_params[n] for n in frag}) for frag in layout]
+    learners: list[list[Any]] = []
+    for m in range(M):
+        p = place_params(global_params, mesh)
+        learners.append([p, init_opt_state(opt, p, mesh), train_batches(cfg, m, M)])
+    tokens = cfg.tokens_per_step * cfg.inner_steps
+    for s in range(1, steps + 1):
+        for lr in learners:
+            lr[0], lr[1], _ = step(lr[0], lr[1], shard_batch(next(lr[2]), mesh))
+        if s % cfg.inner_steps and s != steps:
+            continue
+        hosts = [{k: np.asarray(v) for k, v in lr[0].items()} for lr in learners]
+        for i, frag in enumerate(layout):
+            contribs = [
+                Contribution(
+                    _roundtrip({n: global_params[n] - h[n] for n in frag}, scheme, 128),
+                    c_steps=cfg.inner_steps,
+                    c_tokens=tokens,
+                )
+                for h in hosts
+            ]
+            merged = merge_fragment(contribs, method=method)  # type: ignore[arg-type]
+            new, outer_states[i] = outer.step(
+                {n: global_params[n] for n in frag}, outer_states[i], merged
+            )
+            global_params.update(new)
+        for lr in learners:  # overwrite local parameters, keep the inner optimizer state
+            lr[0] = place_params(global_params, mesh)
+    loss = eval_loss(global_params, cfg, EVAL_BATCHES)
+    label = name or f"synchronous DiLoCo ({method}, {scheme})"
+    return Outcome(label, loss, time.perf_counter() - start)
+
+
+def decoupled(cfg: TrainingConfig, steps: int) -> Outcome:
+    start = time.perf_counter()
+    with syncer(cfg) as sy:
+        config = sy.workdir / "run.yaml"
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "diloco_trainer.learner_main",
+                    "--config",
+                    str(config),
+                    "--syncer",
+                    sy.url,
+                    "--token",
+                    TOKEN,
+                    "--unit",
+                    str(m),
+                    "--num-units",
+                    str(M),
+                    "--max-steps",
+                    str(steps),
+                    "--log-level",
+                    "WARNING",
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=(sy.workdir / f"learner-{m}.log").open("wb"),
+            )
+            for m in range(M)
+        ]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            tails = [(sy.workdir / f"learner-{m}.log").read_text()[-500:] for m in range(M)]
+            raise RuntimeError(f"learners exited {codes}: {tails}")
+        time.sleep(2.0)  # let the last pushes merge
+        client = SyncerClient(sy.url, TOKEN, "bench-eval", 0, "bench")
+        try:
+            params, versions = client.pull_all()
+        finally:
+            client.close()
+        status = sy.status()
+    loss = eval_loss(params, cfg, EVAL_BATCHES)
+    note = f"fragment versions {versions}, outer step {status.get('outerStep')}"
+    return Outcome("decoupled DiLoCo (processes, async)", loss, time.perf_counter() - start, note)
+
+
+def run(ctx: BenchContext) -> Section:
+    steps, h = (300, 25) if ctx.quick else (2000, 50)
+    cfg = parity_config(steps, h)
+    runs: list[Outcome] = []
+    for fn in (
+        lambda: data_parallel(cfg, steps),
+        lambda: sync_diloco(cfg, steps),
+        lambda: decoupled(cfg, steps),
+        lambda: sync_diloco(cfg, steps, method="mean"),
+        lambda: sync_diloco(cfg, steps, scheme="int8"),
+        lambda: sync_diloco(cfg, steps, scheme="int4"),
+    ):
+        out = fn()
+        log(f"parity {out.name}: eval loss {out.loss:.4f} ({out.seconds:.0f}s) {out.note}")
+        runs.append(out)
+    ref = runs[0].loss
+    rows = [
+        (o.name, f"{o.loss:.4f}", f"{o.loss / ref:.3f}", f"{o.seconds:.0f}s", o.note) for o in runs
+    ]
+    table = md_table(["run", "eval loss", "loss / data-parallel", "wall", "note"], rows)
+    dec = runs[2].loss / ref
+    verdict = "met" if dec <= 1.02 else "NOT met"
+    horizon = "the quick variant's short horizon" if ctx.quick else "this horizon"
+    body = f"""
+M={M} learners, batch B={cfg.data.batch_size} x seqLen {cfg.model.context} each; data-parallel
+uses batch {M * cfg.data.batch_size}. {steps} steps per learner (= {steps} data-parallel steps,
+equal tokens: {steps * M * cfg.tokens_per_step:,}), H={h}, P={cfg.fragments}, inner AdamW lr
+{cfg.inner_optimizer.lr} (warmup {cfg.inner_optimizer.warmup_steps}, cosine), outer Nesterov
+{cfg.outer_optimizer.lr}/{cfg.outer_optimizer.momentum}. Eval: {EVAL_BATCHES} held-out batches.
+The synchronous DiLoCo rows are the ablations (RDA vs plain mean; int8/int4 deltas vs none); token
+weighting makes no difference there (equal counters), so it is measured only with unequal
+contributions in the decoupled run.
+
+{table}
+
+Target: decoupled M=4 loss / data-parallel <= 1.02: **{verdict}** ({dec:.3f}) over {horizon}
+({steps} inner steps per learner; the issue asks for >= 2000 for the full row, where short
+horizons favour data-parallel).
+"""
+    return Section(
+        name="parity",
+        title="ML parity at equal tokens",
+        body=body,
+        command=ctx.command,
+        config=f"tiny preset, M={M}, B={cfg.data.batch_size}, H={h}, P={cfg.fragments}, "
+        f"S={steps}, seed {cfg.seed}",
+        quick=ctx.quick,
+    )
