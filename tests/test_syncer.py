@@ -458,3 +458,30 @@ def test_versions_lost_in_a_crash_are_never_reissued(tmp_path: Path) -> None:
         assert CheckpointStore(tmp_path).recorded_versions() == [3, 0, 0]
     finally:
         restarted.close()
+
+
+def test_periodic_eval_reports_the_global_models_held_out_loss() -> None:
+    from diloco_trainer.evaluate import eval_loss
+
+    cfg = tiny_cfg(
+        eval={"everySeconds": 0.2, "batches": 1}, data={"maxBytes": 65536, "batchSize": 2}
+    )
+    server = LiveSyncer(Syncer(cfg, TOKEN, store=None))  # the real default eval_fn
+    try:
+        observer = server.client()
+        wait_until(lambda: observer.status()["loss"] is not None, timeout=120)
+        expected = eval_loss(init_params(cfg.model, cfg.seed), cfg, 1)
+        assert observer.status()["loss"] == pytest.approx(expected, rel=1e-5)
+        assert 4.0 < expected < 7.0  # ~ln(256) for an untrained byte-level model
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        conn.request("GET", "/metrics")
+        assert "diloco_syncer_eval_loss " in conn.getresponse().read().decode()
+    finally:
+        server.close()
+
+
+def test_joined_learner_shows_a_sign_of_life_before_its_first_heartbeat(live: LiveSyncer) -> None:
+    live.client("unit-5").join()
+    entry = live.client("x").status()["learners"]["unit-5"]
+    assert entry["lastHeartbeat"] is not None and 0 <= entry["ageSeconds"] < 5
+    assert entry["step"] == 0

@@ -105,13 +105,13 @@ class LearnerRegistry:
         out = {}
         for unit in sorted(self.records):
             r = self.records[unit]
+            # Last sign of life: a heartbeat, else a join or push (never null once seen).
+            alive = r.last_heartbeat if r.last_heartbeat is not None else r.last_seen
             out[unit] = {
                 "attempt": r.attempt,
                 "group": r.group,
-                "lastHeartbeat": r.last_heartbeat,
-                "ageSeconds": None
-                if r.last_heartbeat is None
-                else round(now - r.last_heartbeat, 3),
+                "lastHeartbeat": alive,
+                "ageSeconds": None if alive is None else round(now - alive, 3),
                 "step": r.steps,
                 "tokens": r.tokens,
                 "tokensPerSec": r.tokens_per_sec,
@@ -131,9 +131,12 @@ class LearnerRegistry:
             for u, r in self.records.items()
         }
 
-    def load_json(self, data: dict[str, Any]) -> None:
+    def load_json(self, data: dict[str, Any], now: float | None = None) -> None:
+        """Restore counters. Restored learners count as last seen `now` (the restart), so the
+        supervisor's staleness clock for them starts at the syncer's restart, not at null."""
         for unit, raw in data.items():
             rec = self.get(unit)
+            rec.last_seen = now
             rec.group = str(raw.get("group", "default"))
             rec.attempt = int(raw.get("attempt", 0))
             rec.attempts = {

@@ -86,7 +86,7 @@ class FragmentState:
     all_in: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     seen: OrderedDict[tuple[str, int, int, int], int] = field(default_factory=OrderedDict)
-    encoded: tuple[int, bytes] | None = None
+    encoded: tuple[int, asyncio.Future[bytes]] | None = None
 
 
 class Syncer:
@@ -161,7 +161,7 @@ class Syncer:
             f.opt_state = self.outer.state_from_leaves(f.params, snap.outer_state[f.index])
             f.version = snap.versions[f.index]
             f.last_merge = (snap.extra.get("lastMerge") or [None] * len(self.frags))[f.index]
-        self.learners.load_json(snap.learners)
+        self.learners.load_json(snap.learners, now=time.time())
         self.eval_loss = snap.extra.get("evalLoss")
         self._saved_mark = self._mark()
         log.info(
@@ -470,10 +470,16 @@ class Syncer:
         return self.outer.step(params, state, merged)
 
     # ---------------------------------------------------------------- downloads
-    def fragment_payload(self, f: FragmentState) -> bytes:
-        if f.encoded is None or f.encoded[0] != f.version:
-            f.encoded = (f.version, encode_params(f.params, [f.version], fragment=f.index))
-        return f.encoded[1]
+    async def fragment_payload(self, f: FragmentState) -> bytes:
+        """The encoded fragment at its current version; encoded once (off the loop) however many
+        long-pollers wake up for it."""
+        version = f.version
+        if f.encoded is None or f.encoded[0] != version:
+            future = asyncio.get_running_loop().run_in_executor(
+                self._decode_pool, encode_params, f.params, [version], f.index
+            )
+            f.encoded = (version, asyncio.ensure_future(future))
+        return await f.encoded[1]
 
     async def wait_for_change(self, f: FragmentState, after: int, wait: float) -> bool:
         """True once f.version != after (newer, or older after a restore), False on timeout."""

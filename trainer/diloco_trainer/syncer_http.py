@@ -183,7 +183,7 @@ async def poll(request: web.Request) -> web.Response:
         raise Reject(400, "bad_request", f"wait: must be a finite number >= 0, got {wait}")
     if not await s.wait_for_change(f, after, min(wait, MAX_POLL_WAIT)):
         return web.Response(status=204, headers={"X-Diloco-Version": str(f.version)})
-    payload = s.fragment_payload(f)
+    payload = await s.fragment_payload(f)
     s.bytes_sent += len(payload)
     s.metrics.bytes_out.inc(len(payload))
     return _tensors(payload, **{"X-Diloco-Version": str(f.version)})
