@@ -485,3 +485,38 @@ def test_joined_learner_shows_a_sign_of_life_before_its_first_heartbeat(live: Li
     entry = live.client("x").status()["learners"]["unit-5"]
     assert entry["lastHeartbeat"] is not None and 0 <= entry["ageSeconds"] < 5
     assert entry["step"] == 0
+
+
+@pytest.mark.parametrize(
+    "live",
+    [dict(quorum=1, overlap=100000, innerSteps=50, grace={"mode": "adaptive", "maxSeconds": 4.0})],
+    indirect=True,
+)
+def test_adaptive_grace_waits_for_unknown_learners_but_not_the_whole_window_for_predicted_ones(
+    live: LiveSyncer,
+) -> None:
+    a, b = live.client("unit-0"), live.client("unit-1")
+    for c in (a, b):
+        c.heartbeat(0, 0, 100.0, None)
+    time.sleep(0.1)
+    for c in (a, b):
+        c.heartbeat(10, 640, 100.0, None)  # step time ~0.01 s each, so H=50 steps ~0.5 s
+    contributions = live.syncer.metrics.registry
+
+    def merged_contributions() -> float:
+        return contributions.get_sample_value("diloco_syncer_merge_contributions_sum") or 0.0
+
+    # Round 1: unit-0 has never pushed fragment 0, so after the quorum (K=1) the syncer waits.
+    b.push(0, 0, fragment_delta(live, 0, seed=1), 10, 640)
+    time.sleep(0.3)
+    assert live.syncer.frags[0].version == 0
+    a.push(0, 0, fragment_delta(live, 0, seed=2), 10, 640)
+    wait_until(lambda: live.syncer.frags[0].version == 1)
+    assert merged_contributions() == 2.0
+    # Round 2: unit-0 is expected ~H steps after its last push, well inside the 4 s window; the
+    # merge goes ahead after that expectation, not after the whole window.
+    t0 = time.monotonic()
+    b.push(0, 1, fragment_delta(live, 0, seed=3), 10, 640)
+    wait_until(lambda: live.syncer.frags[0].version == 2, timeout=10)
+    assert time.monotonic() - t0 < 3.0
+    assert merged_contributions() == 3.0
