@@ -48,6 +48,11 @@ class LearnerRegistry:
 
     def seen(self, unit: str, attempt: int, group: str, now: float) -> LearnerRecord:
         rec = self.get(unit)
+        if attempt > rec.attempt:
+            # A new attempt must not inherit the dead attempt's last heartbeat: a supervisor
+            # would call it stale right after it joined (status falls back to last_seen).
+            rec.last_heartbeat = None
+            rec._last_hb = None
         if attempt >= rec.attempt:
             rec.attempt, rec.group = attempt, group
         rec.attempts.setdefault(attempt, [0, 0])

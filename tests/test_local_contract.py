@@ -1,0 +1,18 @@
+"""What the supervisors rely on in the syncer's learner status (docs/contracts.md): a restarted
+attempt is never reported with the dead attempt's heartbeat, which would look stale at once."""
+
+from __future__ import annotations
+
+from diloco_trainer.learners import LearnerRegistry
+
+
+def test_new_attempt_does_not_inherit_the_old_heartbeat() -> None:
+    reg = LearnerRegistry()
+    reg.heartbeat("u", 0, "g", 5, 50, 1.0, 2.0, now=100.0)
+    reg.seen("u", 1, "g", now=200.0)  # attempt 1 joins 100 s after attempt 0's last beat
+    status = reg.status(201.0)["u"]
+    assert status["attempt"] == 1
+    assert status["ageSeconds"] == 1.0
+    # A late message from the dead attempt does not bring its heartbeat back.
+    reg.heartbeat("u", 0, "g", 6, 60, 1.0, 2.0, now=202.0)
+    assert reg.status(203.0)["u"]["lastHeartbeat"] == 200.0
