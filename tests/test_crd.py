@@ -5,9 +5,11 @@ fields."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from crd_schema import ROOT, openapi_schema
 from diloco_operator import crdgen
@@ -107,3 +109,31 @@ def test_cel_rules_only_reference_fields_that_exist() -> None:
                 item = props["unitGroups"]["items"]["properties"]
                 assert field in item, f"{path}: g.{field}"
     assert rules >= 8
+
+
+CRDCHECK = Path.home() / ".cache" / "diloco-e2e" / "bin" / "crdcheck"
+
+
+@pytest.mark.skipif(not CRDCHECK.exists(), reason="crdcheck not built (crds/validate/build.sh)")
+def test_apiserver_validation_accepts_the_crd_and_examples_and_rejects_the_catalogue() -> None:
+    """The API server's own Go validation code (built from k8s.io/apiextensions-apiserver)."""
+    examples = [
+        str(p)
+        for p in sorted((ROOT / "examples").glob("*.yaml"))
+        if "kind: DilocoRun" in p.read_text()
+    ]
+    bad = sorted((Path(__file__).parent / "manifests" / "bad").glob("*.yaml"))
+    out = subprocess.run(
+        [str(CRDCHECK), str(ROOT / "crds" / crdgen.CRD_FILE), *examples, *map(str, bad)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
+    assert out[0] == "CRD OK"
+    verdicts = {line.split(" ", 2)[1]: line for line in out[1:]}
+    for path in examples:
+        assert verdicts[path].startswith("ACCEPT"), verdicts[path]
+    for path in bad:
+        line = verdicts[str(path)]
+        expect = re.search(r"^# expect: (.*)$", path.read_text(), re.M)
+        assert line.startswith("REJECT") and expect and expect.group(1) in line, line

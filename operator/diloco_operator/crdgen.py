@@ -43,7 +43,9 @@ def _tpu_rules() -> list[dict[str, str]]:
     )
     return [
         {
-            "rule": f"self.topology in {{{topologies}}}[self.accelerator]",
+            # An unknown accelerator is already refused by its enum; no second error for it.
+            "rule": f"!(self.accelerator in {{{topologies}}}) || "
+            f"self.topology in {{{topologies}}}[self.accelerator]",
             "message": "topology: not a known topology of this accelerator",
             "fieldPath": ".topology",
         },
@@ -75,7 +77,8 @@ RULES: dict[str, list[dict[str, str]]] = {
             "message": "unitGroups[].replicas: required for every group but the first",
         },
         {
-            "rule": f"!has(self.training.quorum) || self.training.quorum <= {_TOTAL_UNITS}",
+            "rule": "!has(self.training) || !has(self.training.quorum) || "
+            f"self.training.quorum <= {_TOTAL_UNITS}",
             "message": "training.quorum: exceeds the number of units of the run",
         },
     ],
