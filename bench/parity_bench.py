@@ -216,9 +216,10 @@ uses batch {M * cfg.data.batch_size}. {steps} steps per learner (= {steps} data-
 equal tokens: {steps * M * cfg.tokens_per_step:,}), H={h}, P={cfg.fragments}, inner AdamW lr
 {cfg.inner_optimizer.lr} (warmup {cfg.inner_optimizer.warmup_steps}, cosine), outer Nesterov
 {cfg.outer_optimizer.lr}/{cfg.outer_optimizer.momentum}. Eval: {EVAL_BATCHES} held-out batches.
-The synchronous DiLoCo rows are the ablations (RDA vs plain mean; int8/int4 deltas vs none); token
-weighting makes no difference there (equal counters), so it is measured only with unequal
-contributions in the decoupled run.
+The synchronous DiLoCo rows carry the ablations (RDA vs plain mean; int8/int4 deltas vs none).
+Token weighting on/off is not ablated: in synchronous rounds every learner has the same counters,
+so the weights are equal either way; it only matters for the decoupled run's unequal
+contributions, and a decoupled on/off pair is not in this suite yet.
 
 {table}
 
