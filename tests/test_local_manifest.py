@@ -121,6 +121,6 @@ def test_chaos_flag_selects_the_manifest_block_or_the_default() -> None:
     assert not chaos_settings(run.spec.chaos, enabled=False).enabled
     from_block = chaos_settings(run.spec.chaos, enabled=True)
     assert from_block.kill_interval_seconds == run.spec.chaos.kill_every_seconds
-    assert [f.kind for f in from_block.schedule] == ["kill", "pause", "kill-syncer"]
+    assert [f.kind for f in from_block.schedule] == ["kill", "pause", "kill", "kill", "kill-syncer"]
     assert chaos_settings(None, enabled=True) == DEFAULT_CHAOS
     assert chaos_settings(None, enabled=True, seed=5).seed == 5

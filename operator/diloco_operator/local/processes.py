@@ -202,7 +202,7 @@ def _terminate_groups(procs: Sequence[ManagedProcess], grace_seconds: float) -> 
         time.sleep(0.05)
     for proc in live:
         if proc.popen.poll() is None or _group_alive(proc.pid):
-            log.warning("process=kill key=%s pid=%d reason=grace-expired", proc.key, proc.pid)
+            log.info("process=kill key=%s pid=%d reason=grace-expired", proc.key, proc.pid)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         # Group members outside the group (a child that called setsid) are killed by pid.

@@ -170,6 +170,8 @@ class LocalRuntime:
         self.last_status: dict[str, Any] | None = None
         self.resume_at: dict[str, float] = {}
         self.ready: set[str] = set()
+        self.signals: list[int] = []
+        self.killed: set[str] = set()
 
     # --- process actions ------------------------------------------------------------------
 
@@ -229,6 +231,7 @@ class LocalRuntime:
         """Stop the units' process groups together; afterwards they are Missing to the planner."""
         self.procs.stop(names, grace_seconds=UNIT_STOP_GRACE)
         for name in names:
+            self.killed.discard(name)
             self.resume_at.pop(name, None)
             self.exit_codes.pop(name, None)
             self._forget(name)
@@ -263,7 +266,22 @@ class LocalRuntime:
                 continue  # Missing
             attempt = self.attempts[slot.name]
             code = self.exit_codes.get(slot.name)
-            if code is None:
+            if code is None and slot.name in self.killed:
+                # We sent SIGKILL: a failure signal even if the process is not reaped yet (a
+                # process can take a while to die, e.g. threads stuck in the kernel).
+                observed.append(
+                    ObservedUnit(
+                        slot.name,
+                        slot.group,
+                        slot.index,
+                        attempt,
+                        "Running",
+                        failure=PROCESS_EXITED,
+                        message="learner process killed by SIGKILL (chaos)",
+                        since=proc.started_at,
+                    )
+                )
+            elif code is None:
                 learner = heard.get(slot.name)
                 if learner is not None and learner.attempt == attempt:
                     # Ready once the syncer has heard from this attempt; it stays ready while
@@ -358,6 +376,7 @@ class LocalRuntime:
             return
         if fault.kind == "kill":
             if self.procs.signal(slot.name, signal.SIGKILL):
+                self.killed.add(slot.name)
                 self.resume_at.pop(slot.name, None)
                 self.recorder.event(now, "chaos-kill", slot.name, "SIGKILL")
         elif (
@@ -446,6 +465,9 @@ class LocalRuntime:
             report_dir=str(self.report_dir),
         )
 
+    def _note_signal(self, signum: int, frame: Any) -> None:
+        self.signals.append(signum)
+
     def _print_event(self, ev: Event) -> None:
         """Plain output (no terminal): one key=value line per event."""
         self.console.print(
@@ -485,8 +507,10 @@ class LocalRuntime:
     def execute(self, on_tick: Callable[[View], None] | None = None) -> RunResult:
         self.report_dir.mkdir(parents=True, exist_ok=True)
         self.logs_dir.mkdir(parents=True, exist_ok=True)
+        # The handler only notes the signal; the loop acts on it between ticks, so a signal
+        # can never land between starting a process and registering it (an orphan).
         previous = {
-            sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)
+            sig: signal.signal(sig, self._note_signal) for sig in (signal.SIGINT, signal.SIGTERM)
         }
         complete = False
         reason = "unknown"
@@ -542,6 +566,8 @@ class LocalRuntime:
         )
         self._start_syncer(time.time())
         while True:
+            if self.signals:
+                raise Interrupted(self.signals[0])
             now = time.time()
             if self.tick(now):
                 self.recorder.event(
@@ -555,7 +581,8 @@ class LocalRuntime:
                 on_tick(view)
             if self.opts.max_seconds is not None and now - self.started_at > self.opts.max_seconds:
                 return False, f"stopped after --max-seconds {self.opts.max_seconds:g}"
-            time.sleep(max(0.0, self.opts.tick_seconds - (time.time() - now)))
+            while not self.signals and time.time() - now < self.opts.tick_seconds:
+                time.sleep(0.05)
 
     def _finish_learners(self, now: float) -> None:
         """Learners exit 0 on their own once the syncer reports completion; give them a moment,
@@ -600,7 +627,3 @@ class _NoLive:
 
     def update(self, renderable: Any, refresh: bool = False) -> None:
         return None
-
-
-def _raise_interrupted(signum: int, frame: Any) -> None:
-    raise Interrupted(signum)
