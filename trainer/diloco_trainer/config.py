@@ -62,7 +62,9 @@ class ModelConfig(Strict):
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
         if self.d_model % self.n_heads:  # type: ignore[operator]
-            raise ValueError(f"dModel ({self.d_model}) must be divisible by nHeads ({self.n_heads})")
+            raise ValueError(
+                f"dModel ({self.d_model}) must be divisible by nHeads ({self.n_heads})"
+            )
         return self
 
     # Resolved sizes (never None after validation); typed accessors for callers.
@@ -103,7 +105,9 @@ class DataConfig(Strict):
     dtype: Literal["uint8", "uint16", "uint32"] = Field(
         "uint16", description="Token dtype of raw .bin memmap shards."
     )
-    batch_size: int = Field(16, ge=1, le=1 << 16, description="Sequences per inner step per learner.")
+    batch_size: int = Field(
+        16, ge=1, le=1 << 16, description="Sequences per inner step per learner."
+    )
     eval_fraction: float = Field(
         0.05, gt=0.0, lt=0.5, description="Held-out share of the corpus for evaluation."
     )
@@ -162,7 +166,9 @@ class CompressionConfig(Strict):
 
 
 class CheckpointConfig(Strict):
-    path: str = Field("runs/checkpoints", description="Directory (PVC mount) for syncer checkpoints.")
+    path: str = Field(
+        "runs/checkpoints", description="Directory (PVC mount) for syncer checkpoints."
+    )
     every_seconds: float = Field(30.0, gt=0, description="Checkpoint period.")
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints to retain.")
 
@@ -179,8 +185,12 @@ class TrainingConfig(Strict):
 
     model: ModelConfig = Field(default_factory=lambda: ModelConfig())
     data: DataConfig = Field(default_factory=lambda: DataConfig())
-    inner_steps: int = Field(50, ge=1, le=1_000_000, description="H: inner steps between syncs of a fragment.")
-    fragments: int = Field(4, ge=1, le=4096, description="P: parameter fragments, synced staggered.")
+    inner_steps: int = Field(
+        50, ge=1, le=1_000_000, description="H: inner steps between syncs of a fragment."
+    )
+    fragments: int = Field(
+        4, ge=1, le=4096, description="P: parameter fragments, synced staggered."
+    )
     overlap: int = Field(2, ge=0, le=1_000_000, description="tau: inner steps a sync may overlap.")
     quorum: int = Field(1, ge=1, le=100_000, description="K: minimum contributions before a merge.")
     max_staleness: int = Field(
