@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from diloco_operator.local.recorder import Event
+from rich import box
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
@@ -99,19 +100,22 @@ def render(view: View) -> RenderableType:
     head.add_row("progress", _progress(view), "eval loss", _fmt_loss(view.loss))
     head.add_row("chaos", view.chaos, "train loss", _fmt_loss(view.train_loss))
 
-    units = Table(expand=True, show_edge=False, pad_edge=False)
-    for col, justify in (
-        ("unit", "left"),
-        ("group", "left"),
-        ("speed", "right"),
-        ("state", "left"),
-        ("attempt", "right"),
-        ("restarts", "right"),
-        ("step", "right"),
-        ("tok/s", "right"),
-        ("loss", "right"),
-    ):
-        units.add_column(col, justify=justify)  # type: ignore[arg-type]
+    units = Table(
+        box=box.SIMPLE_HEAD,
+        expand=True,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+        caption="att: attempt, rst: restarts",
+    )
+    # Names and states never shrink (a narrow terminal squeezes the numbers instead).
+    name_width = max([len("unit"), *(len(r.name) for r in view.units)])
+    units.add_column("unit", no_wrap=True, min_width=name_width)
+    units.add_column("group", no_wrap=True)
+    units.add_column("speed", justify="right")
+    units.add_column("state", no_wrap=True, min_width=len("restarting"))
+    for col in ("att", "rst", "step", "tok/s", "loss"):
+        units.add_column(col, justify="right")
     for row in view.units:
         units.add_row(
             row.name,
@@ -122,7 +126,7 @@ def render(view: View) -> RenderableType:
             str(row.restarts),
             "-" if row.step is None else str(row.step),
             _fmt_num(row.tokens_per_sec),
-            _fmt_loss(row.loss),
+            "-" if row.loss is None else f"{row.loss:.3f}",
         )
 
     log = Table.grid(padding=(0, 1))
