@@ -39,13 +39,14 @@ class OuterOptimizer:
         state: Any,
         merged_delta: Mapping[str, np.ndarray],
     ) -> tuple[Params, Any]:
-        """One outer step; returns new numpy params (fresh arrays, never aliasing inputs)."""
+        """One outer step; returns new numpy params (fresh arrays, never aliasing inputs; views of
+        the step's output buffers, so treat them as read-only)."""
         if sorted(fragment_params) != sorted(merged_delta):
             raise ValueError("outer step: merged delta leaves differ from the fragment's leaves")
         params = {k: jnp.asarray(v) for k, v in fragment_params.items()}
         grads = {k: jnp.asarray(merged_delta[k], dtype=jnp.float32) for k in params}
         new_params, new_state = self._step(params, state, grads)
-        return {k: np.array(v, dtype=np.float32) for k, v in new_params.items()}, new_state
+        return {k: np.asarray(v) for k, v in new_params.items()}, new_state
 
     # Checkpointing: optimizer state as a flat list of arrays, restored into the tree of init().
     @staticmethod
