@@ -8,10 +8,12 @@ stops the children in order instead of having them die mid-write.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +85,7 @@ class ProcessTable:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 close_fds=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
         except OSError:
             log_file.close()
@@ -165,6 +168,17 @@ class ProcessTable:
         with contextlib.suppress(psutil.Error):
             parent = psutil.Process(proc.pid)
             proc.seen_pids.update(child.pid for child in parent.children(recursive=True))
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL me when the supervisor dies, so even a SIGKILL of
+    the supervisor (which it cannot handle) leaves no orphan. Runs between fork and exec, so
+    it only makes one async-signal-safe system call."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _pid_alive(pid: int) -> bool:
