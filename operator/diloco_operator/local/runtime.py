@@ -176,9 +176,10 @@ class LocalRuntime:
     # --- process actions ------------------------------------------------------------------
 
     def _start_syncer(self, now: float) -> None:
-        if self.procs.get(SYNCER) is not None and self.procs.get(SYNCER).alive():  # type: ignore[union-attr]
+        current = self.procs.get(SYNCER)
+        if current is not None and current.alive():
             return
-        restarting = self.procs.get(SYNCER) is not None
+        restarting = current is not None
         if restarting:
             self.syncer_restarts += 1
             if self.syncer_restarts > self.opts.max_syncer_restarts:
@@ -186,7 +187,7 @@ class LocalRuntime:
         argv = [
             *self.opts.syncer_argv,
             "--config",
-            str(self.run.path),
+            str(self.run.path.resolve()),
             "--host",
             "127.0.0.1",
             "--port",
@@ -220,7 +221,7 @@ class LocalRuntime:
                 "DILOCO_SLOWDOWN": f"{slowdown:g}",
             }
         )
-        argv = [*self.opts.learner_argv, "--config", str(self.run.path)]
+        argv = [*self.opts.learner_argv, "--config", str(self.run.path.resolve())]
         self.procs.spawn(action.name, argv, env, self.logs_dir / f"{action.name}.log")
         self.attempts[action.name] = action.attempt
         self.ready.discard(action.name)
@@ -405,6 +406,7 @@ class LocalRuntime:
             for s in self.slots
             if s.name in online
             and s.name not in self.resume_at
+            and s.name not in self.killed
             and (p := self.procs.get(s.name)) is not None
             and p.alive()
         ]
