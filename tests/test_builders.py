@@ -206,3 +206,21 @@ def test_unknown_group_is_a_clear_error() -> None:
     run = make_run()
     with pytest.raises(ValueError, match="group 'gone'"):
         builders.unit_job(run, CreateUnit("mix-gone-0", "gone", 0, 0, 0, 1, 1))
+
+
+OBJCHECK = Path.home() / ".cache" / "diloco-e2e" / "bin" / "objcheck"
+
+
+@pytest.mark.skipif(not OBJCHECK.exists(), reason="objcheck not built (crds/validate/build.sh)")
+def test_kube_apiserver_create_validation_accepts_every_built_object() -> None:
+    """kube-apiserver's own validation code (k8s.io/kubernetes v1.37), no cluster needed."""
+    import subprocess
+
+    objs = all_objects(make_run()) + all_objects(
+        make_run(syncer={"checkpoint": {"ephemeral": True}})
+    )
+    out = subprocess.run(
+        [str(OBJCHECK)], input=yaml.safe_dump_all(objs), capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stdout
+    assert sum(line.startswith("VALID ") for line in out.stdout.splitlines()) == len(objs)
