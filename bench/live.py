@@ -56,7 +56,9 @@ def syncer(cfg: TrainingConfig, nice: int = 0) -> Iterator[SyncerProc]:
     with tempfile.TemporaryDirectory(prefix="diloco-bench-") as tmp:
         work = Path(tmp)
         config = work / "run.yaml"
-        config.write_text(yaml.safe_dump(cfg.to_wire()))
+        # Not to_wire(): it drops None values, and None is meaningful here (eval.everySeconds:
+        # null disables the syncer's evaluation, which would otherwise compete for the CPU).
+        config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True)))
         port = free_port()
         log_file = (work / "syncer.log").open("wb")
         cmd = [sys.executable, "-m", "diloco_trainer.syncer_main", "--config", str(config)]
