@@ -83,7 +83,7 @@ class RunOptions:
     live: bool = True
     checkpoint_dir: Path | None = None  # None: a fresh one under report_dir
     syncer_start_timeout: float = 120.0
-    stop_grace_seconds: float = 10.0
+    stop_grace_seconds: float = 5.0
     max_syncer_restarts: int = 50
     # Argv prefix of the two programs; default: this interpreter's modules (same venv).
     syncer_argv: tuple[str, ...] = (sys.executable, "-m", "diloco_trainer.syncer_main")
