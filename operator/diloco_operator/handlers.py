@@ -229,7 +229,7 @@ async def apply(run: builders.Run, the_plan: Plan, body: Any) -> None:
             await kube.delete_unit(run.namespace, action.name)
             ACTIONS.labels("delete_unit", action.reason).inc()
         elif isinstance(action, EmitEvent):
-            kopf.event(body, type=action.type, reason=action.reason, message=action.message)
+            kopf.event(body, type=action.type, reason=action.reason, message=action.message[:1024])
             log.log(
                 logging.WARNING if action.type == "Warning" else logging.INFO,
                 "event run=%s reason=%s unit=%s message=%s",
