@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,7 +120,7 @@ def test_sigkill_then_restart_loses_no_checkpointed_version(
     store = CheckpointStore(ckpt)
     deadline = time.monotonic() + 30
     while True:  # wait until the periodic checkpoint has caught up with the state
-        snap = store.load_latest()
+        snap = store.load_latest(remove_stray=False)
         if snap is not None and snap.versions == [3, 3] and snap.learners:
             break
         assert time.monotonic() < deadline, "no checkpoint with versions [3, 3]"
@@ -143,8 +144,18 @@ def test_sigkill_then_restart_loses_no_checkpointed_version(
     learner.push(0, 3, delta_for(learner, join.layout, 0, 99), 4, 256)
     got = learner.poll(0, 3, wait=10)
     assert got is not None and got[0] == 4
+    # SIGTERM with a long-poll in flight: the poll is answered and the process exits promptly.
+    poller = SyncerClient(second.url, TOKEN, "unit-0", 0, timeout=5)
+    polled: list[object] = []
+    thread = threading.Thread(target=lambda: polled.append(poller.poll(1, 3, wait=50)))
+    thread.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
     assert second.stop(signal.SIGTERM) == 0
-    final = store.load_latest()
+    assert time.monotonic() - t0 < 15
+    thread.join(10)
+    assert polled == [None]
+    final = store.load_latest(remove_stray=False)
     assert final is not None and final.versions == [4, 3] and final.seq > snap.seq
     np.testing.assert_array_equal(final.params[join.layout[0][0]], got[1][join.layout[0][0]])
 

@@ -193,8 +193,12 @@ class CheckpointStore:
             raise CheckpointError(f"{path}: inconsistent checkpoint: {exc!r}") from exc
         return snap
 
-    def load_latest(self) -> Snapshot | None:
+    def load_latest(self, remove_stray: bool = True) -> Snapshot | None:
         """The newest valid checkpoint, or None if the directory is absent or empty.
+
+        `remove_stray` deletes `.tmp-*` leftovers of interrupted saves: only the directory's owner
+        (the syncer, at start) may do that; an observer reading while a syncer runs would delete
+        its save in progress, so observers pass False.
 
         Corrupt or partial checkpoints are skipped with a warning. A directory that holds other
         things but no valid checkpoint is an error: restarting from scratch there would silently
@@ -204,7 +208,7 @@ class CheckpointStore:
             return None
         if not self.root.is_dir():
             raise CheckpointError(f"checkpoint.path {self.root} exists and is not a directory")
-        for entry in self.root.iterdir():
+        for entry in self.root.iterdir() if remove_stray else []:
             if entry.name.startswith(".tmp-"):
                 log.warning("event=checkpoint_stray_tmp path=%s action=removed", entry)
                 shutil.rmtree(entry, ignore_errors=True)
@@ -221,7 +225,9 @@ class CheckpointStore:
             )
             return snap
         leftovers = sorted(
-            e.name for e in self.root.iterdir() if e.name not in (JOURNAL, f".{JOURNAL}.tmp")
+            e.name
+            for e in self.root.iterdir()
+            if e.name not in (JOURNAL, f".{JOURNAL}.tmp") and not e.name.startswith(".tmp-")
         )
         if leftovers:
             detail = "; ".join(problems) if problems else f"unexpected entries {leftovers[:5]}"

@@ -126,6 +126,7 @@ class Syncer:
         self._saved_mark: tuple[int, int, int] | None = None
         self._save_lock = asyncio.Lock()
         self._background: list[asyncio.Task[None]] = []
+        self.closing = False
         # `restore` lets the caller read (and vet) the checkpoint before paying for model init.
         snap = restore if restore is not None else (store.load_latest() if store else None)
         if snap is not None:
@@ -482,17 +483,18 @@ class Syncer:
         return await f.encoded[1]
 
     async def wait_for_change(self, f: FragmentState, after: int, wait: float) -> bool:
-        """True once f.version != after (newer, or older after a restore), False on timeout."""
+        """True once f.version != after (newer, or older after a restore); False on timeout or
+        when the server is shutting down."""
         deadline = time.monotonic() + wait
-        while f.version == after:
+        while f.version == after and not self.closing:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             try:
                 await asyncio.wait_for(f.changed.wait(), remaining)
             except TimeoutError:
-                return f.version != after
-        return True
+                break
+        return f.version != after  # False on timeout or shutdown: the poller gets 204
 
     # ---------------------------------------------------------------- background work
     async def _every(self, seconds: float, work: Callable[[], Awaitable[None]], name: str) -> None:
@@ -533,6 +535,12 @@ class Syncer:
             self._background.append(
                 asyncio.create_task(self._every(self.cfg.eval.every_seconds, self.run_eval, "eval"))
             )
+
+    async def wake_pollers(self, app: web.Application) -> None:
+        """On shutdown: answer every open long-poll (204) so the server can stop at once."""
+        self.closing = True
+        for f in self.frags:
+            f.changed.set()
 
     async def stop_background(self, app: web.Application) -> None:
         for task in self._background:

@@ -220,5 +220,6 @@ def build_app(syncer: Syncer) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.on_startup.append(syncer.start_background)
+    app.on_shutdown.append(syncer.wake_pollers)
     app.on_cleanup.append(syncer.stop_background)
     return app
