@@ -127,6 +127,7 @@ class Syncer:
         self._save_lock = asyncio.Lock()
         self._background: list[asyncio.Task[None]] = []
         self.closing = False
+        self._evaluated: tuple[int, ...] | None = None
         # `restore` lets the caller read (and vet) the checkpoint before paying for model init.
         snap = restore if restore is not None else (store.load_latest() if store else None)
         if snap is not None:
@@ -508,6 +509,9 @@ class Syncer:
     async def run_eval(self) -> None:
         if self.eval_fn is None:
             return
+        versions = tuple(self.versions())
+        if versions == self._evaluated and self.eval_loss is not None:
+            return  # same global model as last time: spare the CPU
         params: dict[str, np.ndarray] = {}
         for f in self.frags:
             params.update(f.params)
@@ -516,6 +520,7 @@ class Syncer:
         loss = await asyncio.get_running_loop().run_in_executor(
             self._eval_pool, lambda: eval_fn(params, cfg, cfg.eval.batches)
         )
+        self._evaluated = versions
         if math.isfinite(loss):
             self.eval_loss = float(loss)
             self.metrics.eval_loss.set(loss)
