@@ -36,11 +36,14 @@ def machine() -> str:
         ram = f", {pages / 2**30:.0f} GiB RAM"
     except (ValueError, OSError):
         ram = ""
+    # The load average says how much the cores were shared while the section ran.
+    load = (
+        f", load average {os.getloadavg()[0]:.1f} at the end" if hasattr(os, "getloadavg") else ""
+    )
+    gpu = "GPU present" if has_gpu() else "no GPU"
     return (
         f"{cpu_model()}, {cores} cores{ram}, Python {platform.python_version()}, "
-        f"{platform.system()} {platform.release()}, no GPU"
-        if not has_gpu()
-        else f"{cpu_model()}, {cores} cores{ram}, GPU present"
+        f"{platform.system()} {platform.release()}, {gpu}{load}"
     )
 
 
