@@ -37,3 +37,12 @@ def test_ema() -> None:
     assert e.value is None
     assert e.update(4.0) == 4.0
     assert e.update(2.0) == 3.0
+
+
+def test_expected_arrival_from_last_push_and_step_time() -> None:
+    from diloco_trainer.syncer_fragment import expected_arrival
+
+    assert expected_arrival(100.0, 0.02, 50, now=100.4) == pytest.approx(0.6)
+    assert expected_arrival(100.0, 0.02, 50, now=102.0) is None  # overdue: may come any moment
+    assert expected_arrival(None, 0.02, 50, now=100.0) is None
+    assert expected_arrival(100.0, None, 50, now=100.0) is None

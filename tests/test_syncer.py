@@ -528,3 +528,24 @@ def test_adaptive_grace_waits_for_unknown_learners_but_not_the_whole_window_for_
     wait_until(lambda: live.syncer.frags[0].version == 2, timeout=30)
     assert time.monotonic() - t0 < min(expected_wait, 30.0) + 3.0 < 25.0
     assert merged_contributions() == 3.0
+
+
+def test_validate_push_is_pure_and_ordered_by_severity() -> None:
+    from diloco_trainer.syncer_fragment import FragmentState, Reject, validate_push
+
+    f = FragmentState(0, ["w"], {"w": np.zeros(3, np.float32)}, None, version=5)
+    ok = {"w": np.ones(3, np.float32)}
+    header = PushHeader(0, 5, 1, 8, "none", "u", 0)
+    validate_push(f, header, ok, {"w": (3,)}, max_staleness=2)  # fine: no exception
+    cases = [
+        (PushHeader(1, 5, 1, 8, "none", "u", 0), ok, 400, "malformed"),
+        (header, {"v": np.ones(3, np.float32)}, 422, "mismatch"),
+        (header, {"w": np.array([1, np.inf, 0], np.float32)}, 422, "non_finite"),
+        (PushHeader(0, 6, 1, 8, "none", "u", 0), ok, 409, "future_base"),
+        (PushHeader(0, 2, 1, 8, "none", "u", 0), ok, 409, "stale"),
+    ]
+    for h, delta, status, reason in cases:
+        with pytest.raises(Reject) as err:
+            validate_push(f, h, delta, {"w": (3,)}, max_staleness=2)
+        assert (err.value.status, err.value.reason) == (status, reason)
+    assert f.version == 5 and not f.pending

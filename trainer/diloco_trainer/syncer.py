@@ -11,82 +11,39 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from aiohttp import web
 
+from diloco_trainer import syncer_persist
 from diloco_trainer.checkpoint import CheckpointStore, Snapshot
-from diloco_trainer.config import ModelConfig, TrainingConfig
+from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.grace import Ema, grace_window, slack_seconds
 from diloco_trainer.learners import LearnerRegistry
 from diloco_trainer.merge import Contribution, merge_fragment
 from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.syncer_fragment import (
+    SEEN_PER_FRAGMENT,
+    EvalFn,
+    FragmentState,
+    InitFn,
+    Pending,
+    Reject,
+    default_eval,
+    default_init,
+    expected_arrival,
+    validate_push,
+)
 from diloco_trainer.syncer_metrics import SyncerMetrics
-from diloco_trainer.wire import PayloadMismatch, PushHeader, WireError, decode_push, encode_params
+from diloco_trainer.wire import PayloadMismatch, WireError, decode_push, encode_params
 
 log = logging.getLogger("diloco.syncer")
-
-InitFn = Callable[[ModelConfig, int], dict[str, np.ndarray]]
-EvalFn = Callable[[Mapping[str, np.ndarray], TrainingConfig, int], float]
-MAX_POLL_WAIT = 60.0
-SEEN_PER_FRAGMENT = 4096  # recent push keys remembered for idempotent retries
-
-
-def default_init(model: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    from diloco_trainer.model import init_params
-
-    return init_params(model, seed)
-
-
-def default_eval(params: Mapping[str, np.ndarray], cfg: TrainingConfig, batches: int) -> float:
-    from diloco_trainer.evaluate import eval_loss
-
-    return eval_loss(params, cfg, batches)
-
-
-class Reject(Exception):
-    """A request refused with an HTTP status; never applied."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.reason, self.message = status, reason, message
-
-
-@dataclass
-class Pending:
-    header: PushHeader
-    delta: dict[str, np.ndarray]
-    arrived: float
-
-
-@dataclass
-class FragmentState:
-    index: int
-    names: list[str]
-    params: dict[str, np.ndarray]
-    opt_state: Any
-    version: int = 0
-    last_merge: float | None = None
-    max_body: int = 0
-    pending: dict[str, Pending] = field(default_factory=dict)
-    first_arrival: float | None = None
-    first_unit: str | None = None
-    quorum_time: float | None = None
-    last_push: dict[str, float] = field(default_factory=dict)  # unit -> arrival of its last push
-    merge_task: asyncio.Task[None] | None = None
-    all_in: asyncio.Event = field(default_factory=asyncio.Event)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    seen: OrderedDict[tuple[str, int, int, int], int] = field(default_factory=OrderedDict)
-    encoded: tuple[int, asyncio.Future[bytes]] | None = None
 
 
 class Syncer:
@@ -131,9 +88,9 @@ class Syncer:
         # `restore` lets the caller read (and vet) the checkpoint before paying for model init.
         snap = restore if restore is not None else (store.load_latest() if store else None)
         if snap is not None:
-            self._restore(snap)
+            syncer_persist.restore(self, snap)
         self._journal_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="journal")
-        self._published = self._resume_numbering()
+        self._published = syncer_persist.resume_numbering(self)
         self._publish_gauges()
 
     def _new_fragment(
@@ -148,72 +105,13 @@ class Syncer:
         )
 
     # ---------------------------------------------------------------- checkpoints
-    def _restore(self, snap: Snapshot) -> None:
-        layout = [f.names for f in self.frags]
-        if snap.layout != layout:
-            raise ValueError(
-                "checkpoint layout differs from this config's fragments/model; "
-                "use a fresh checkpoint.path for a changed model"
-            )
-        for f in self.frags:
-            for n in f.names:
-                if n not in snap.params or tuple(snap.params[n].shape) != self.shapes[n]:
-                    raise ValueError(f"checkpoint leaf {n}: missing or wrong shape")
-            f.params = {n: snap.params[n].astype(np.float32) for n in f.names}
-            f.opt_state = self.outer.state_from_leaves(f.params, snap.outer_state[f.index])
-            f.version = snap.versions[f.index]
-            f.last_merge = (snap.extra.get("lastMerge") or [None] * len(self.frags))[f.index]
-        self.learners.load_json(snap.learners, now=time.time())
-        self.eval_loss = snap.extra.get("evalLoss")
-        self._saved_mark = self._mark()
-        log.info(
-            "event=restored seq=%d versions=%s outer_step=%d",
-            snap.seq,
-            snap.versions,
-            self.outer_step,
-        )
-
-    def _resume_numbering(self) -> list[int]:
-        """Versions published before a crash but not checkpointed are lost; their numbers are not
-        reused. A fragment whose journal is ahead resumes at journal+1, so every learner sees a
-        strictly newer version (carrying the restored content) and installs it."""
-        versions = self.versions()
-        journal = self.store.recorded_versions() if self.store is not None else None
-        if journal is not None and len(journal) == len(versions):
-            for f in self.frags:
-                if journal[f.index] > f.version:
-                    log.warning(
-                        "event=versions_lost fragment=%d checkpointed=%d published=%d resume=%d",
-                        f.index, f.version, journal[f.index], journal[f.index] + 1,
-                    )  # fmt: skip
-                    f.version = journal[f.index] + 1
-            versions = self.versions()
-        if self.store is not None:
-            self.store.record_versions(versions)
-        return versions
+    def snapshot(self) -> Snapshot:
+        """References to the current state (taken on the loop thread; arrays are never mutated)."""
+        return syncer_persist.snapshot(self)
 
     def _mark(self) -> tuple[int, int, int]:
         steps, tokens = self.learners.totals()
         return self.outer_step, steps, tokens
-
-    def snapshot(self) -> Snapshot:
-        """References to the current state (taken on the loop thread; arrays are never mutated)."""
-        params: dict[str, np.ndarray] = {}
-        for f in self.frags:
-            params.update(f.params)
-        return Snapshot(
-            params=params,
-            outer_state=[OuterOptimizer.state_leaves(f.opt_state) for f in self.frags],
-            versions=[f.version for f in self.frags],
-            layout=[f.names for f in self.frags],
-            outer_step=self.outer_step,
-            learners=self.learners.to_json(),
-            extra={
-                "run": self.run,
-                "evalLoss": self.eval_loss,
-                "lastMerge": [f.last_merge for f in self.frags],
-            },
-        )
 
     async def save_checkpoint(self, force: bool = False) -> None:
         if self.store is None:
@@ -295,48 +193,6 @@ class Syncer:
             )
         return self.frags[index]
 
-    def validate(
-        self, f: FragmentState, header: PushHeader, delta: Mapping[str, np.ndarray]
-    ) -> None:
-        """Everything that makes a decoded push unusable; raises Reject, changes nothing."""
-        if header.fragment != f.index:
-            raise Reject(
-                400, "malformed", f"payload fragment {header.fragment} != URL fragment {f.index}"
-            )
-        missing, extra = sorted(set(f.names) - set(delta)), sorted(set(delta) - set(f.names))
-        if missing or extra:
-            raise Reject(
-                422,
-                "mismatch",
-                f"fragment {f.index} tensors: missing {missing}, unexpected {extra}",
-            )
-        for name in f.names:
-            arr = delta[name]
-            if arr.dtype != np.float32:
-                raise Reject(422, "mismatch", f"tensor {name}: dtype {arr.dtype}, expected float32")
-            if tuple(arr.shape) != self.shapes[name]:
-                raise Reject(
-                    422,
-                    "mismatch",
-                    f"tensor {name}: shape {tuple(arr.shape)}, expected {self.shapes[name]}",
-                )
-            if not np.all(np.isfinite(arr)):
-                raise Reject(422, "non_finite", f"tensor {name}: contains NaN or Inf")
-        if header.base_version > f.version:
-            raise Reject(
-                409,
-                "future_base",
-                f"base version {header.base_version} is newer than fragment {f.index}'s "
-                f"version {f.version} (syncer restored from a checkpoint): pull again",
-            )
-        if header.base_version < f.version - self.cfg.max_staleness:
-            raise Reject(
-                409,
-                "stale",
-                f"base version {header.base_version} is older than {f.version} - "
-                f"maxStaleness {self.cfg.max_staleness}: pull fragment {f.index} again",
-            )
-
     async def accept_push(self, f: FragmentState, body: bytes) -> dict[str, Any]:
         if len(body) > f.max_body:
             raise Reject(
@@ -360,7 +216,7 @@ class Syncer:
                 "version": f.version,
                 "pending": len(f.pending),
             }
-        self.validate(f, header, delta)
+        validate_push(f, header, delta, self.shapes, self.cfg.max_staleness)
         now = time.time()
         f.seen[key] = f.version
         while len(f.seen) > SEEN_PER_FRAGMENT:
@@ -401,21 +257,16 @@ class Syncer:
             self.sync_time.value or 0.0,
             self.cfg.grace.max_seconds,
         )
-        lateness = [self._expected_arrival(f, u, now) for u in missing]
+        lateness = [
+            expected_arrival(
+                f.last_push.get(u), self.learners.get(u).step_time.value, self.cfg.inner_steps, now
+            )
+            for u in missing
+        ]
         grace = grace_window(self.cfg.grace.mode, self.cfg.grace.max_seconds, lateness, slack)
         self.metrics.grace_seconds.observe(grace)
         f.all_in = asyncio.Event()
         f.merge_task = asyncio.get_running_loop().create_task(self._merge_after(f, grace))
-
-    def _expected_arrival(self, f: FragmentState, unit: str, now: float) -> float | None:
-        """Seconds until `unit` is expected to push fragment f again: its last push of f plus H
-        steps at its EMA step time. None when unknown, or overdue (it may arrive any moment)."""
-        last = f.last_push.get(unit)
-        step_time = self.learners.get(unit).step_time.value
-        if last is None or step_time is None:
-            return None
-        eta = last + self.cfg.inner_steps * step_time - now
-        return eta if eta >= 0 else None
 
     async def _merge_after(self, f: FragmentState, grace: float) -> None:
         try:
@@ -568,11 +419,3 @@ class Syncer:
         from diloco_trainer.syncer_http import build_app
 
         return build_app(self)
-
-
-def json_error(status: int, reason: str, message: str) -> web.Response:
-    return web.Response(
-        status=status,
-        text=json.dumps({"error": message, "reason": reason}),
-        content_type="application/json",
-    )

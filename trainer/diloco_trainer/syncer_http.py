@@ -14,7 +14,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from diloco_trainer.syncer import MAX_POLL_WAIT, Reject, Syncer, json_error
+from diloco_trainer.syncer import Syncer
+from diloco_trainer.syncer_fragment import MAX_POLL_WAIT, Reject
 from diloco_trainer.wire import encode_params
 
 log = logging.getLogger("diloco.syncer")
@@ -28,6 +29,14 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 def _tensors(payload: bytes, **headers: str) -> web.Response:
     return web.Response(body=payload, content_type="application/octet-stream", headers=headers)
+
+
+def json_error(status: int, reason: str, message: str) -> web.Response:
+    return web.Response(
+        status=status,
+        text=json.dumps({"error": message, "reason": reason}),
+        content_type="application/json",
+    )
 
 
 @web.middleware
