@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -420,12 +421,15 @@ def test_metrics_count_rejections_and_merges(live: LiveSyncer) -> None:
     live.raw("POST", "/v1/fragments/0/push", b"junk")
     c.push(0, 0, fragment_delta(live, 0), 1, 8)
     wait_until(lambda: live.syncer.frags[0].version == 1)
+    status, _ = live.raw("POST", "/v1/fragments/1/push", _valid_push(live, p=1, scheme="int8"))
+    assert status == 200
     conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=5)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     assert 'diloco_syncer_pushes_total{reason="malformed",result="rejected"} 1.0' in text
     assert 'diloco_syncer_merges_total{fragment="0"} 1.0' in text
-    assert "diloco_syncer_outer_step 1.0" in text
+    assert "diloco_syncer_push_quant_error_count 1.0" in text
+    assert re.search(r"^diloco_syncer_outer_step [12]\.0$", text, re.M)  # 2 once frag 1 merged
 
 
 def test_versions_lost_in_a_crash_are_never_reissued(tmp_path: Path) -> None:

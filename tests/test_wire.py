@@ -120,3 +120,11 @@ def test_wrong_dtype_and_inconsistent_quantized_tensors_are_rejected() -> None:
         decode_push(encode_tensors({"q/x": np.ones(4, np.int8), "s/x": np.ones(2, np.float32)}, q))
     with pytest.raises(WireError, match="missing"):
         decode_push(encode_tensors({"q/x": np.ones(8, np.int8)}, q))
+
+
+def test_quantized_push_carries_the_measured_error() -> None:
+    payload, err = encode_push(header("int4"), delta(), block_size=16)
+    h, _ = decode_push(payload)
+    assert h.quant_error == pytest.approx(err, rel=1e-5) and 0 < err < 0.2
+    plain, _ = encode_push(header(), delta())
+    assert decode_push(plain)[0].quant_error is None

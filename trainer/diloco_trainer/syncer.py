@@ -226,6 +226,8 @@ class Syncer:
             f.first_arrival, f.first_unit = now, header.unit
         f.pending[header.unit] = Pending(header, delta, now)  # newest push of a learner wins
         f.last_push[header.unit] = now
+        if header.quant_error is not None:
+            self.metrics.quant_error.observe(header.quant_error)
         log.info(
             "event=push_accepted fragment=%d unit=%s attempt=%d base=%d version=%d c_steps=%d c_tokens=%d pending=%d scheme=%s",
             f.index, header.unit, header.attempt, header.base_version, f.version,

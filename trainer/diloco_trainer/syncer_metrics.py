@@ -36,6 +36,12 @@ class SyncerMetrics:
             buckets=(0, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
             registry=r,
         )
+        self.quant_error = Histogram(
+            "diloco_syncer_push_quant_error",
+            "Relative L2 quantization error of accepted pushes, as measured by the sender",
+            buckets=(0.001, 0.003, 0.01, 0.03, 0.06, 0.1, 0.15, 0.2, 0.3, 0.5),
+            registry=r,
+        )
         self.bytes_in = Counter(
             "diloco_syncer_bytes_received_total", "Request body bytes", registry=r
         )

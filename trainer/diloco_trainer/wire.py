@@ -13,6 +13,7 @@ Push tensors, by scheme:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -46,6 +47,7 @@ class PushHeader:
     unit: str
     attempt: int
     block_size: int = 0
+    quant_error: float | None = None  # relative L2 error the sender measured (quantized only)
 
 
 def encode_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
@@ -89,6 +91,19 @@ def _int_field(meta: Mapping[str, str], key: str, minimum: int = 0) -> int:
     return value
 
 
+def _float_field(meta: Mapping[str, str], key: str) -> float | None:
+    """An optional non-negative finite float (None when absent)."""
+    if key not in meta:
+        return None
+    try:
+        value = float(meta[key])
+    except ValueError as exc:
+        raise WireError(f"payload metadata.{key}: not a number: {meta[key]!r}") from exc
+    if not math.isfinite(value) or value < 0:
+        raise WireError(f"payload metadata.{key}: must be finite and >= 0, got {value}")
+    return value
+
+
 def encode_push(
     header: PushHeader, delta: Mapping[str, np.ndarray], block_size: int = 128
 ) -> tuple[bytes, float]:
@@ -125,6 +140,7 @@ def encode_push(
     meta["shapes"] = json.dumps(shapes, sort_keys=True)
     meta["blockSize"] = str(block_size)
     rel = (err_sq**0.5) / (ref_sq**0.5) if ref_sq > 0 else 0.0
+    meta["quantError"] = f"{rel:.6g}"
     return encode_tensors(tensors, meta), rel
 
 
@@ -149,6 +165,7 @@ def decode_push(payload: bytes) -> tuple[PushHeader, dict[str, np.ndarray]]:
         unit=unit,
         attempt=_int_field(meta, "attempt"),
         block_size=block_size,
+        quant_error=_float_field(meta, "quantError"),
     )
     if scheme == "none":
         for name, arr in tensors.items():
