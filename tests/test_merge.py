@@ -113,3 +113,24 @@ def test_outer_state_round_trips_through_leaves() -> None:
         np.testing.assert_array_equal(x, y)
     with pytest.raises(ValueError, match="expected"):
         opt.state_from_leaves(theta, [])
+
+
+def test_participation_share_adds_up_to_one_round() -> None:
+    from diloco_trainer.merge import participation_share
+
+    # Four learners merged one at a time contribute a quarter each: one full round in total.
+    assert sum(participation_share(1, 4) for _ in range(4)) == pytest.approx(1.0)
+    assert participation_share(4, 4) == 1.0
+    # A learner that pushed but is not (yet) counted online never scales above 1.
+    assert participation_share(3, 2) == 1.0
+    with pytest.raises(ValueError):
+        participation_share(0, 4)
+
+
+def test_scale_delta_keeps_float32_and_direction() -> None:
+    from diloco_trainer.merge import scale_delta
+
+    delta = {"w": np.array([1.0, -2.0], dtype=np.float32)}
+    out = scale_delta(delta, 0.25)
+    assert out["w"].dtype == np.float32
+    np.testing.assert_allclose(out["w"], [0.25, -0.5])

@@ -158,6 +158,13 @@ class MergeConfig(Strict):
         "rda", description="rda: radial-directional averaging; mean: plain weighted mean."
     )
     token_weighting: bool = Field(True, description="Weight contributions by cTokens^2/cSteps.")
+    participation_scaling: bool = Field(
+        True,
+        description=(
+            "Scale each merge's outer gradient by the share of online learners it contains, so"
+            " M separate one-learner merges add up to one averaged outer step, not M full ones."
+        ),
+    )
 
 
 class CompressionConfig(Strict):

@@ -104,6 +104,24 @@ def is_embedding(name: str) -> bool:
     return name.startswith(EMBED_PREFIX)
 
 
+def participation_share(contributing: int, online: int) -> float:
+    """The share of the online learners that a merge contains, in (0, 1].
+
+    With quorum K below the number of learners M, a round of H inner steps produces up to M
+    separate merges of one fragment instead of one. Applying each at full outer learning rate
+    (and through momentum) makes the round's step about M times that of synchronous DiLoCo, which
+    diverges at the usual lr 0.7 / momentum 0.9. Scaling a merge by the share it represents makes
+    the round add up to one averaged step, whatever the arrival pattern.
+    """
+    if contributing < 1:
+        raise ValueError("participation_share: a merge has at least one contribution")
+    return contributing / max(online, contributing)
+
+
+def scale_delta(delta: Mapping[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:
+    return {name: (leaf * np.float32(factor)).astype(np.float32) for name, leaf in delta.items()}
+
+
 def merge_fragment(
     contributions: Sequence[Contribution],
     method: MergeMethod = "rda",

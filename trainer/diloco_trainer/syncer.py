@@ -26,7 +26,7 @@ from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.grace import Ema, grace_window, slack_seconds
 from diloco_trainer.learners import LearnerRegistry
-from diloco_trainer.merge import Contribution, merge_fragment
+from diloco_trainer.merge import Contribution, merge_fragment, participation_share, scale_delta
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer_fragment import (
     SEEN_PER_FRAGMENT,
@@ -289,9 +289,13 @@ class Syncer:
         contributions = [
             Contribution(p.delta, p.header.c_steps, p.header.c_tokens) for p in pending.values()
         ]
+        share = 1.0
+        if self.cfg.merge.participation_scaling:
+            online = set(self.learners.online(time.time())) | set(pending)
+            share = participation_share(len(contributions), len(online))
         started = time.perf_counter()
         new_params, new_state = await asyncio.get_running_loop().run_in_executor(
-            self._merge_pool, self._merge_compute, f.params, f.opt_state, contributions
+            self._merge_pool, self._merge_compute, f.params, f.opt_state, contributions, share
         )
         new_version = f.version + 1
         if self.store is not None:
@@ -312,16 +316,22 @@ class Syncer:
         f.changed.set()
         f.changed = asyncio.Event()
         log.info(
-            "event=merged fragment=%d version=%d contributions=%d units=%s seconds=%.4f",
-            f.index, f.version, len(contributions), ",".join(sorted(pending)), elapsed,
+            "event=merged fragment=%d version=%d contributions=%d share=%.3f units=%s seconds=%.4f",
+            f.index, f.version, len(contributions), share, ",".join(sorted(pending)), elapsed,
         )  # fmt: skip
 
     def _merge_compute(
-        self, params: dict[str, np.ndarray], state: Any, contributions: list[Contribution]
+        self,
+        params: dict[str, np.ndarray],
+        state: Any,
+        contributions: list[Contribution],
+        share: float,
     ) -> tuple[dict[str, np.ndarray], Any]:
         merged = merge_fragment(
             contributions, self.cfg.merge.method, self.cfg.merge.token_weighting
         )
+        if share < 1.0:
+            merged = scale_delta(merged, share)
         return self.outer.step(params, state, merged)
 
     # ---------------------------------------------------------------- downloads
