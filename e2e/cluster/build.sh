@@ -139,13 +139,29 @@ build_etcd() {
 
 build_kwok() {
   local d; d=$(kwok_dir)
-  if is_done "$d" kwok; then log "kwok $KWOK_VERSION: cached in $d/bin"; return; fi
+  if is_done "$d" kwok && [[ -f "$d/stages/.complete" ]]; then
+    log "kwok $KWOK_VERSION: cached in $d/bin"; return
+  fi
   local t0; t0=$(date +%s)
   mkdir -p "$d/bin"; rm -f "$d/bin/.complete"
   log "kwok $KWOK_VERSION: go install"
   GOFLAGS= GOBIN="$d/bin" nice -n "$NICE" go install -trimpath \
     -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION" \
     "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+  # kwok alone has no built-in stages (kwokctl embeds them): keep the Stage manifests of this very
+  # version next to the binary; harness.py assembles its kwok config from them.
+  local src
+  src=$(GOFLAGS= go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+  [[ -d "$src/kustomize/stage" ]] || die "kwok module source has no kustomize/stage directory"
+  rm -rf "$d/stages"; mkdir -p "$d/stages"
+  local f rel
+  for rel in node/fast node/heartbeat-with-lease node/chaos pod/fast pod/chaos; do
+    mkdir -p "$d/stages/$rel"
+    for f in "$src/kustomize/stage/$rel"/*.yaml; do
+      [[ "$(basename "$f")" == kustomization.yaml ]] || cp "$f" "$d/stages/$rel/"
+    done
+  done
+  chmod -R u+w "$d/stages"; touch "$d/stages/.complete"
   stamp "$d" "$t0"
 }
 
