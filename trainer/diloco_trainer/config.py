@@ -225,6 +225,11 @@ class TrainingConfig(Strict):
             raise ValueError("set totalSteps or totalTokens: a run needs a budget")
         return self
 
+    def to_wire(self) -> dict[str, Any]:
+        """The manifest form, keeping nulls: in a training block null means "off" (gradClip,
+        eval.everySeconds), so dropping it would bring the default back on a round trip."""
+        return self.model_dump(mode="json", by_alias=True)
+
     @property
     def tokens_per_step(self) -> int:
         return self.data.batch_size * self.model.context
