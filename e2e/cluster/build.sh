@@ -181,6 +181,9 @@ build_helm() {
 components=("$@")
 [[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm)
 mkdir -p "$CACHE"
+# one build at a time per cache (make e2e-deps and a test fixture may both call this)
+exec 9>"$CACHE/.build.lock"
+if ! flock -n 9; then log "another build.sh holds $CACHE/.build.lock; waiting"; flock 9; fi
 for c in "${components[@]}"; do
   case "$c" in
     k8s|etcd|kwok|helm) "build_$c" ;;

@@ -656,6 +656,8 @@ class LocalCluster(_ClusterBase):
         for pid, name in self._scan_leftovers().items():
             targets.setdefault(pid, name)
         if not targets and not self._procs:
+            if not quiet:
+                _log(f"nothing of {self.state_dir} is running")
             return
         if not quiet:
             _log(f"stopping {', '.join(f'{n}({p})' for p, n in sorted(targets.items()))}")
@@ -716,7 +718,7 @@ class LocalCluster(_ClusterBase):
         if not Path("/proc").is_dir():
             return found
         names = {Path(p).name for p in COMPONENTS}
-        needle = str(self.state_dir)
+        needle = str(self.state_dir).rstrip("/") + "/"  # not a sibling like state-smoke/
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) == os.getpid():
                 continue
