@@ -27,6 +27,7 @@ Which cluster cluster() gives (env DILOCO_E2E_CLUSTER = auto | local | existing,
     local:    always the local cluster (started here, stopped at the end)
     existing: DILOCO_E2E_KUBECONFIG, KUBECONFIG or ~/.kube/config; never starts anything
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,12 +42,11 @@ import socket
 import ssl
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 HERE = Path(__file__).resolve().parent
 STATE_MARKER = ".diloco-e2e-state"
@@ -124,8 +124,15 @@ class Binaries:
     kwok_stages: Path
 
     def all_paths(self) -> list[Path]:
-        return [self.etcd, self.kube_apiserver, self.kube_controller_manager,
-                self.kube_scheduler, self.kubectl, self.kwok, self.helm]
+        return [
+            self.etcd,
+            self.kube_apiserver,
+            self.kube_controller_manager,
+            self.kube_scheduler,
+            self.kubectl,
+            self.kwok,
+            self.helm,
+        ]
 
 
 def binaries(build: bool = True) -> Binaries:
@@ -136,9 +143,13 @@ def binaries(build: bool = True) -> Binaries:
         missing.append(b.kwok_stages)
     if missing:
         if not build:
-            raise ClusterError(f"missing binaries {[str(m) for m in missing]}: run {HERE/'build.sh'}")
-        _log(f"binaries missing ({', '.join(p.name for p in missing)}): running build.sh "
-             "(a cold build takes long, see e2e/cluster/README.md)")
+            raise ClusterError(
+                f"missing binaries {[str(m) for m in missing]}: run {HERE / 'build.sh'}"
+            )
+        _log(
+            f"binaries missing ({', '.join(p.name for p in missing)}): running build.sh "
+            "(a cold build takes long, see e2e/cluster/README.md)"
+        )
         r = subprocess.run(["bash", str(HERE / "build.sh")], stdout=sys.stderr)
         if r.returncode != 0:
             raise ClusterError(f"build.sh failed with exit code {r.returncode}")
@@ -171,13 +182,13 @@ def expected_binaries() -> Binaries:
 
 @dataclasses.dataclass(frozen=True)
 class NodePool:
-    name: str                       # cloud.google.com/gke-nodepool
+    name: str  # cloud.google.com/gke-nodepool
     nodes: int
     machine_type: str
     cpu: str
     memory: str
     accelerator: str | None = None  # cloud.google.com/gke-tpu-accelerator
-    topology: str | None = None     # cloud.google.com/gke-tpu-topology
+    topology: str | None = None  # cloud.google.com/gke-tpu-topology
     chips_per_host: int = 0
     zone: str = "us-east5-b"
 
@@ -186,10 +197,25 @@ def default_node_pools() -> list[NodePool]:
     """GKE-like pools. A multi-host TPU slice is one node pool on GKE: v6e 2x4 = 8 chips = 2 hosts
     of 4 chips, so four v6e pools of 2 nodes give four slices; v5p 2x2x1 = 4 chips = 1 host, so one
     pool of 4 nodes gives four single-host slices. Plus CPU nodes for the operator and syncer."""
-    pools = [NodePool(f"tpu-v6e-2x4-{i}", 2, "ct6e-standard-4t", "180", "720Gi",
-                      "tpu-v6e-slice", "2x4", 4) for i in range(4)]
-    pools.append(NodePool("tpu-v5p-2x2x1", 4, "ct5p-hightpu-4t", "208", "448Gi",
-                          "tpu-v5p-slice", "2x2x1", 4, zone="us-east5-a"))
+    pools = [
+        NodePool(
+            f"tpu-v6e-2x4-{i}", 2, "ct6e-standard-4t", "180", "720Gi", "tpu-v6e-slice", "2x4", 4
+        )
+        for i in range(4)
+    ]
+    pools.append(
+        NodePool(
+            "tpu-v5p-2x2x1",
+            4,
+            "ct5p-hightpu-4t",
+            "208",
+            "448Gi",
+            "tpu-v5p-slice",
+            "2x2x1",
+            4,
+            zone="us-east5-a",
+        )
+    )
     pools.append(NodePool("default-pool", 2, "e2-standard-8", "8", "32Gi"))
     return pools
 
@@ -211,39 +237,53 @@ def node_manifests(pools: list[NodePool], kubelet_version: str) -> list[dict]:
                 "cloud.google.com/gke-nodepool": pool.name,
                 "type": "kwok",
             }
-            resources = {"cpu": pool.cpu, "memory": pool.memory, "pods": "110",
-                         "ephemeral-storage": "100Gi"}
+            resources = {
+                "cpu": pool.cpu,
+                "memory": pool.memory,
+                "pods": "110",
+                "ephemeral-storage": "100Gi",
+            }
             taints = []
             if pool.accelerator:
                 labels["cloud.google.com/gke-tpu-accelerator"] = pool.accelerator
                 labels["cloud.google.com/gke-tpu-topology"] = pool.topology or ""
                 resources[TPU_RESOURCE] = str(pool.chips_per_host)
                 taints.append(dict(TPU_TAINT))
-            items.append({
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {
-                    "name": name,
-                    "labels": labels,
-                    "annotations": {KWOK_NODE_ANNOTATION[0]: KWOK_NODE_ANNOTATION[1],
-                                    "node.alpha.kubernetes.io/ttl": "0"},
-                },
-                "spec": {"taints": taints} if taints else {},
-                "status": {
-                    "allocatable": resources,
-                    "capacity": dict(resources),
-                    "addresses": [{"type": "InternalIP", "address": f"{NODE_IP_PREFIX}{n}"},
-                                  {"type": "Hostname", "address": name}],
-                    "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux",
-                                 "kubeletVersion": kubelet_version,
-                                 "machineID": f"fake-{n}", "systemUUID": f"fake-{n}",
-                                 "bootID": f"fake-{n}",
-                                 "kubeProxyVersion": kubelet_version,
-                                 "containerRuntimeVersion": "kwok://fake",
-                                 "osImage": "Container-Optimized OS (fake)",
-                                 "kernelVersion": "fake"},
-                },
-            })
+            items.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {
+                        "name": name,
+                        "labels": labels,
+                        "annotations": {
+                            KWOK_NODE_ANNOTATION[0]: KWOK_NODE_ANNOTATION[1],
+                            "node.alpha.kubernetes.io/ttl": "0",
+                        },
+                    },
+                    "spec": {"taints": taints} if taints else {},
+                    "status": {
+                        "allocatable": resources,
+                        "capacity": dict(resources),
+                        "addresses": [
+                            {"type": "InternalIP", "address": f"{NODE_IP_PREFIX}{n}"},
+                            {"type": "Hostname", "address": name},
+                        ],
+                        "nodeInfo": {
+                            "architecture": "amd64",
+                            "operatingSystem": "linux",
+                            "kubeletVersion": kubelet_version,
+                            "machineID": f"fake-{n}",
+                            "systemUUID": f"fake-{n}",
+                            "bootID": f"fake-{n}",
+                            "kubeProxyVersion": kubelet_version,
+                            "containerRuntimeVersion": "kwok://fake",
+                            "osImage": "Container-Optimized OS (fake)",
+                            "kernelVersion": "fake",
+                        },
+                    },
+                }
+            )
     return items
 
 
@@ -260,7 +300,9 @@ def free_port() -> int:
 def _run(argv: list[str], **kw) -> subprocess.CompletedProcess:
     r = subprocess.run(argv, capture_output=True, text=True, **kw)
     if r.returncode != 0:
-        raise ClusterError(f"{' '.join(map(str, argv))} failed ({r.returncode}): {r.stderr.strip()}")
+        raise ClusterError(
+            f"{' '.join(map(str, argv))} failed ({r.returncode}): {r.stderr.strip()}"
+        )
     return r
 
 
@@ -303,35 +345,79 @@ class PKI:
     def generate(self) -> None:
         self.d.mkdir(parents=True, exist_ok=True)
         ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-        self._openssl("req", "-x509", "-new", *ec, "-keyout", "ca.key", "-out", "ca.crt",
-                      "-days", "3650", "-subj", "/CN=diloco-e2e-ca",
-                      "-addext", "basicConstraints=critical,CA:TRUE",
-                      "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature")
-        sans = ",".join(["IP:127.0.0.1", f"IP:{KUBERNETES_SERVICE_IP}", "DNS:localhost",
-                         "DNS:kubernetes", "DNS:kubernetes.default", "DNS:kubernetes.default.svc",
-                         "DNS:kubernetes.default.svc.cluster.local"])
+        self._openssl(
+            "req",
+            "-x509",
+            "-new",
+            *ec,
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "3650",
+            "-subj",
+            "/CN=diloco-e2e-ca",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        )
+        sans = ",".join(
+            [
+                "IP:127.0.0.1",
+                f"IP:{KUBERNETES_SERVICE_IP}",
+                "DNS:localhost",
+                "DNS:kubernetes",
+                "DNS:kubernetes.default",
+                "DNS:kubernetes.default.svc",
+                "DNS:kubernetes.default.svc.cluster.local",
+            ]
+        )
         self.leaf("apiserver", "/CN=kube-apiserver", "serverAuth", sans)
         self.leaf("admin", "/O=system:masters/CN=diloco-e2e-admin", "clientAuth")
         self.leaf("kube-controller-manager", "/CN=system:kube-controller-manager", "clientAuth")
         self.leaf("kube-scheduler", "/CN=system:kube-scheduler", "clientAuth")
         # kwok plays every fake kubelet (nodes, node leases, pod status, pod deletion).
         self.leaf("kwok", "/O=system:masters/CN=kwok", "clientAuth")
-        self._openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048",
-                      "-out", "sa.key")
+        self._openssl(
+            "genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key"
+        )
         self._openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub")
         for k in self.d.glob("*.key"):
             k.chmod(0o600)
 
     def leaf(self, name: str, subj: str, usage: str, sans: str | None = None) -> None:
         ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-        ext = ["-addext", "basicConstraints=critical,CA:FALSE",
-               "-addext", "keyUsage=critical,digitalSignature,keyEncipherment",
-               "-addext", f"extendedKeyUsage={usage}"]
+        ext = [
+            "-addext",
+            "basicConstraints=critical,CA:FALSE",
+            "-addext",
+            "keyUsage=critical,digitalSignature,keyEncipherment",
+            "-addext",
+            f"extendedKeyUsage={usage}",
+        ]
         if sans:
             ext += ["-addext", f"subjectAltName={sans}"]
-        self._openssl("req", "-x509", "-new", *ec, "-CA", "ca.crt", "-CAkey", "ca.key",
-                      "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "365",
-                      "-subj", subj, *ext)
+        self._openssl(
+            "req",
+            "-x509",
+            "-new",
+            *ec,
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.crt",
+            "-days",
+            "365",
+            "-subj",
+            subj,
+            *ext,
+        )
 
     def path(self, name: str) -> Path:
         return self.d / name
@@ -342,10 +428,18 @@ def write_kubeconfig(path: Path, server: str, ca: Path, cert: Path, key: Path, u
     cfg = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "diloco-e2e",
-                      "cluster": {"server": server, "certificate-authority-data": b64(ca)}}],
-        "users": [{"name": user,
-                   "user": {"client-certificate-data": b64(cert), "client-key-data": b64(key)}}],
+        "clusters": [
+            {
+                "name": "diloco-e2e",
+                "cluster": {"server": server, "certificate-authority-data": b64(ca)},
+            }
+        ],
+        "users": [
+            {
+                "name": user,
+                "user": {"client-certificate-data": b64(cert), "client-key-data": b64(key)},
+            }
+        ],
         "contexts": [{"name": "diloco-e2e", "context": {"cluster": "diloco-e2e", "user": user}}],
         "current-context": "diloco-e2e",
         "preferences": {},
@@ -358,6 +452,7 @@ def kwok_config(stages_dir: Path) -> str:
     """kwok's Stage config assembled from the stage manifests of the built kwok version, with two
     selector changes: node-initialize leaves nodes labelled not-ready alone (so the chaos stage's
     Ready=False sticks until the label is removed), and Job pods only complete when labelled."""
+
     def patched(rel: str, extra: str) -> str:
         text = (stages_dir / rel).read_text()
         anchor = "    matchExpressions:\n"
@@ -366,15 +461,19 @@ def kwok_config(stages_dir: Path) -> str:
         return text.replace(anchor, anchor + extra, 1)
 
     docs = [
-        patched("node/fast/node-initialize.yaml",
-                f"    - key: '.metadata.labels[\"{NODE_NOT_READY_LABEL}\"]'\n"
-                "      operator: 'DoesNotExist'\n"),
+        patched(
+            "node/fast/node-initialize.yaml",
+            f"    - key: '.metadata.labels[\"{NODE_NOT_READY_LABEL}\"]'\n"
+            "      operator: 'DoesNotExist'\n",
+        ),
         (stages_dir / "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml").read_text(),
         (stages_dir / "node/chaos/node-not-ready.yaml").read_text(),
         (stages_dir / "pod/fast/pod-ready.yaml").read_text(),
-        patched("pod/fast/pod-complete.yaml",
-                f"    - key: '.metadata.labels[\"{POD_COMPLETE_LABEL}\"]'\n"
-                "      operator: 'In'\n      values:\n      - 'true'\n"),
+        patched(
+            "pod/fast/pod-complete.yaml",
+            f"    - key: '.metadata.labels[\"{POD_COMPLETE_LABEL}\"]'\n"
+            "      operator: 'In'\n      values:\n      - 'true'\n",
+        ),
         (stages_dir / "pod/fast/pod-delete.yaml").read_text(),
         (stages_dir / "pod/chaos/pod-container-running-failed.yaml").read_text(),
         (stages_dir / "pod/chaos/pod-init-container-running-failed.yaml").read_text(),
@@ -396,14 +495,16 @@ class _ClusterBase:
         e["KUBECONFIG"] = str(self.kubeconfig)
         return e
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 120) -> subprocess.CompletedProcess:
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
         """Run kubectl against this cluster; returns the CompletedProcess (text)."""
         argv = [self.kubectl_path, "--kubeconfig", str(self.kubeconfig), *args]
         r = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
         if check and r.returncode != 0:
-            raise ClusterError(f"kubectl {' '.join(args)} failed ({r.returncode}): "
-                               f"{r.stderr.strip()}")
+            raise ClusterError(
+                f"kubectl {' '.join(args)} failed ({r.returncode}): {r.stderr.strip()}"
+            )
         return r
 
     def kubectl_json(self, *args: str) -> dict:
@@ -427,8 +528,9 @@ class ExistingCluster(_ClusterBase):
         if not self.kubeconfig.exists():
             raise ClusterError(f"kubeconfig {self.kubeconfig} does not exist")
         built = expected_binaries().kubectl
-        self.kubectl_path = str(built) if os.access(built, os.X_OK) else \
-            (shutil.which("kubectl") or "")
+        self.kubectl_path = (
+            str(built) if os.access(built, os.X_OK) else (shutil.which("kubectl") or "")
+        )
         if not self.kubectl_path:
             raise ClusterError("no kubectl: run e2e/cluster/build.sh or install kubectl")
 
@@ -441,10 +543,16 @@ class LocalCluster(_ClusterBase):
 
     local = True
 
-    def __init__(self, state_dir: str | Path | None = None, *,
-                 node_pools: list[NodePool] | None = None, build: bool = True):
-        self.state_dir = Path(state_dir).expanduser().resolve() if state_dir else \
-            default_state_dir().resolve()
+    def __init__(
+        self,
+        state_dir: str | Path | None = None,
+        *,
+        node_pools: list[NodePool] | None = None,
+        build: bool = True,
+    ):
+        self.state_dir = (
+            Path(state_dir).expanduser().resolve() if state_dir else default_state_dir().resolve()
+        )
         self.node_pools = node_pools if node_pools is not None else default_node_pools()
         self.build = build
         self.kubeconfig = self.state_dir / "kubeconfig"
@@ -482,11 +590,20 @@ class LocalCluster(_ClusterBase):
         ctx.load_cert_chain(str(self.pki.path("admin.crt")), str(self.pki.path("admin.key")))
         return ctx
 
-    def api(self, path: str, method: str = "GET", body: dict | None = None,
-            content_type: str = "application/json", timeout: float = 10) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.server + path, method=method,
-                                     data=json.dumps(body).encode() if body is not None else None,
-                                     headers={"Content-Type": content_type})
+    def api(
+        self,
+        path: str,
+        method: str = "GET",
+        body: dict | None = None,
+        content_type: str = "application/json",
+        timeout: float = 10,
+    ) -> tuple[int, bytes]:
+        req = urllib.request.Request(
+            self.server + path,
+            method=method,
+            data=json.dumps(body).encode() if body is not None else None,
+            headers={"Content-Type": content_type},
+        )
         try:
             with urllib.request.urlopen(req, context=self._ssl(), timeout=timeout) as r:
                 return r.status, r.read()
@@ -505,12 +622,12 @@ class LocalCluster(_ClusterBase):
                 return False
         self.ports = info.get("ports", {})
         try:
-            code, body = self.api("/readyz", timeout=5)
+            code, _body = self.api("/readyz", timeout=5)
         except (OSError, ssl.SSLError, KeyError):
             return False
         return code == 200
 
-    def start(self, timeout: float = 300) -> "LocalCluster":
+    def start(self, timeout: float = 300) -> LocalCluster:
         """Start a fresh cluster (anything left in state_dir is stopped and wiped first). On any
         failure every process started so far is stopped again (logs stay in state_dir/logs)."""
         try:
@@ -520,15 +637,17 @@ class LocalCluster(_ClusterBase):
                 self.stop(quiet=True)
             raise
 
-    def _start(self, timeout: float) -> "LocalCluster":
+    def _start(self, timeout: float) -> LocalCluster:
         t_start = time.monotonic()
         deadline = t_start + timeout
         bins = self.bins  # builds when needed (not counted in the start timings)
         t0 = time.monotonic()
         self.stop(quiet=True)  # leftovers of an earlier run in this state dir
         self._prepare_state_dir()
-        self.ports = {k: free_port() for k in
-                      ("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler")}
+        self.ports = {
+            k: free_port()
+            for k in ("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler")
+        }
         self.pki.generate()
         self.timings["certs_s"] = round(time.monotonic() - t0, 2)
         pki = self.pki
@@ -537,111 +656,171 @@ class LocalCluster(_ClusterBase):
         # etcd
         etcd_url = f"http://127.0.0.1:{self.ports['etcd']}"
         peer_url = f"http://127.0.0.1:{self.ports['etcd_peer']}"
-        self._spawn("etcd", [
-            str(bins.etcd), "--name=e2e", f"--data-dir={st / 'etcd'}",
-            f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
-            f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster=e2e={peer_url}", "--initial-cluster-state=new",
-            "--unsafe-no-fsync=true", "--log-level=warn", "--quota-backend-bytes=2147483648",
-        ])
-        self._wait("etcd", lambda: self._http_ok(f"{etcd_url}/health", b'"health":"true"'),
-                   deadline)
+        self._spawn(
+            "etcd",
+            [
+                str(bins.etcd),
+                "--name=e2e",
+                f"--data-dir={st / 'etcd'}",
+                f"--listen-client-urls={etcd_url}",
+                f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=e2e={peer_url}",
+                "--initial-cluster-state=new",
+                "--unsafe-no-fsync=true",
+                "--log-level=warn",
+                "--quota-backend-bytes=2147483648",
+            ],
+        )
+        self._wait(
+            "etcd", lambda: self._http_ok(f"{etcd_url}/health", b'"health":"true"'), deadline
+        )
         self.timings["etcd_ready_s"] = round(time.monotonic() - t_start, 2)
 
         # kube-apiserver
-        self._spawn("kube-apiserver", [
-            str(bins.kube_apiserver),
-            "--advertise-address=127.0.0.1", "--bind-address=127.0.0.1",
-            f"--secure-port={self.ports['apiserver']}",
-            f"--etcd-servers={etcd_url}",
-            f"--cert-dir={st / 'apiserver'}",
-            f"--tls-cert-file={pki.path('apiserver.crt')}",
-            f"--tls-private-key-file={pki.path('apiserver.key')}",
-            f"--client-ca-file={pki.path('ca.crt')}",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-account-key-file={pki.path('sa.pub')}",
-            f"--service-account-signing-key-file={pki.path('sa.key')}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--authorization-mode=RBAC",
-            "--allow-privileged=true",
-            "--endpoint-reconciler-type=none",
-            "--profiling=false",
-        ])
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(bins.kube_apiserver),
+                "--advertise-address=127.0.0.1",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.ports['apiserver']}",
+                f"--etcd-servers={etcd_url}",
+                f"--cert-dir={st / 'apiserver'}",
+                f"--tls-cert-file={pki.path('apiserver.crt')}",
+                f"--tls-private-key-file={pki.path('apiserver.key')}",
+                f"--client-ca-file={pki.path('ca.crt')}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={pki.path('sa.pub')}",
+                f"--service-account-signing-key-file={pki.path('sa.key')}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=RBAC",
+                "--allow-privileged=true",
+                "--endpoint-reconciler-type=none",
+                "--profiling=false",
+            ],
+        )
         self._wait("kube-apiserver", self._apiserver_ready, deadline)
         self.timings["apiserver_ready_s"] = round(time.monotonic() - t_start, 2)
 
         # kubeconfigs
-        for user, path in (("admin", self.kubeconfig),
-                           ("kube-controller-manager", pki.path("kube-controller-manager.kubeconfig")),
-                           ("kube-scheduler", pki.path("kube-scheduler.kubeconfig")),
-                           ("kwok", pki.path("kwok.kubeconfig"))):
-            write_kubeconfig(path, self.server, pki.path("ca.crt"), pki.path(f"{user}.crt"),
-                             pki.path(f"{user}.key"), user)
+        for user, path in (
+            ("admin", self.kubeconfig),
+            ("kube-controller-manager", pki.path("kube-controller-manager.kubeconfig")),
+            ("kube-scheduler", pki.path("kube-scheduler.kubeconfig")),
+            ("kwok", pki.path("kwok.kubeconfig")),
+        ):
+            write_kubeconfig(
+                path,
+                self.server,
+                pki.path("ca.crt"),
+                pki.path(f"{user}.crt"),
+                pki.path(f"{user}.key"),
+                user,
+            )
 
         kcm_kc = pki.path("kube-controller-manager.kubeconfig")
-        self._spawn("kube-controller-manager", [
-            str(bins.kube_controller_manager),
-            f"--kubeconfig={kcm_kc}",
-            f"--authentication-kubeconfig={kcm_kc}", f"--authorization-kubeconfig={kcm_kc}",
-            "--bind-address=127.0.0.1", f"--secure-port={self.ports['controller_manager']}",
-            f"--cert-dir={st / 'kube-controller-manager'}",
-            "--leader-elect=false",
-            "--controllers=*",
-            "--use-service-account-credentials=true",
-            f"--service-account-private-key-file={pki.path('sa.key')}",
-            f"--root-ca-file={pki.path('ca.crt')}",
-            f"--cluster-signing-cert-file={pki.path('ca.crt')}",
-            f"--cluster-signing-key-file={pki.path('ca.key')}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--cluster-name=diloco-e2e",
-            "--profiling=false",
-        ])
+        self._spawn(
+            "kube-controller-manager",
+            [
+                str(bins.kube_controller_manager),
+                f"--kubeconfig={kcm_kc}",
+                f"--authentication-kubeconfig={kcm_kc}",
+                f"--authorization-kubeconfig={kcm_kc}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.ports['controller_manager']}",
+                f"--cert-dir={st / 'kube-controller-manager'}",
+                "--leader-elect=false",
+                "--controllers=*",
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={pki.path('sa.key')}",
+                f"--root-ca-file={pki.path('ca.crt')}",
+                f"--cluster-signing-cert-file={pki.path('ca.crt')}",
+                f"--cluster-signing-key-file={pki.path('ca.key')}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--cluster-name=diloco-e2e",
+                "--profiling=false",
+            ],
+        )
         sched_kc = pki.path("kube-scheduler.kubeconfig")
-        self._spawn("kube-scheduler", [
-            str(bins.kube_scheduler),
-            f"--kubeconfig={sched_kc}",
-            f"--authentication-kubeconfig={sched_kc}", f"--authorization-kubeconfig={sched_kc}",
-            "--bind-address=127.0.0.1", f"--secure-port={self.ports['scheduler']}",
-            f"--cert-dir={st / 'kube-scheduler'}",
-            "--leader-elect=false",
-            "--profiling=false",
-        ])
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(bins.kube_scheduler),
+                f"--kubeconfig={sched_kc}",
+                f"--authentication-kubeconfig={sched_kc}",
+                f"--authorization-kubeconfig={sched_kc}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.ports['scheduler']}",
+                f"--cert-dir={st / 'kube-scheduler'}",
+                "--leader-elect=false",
+                "--profiling=false",
+            ],
+        )
         kwok_cfg = st / "kwok.yaml"
         kwok_cfg.write_text(kwok_config(bins.kwok_stages))
         (st / "kwok-home").mkdir(exist_ok=True)
-        self._spawn("kwok", [
-            str(bins.kwok),
-            f"--kubeconfig={pki.path('kwok.kubeconfig')}",
-            f"--config={kwok_cfg}",
-            "--manage-all-nodes=false",
-            "--manage-nodes-with-annotation-selector="
-            f"{KWOK_NODE_ANNOTATION[0]}={KWOK_NODE_ANNOTATION[1]}",
-            "--node-lease-duration-seconds=40",
-            f"--cidr={POD_CIDR}",
-            "--node-ip=127.0.0.1",
-        ], env={**os.environ, "HOME": str(st / "kwok-home")})
+        self._spawn(
+            "kwok",
+            [
+                str(bins.kwok),
+                f"--kubeconfig={pki.path('kwok.kubeconfig')}",
+                f"--config={kwok_cfg}",
+                "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector="
+                f"{KWOK_NODE_ANNOTATION[0]}={KWOK_NODE_ANNOTATION[1]}",
+                "--node-lease-duration-seconds=40",
+                f"--cidr={POD_CIDR}",
+                "--node-ip=127.0.0.1",
+            ],
+            env={**os.environ, "HOME": str(st / "kwok-home")},
+        )
 
         # fake nodes (created while the controllers come up)
         nodes = node_manifests(self.node_pools, self.versions["K8S_VERSION"])
-        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
-                                                           "items": nodes}))
-        self._wait("kube-controller-manager",
-                   lambda: self._http_ok(f"https://127.0.0.1:{self.ports['controller_manager']}"
-                                         "/healthz", b"ok", insecure=True), deadline)
-        self._wait("kube-scheduler",
-                   lambda: self._http_ok(f"https://127.0.0.1:{self.ports['scheduler']}/healthz",
-                                         b"ok", insecure=True), deadline)
+        self.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}),
+        )
+        self._wait(
+            "kube-controller-manager",
+            lambda: self._http_ok(
+                f"https://127.0.0.1:{self.ports['controller_manager']}/healthz",
+                b"ok",
+                insecure=True,
+            ),
+            deadline,
+        )
+        self._wait(
+            "kube-scheduler",
+            lambda: self._http_ok(
+                f"https://127.0.0.1:{self.ports['scheduler']}/healthz", b"ok", insecure=True
+            ),
+            deadline,
+        )
         names = [n["metadata"]["name"] for n in nodes]
-        self._wait("kwok", lambda: self._nodes_ready(names), deadline,
-                   what=f"{len(names)} fake nodes Ready")
+        self._wait(
+            "kwok",
+            lambda: self._nodes_ready(names),
+            deadline,
+            what=f"{len(names)} fake nodes Ready",
+        )
         self.timings["nodes_ready_s"] = round(time.monotonic() - t_start, 2)
-        self._wait("kube-controller-manager",
-                   lambda: self.api("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
-                   deadline, what="default ServiceAccount")
+        self._wait(
+            "kube-controller-manager",
+            lambda: self.api("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
+            deadline,
+            what="default ServiceAccount",
+        )
         self.timings["total_start_s"] = round(time.monotonic() - t_start, 2)
         self._write_info()
-        _log(f"cluster up in {self.timings['total_start_s']}s: {self.server}, "
-             f"{len(names)} nodes; KUBECONFIG={self.kubeconfig}")
+        _log(
+            f"cluster up in {self.timings['total_start_s']}s: {self.server}, "
+            f"{len(names)} nodes; KUBECONFIG={self.kubeconfig}"
+        )
         return self
 
     def stop(self, quiet: bool = False, timeout: float = 15) -> None:
@@ -684,7 +863,9 @@ class LocalCluster(_ClusterBase):
     def _prepare_state_dir(self) -> None:
         st = self.state_dir
         if st.exists() and any(st.iterdir()) and not (st / STATE_MARKER).exists():
-            raise ClusterError(f"{st} is not empty and not a diloco-e2e state dir; refusing to wipe")
+            raise ClusterError(
+                f"{st} is not empty and not a diloco-e2e state dir; refusing to wipe"
+            )
         if st.exists():
             shutil.rmtree(st)
         for sub in ("logs", "pids", "pki"):
@@ -692,15 +873,23 @@ class LocalCluster(_ClusterBase):
         (st / STATE_MARKER).write_text("state dir of e2e/cluster/harness.py; wiped on start\n")
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        log = open(self._log_path(name), "ab")
+        log = open(self._log_path(name), "ab")  # noqa: SIM115 - the child keeps it open
         try:
-            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                 cwd=self.state_dir, env=env, start_new_session=True)
+            p = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.state_dir,
+                env=env,
+                start_new_session=True,
+            )
         finally:
             log.close()
         self._procs[name] = p
         (self.state_dir / "pids" / f"{name}.pid").write_text(
-            json.dumps({"pid": p.pid, "exe": argv[0], "argv": argv}))
+            json.dumps({"pid": p.pid, "exe": argv[0], "argv": argv})
+        )
 
     def _recorded_pid(self, name: str) -> int | None:
         f = self.state_dir / "pids" / f"{name}.pid"
@@ -723,8 +912,13 @@ class LocalCluster(_ClusterBase):
             if not entry.isdigit() or int(entry) == os.getpid():
                 continue
             cmd = _proc_cmdline(int(entry))
-            if cmd and Path(cmd[0]).name in names and str(cache_root()) in cmd[0] \
-                    and any(needle in a for a in cmd[1:]) and _proc_alive(int(entry)):
+            if (
+                cmd
+                and Path(cmd[0]).name in names
+                and str(cache_root()) in cmd[0]
+                and any(needle in a for a in cmd[1:])
+                and _proc_alive(int(entry))
+            ):
                 found[int(entry)] = Path(cmd[0]).name
         return found
 
@@ -761,18 +955,22 @@ class LocalCluster(_ClusterBase):
         while True:
             p = self._procs.get(name)
             if p is not None and p.poll() is not None:
-                raise ClusterError(f"{name} exited with code {p.returncode} while waiting for "
-                                   f"{what}; last log lines ({self._log_path(name)}):\n"
-                                   f"{_tail(self._log_path(name))}")
+                raise ClusterError(
+                    f"{name} exited with code {p.returncode} while waiting for "
+                    f"{what}; last log lines ({self._log_path(name)}):\n"
+                    f"{_tail(self._log_path(name))}"
+                )
             try:
                 if check():
                     return
             except (OSError, ssl.SSLError, ClusterError, ValueError) as e:
                 last_err = e
             if time.monotonic() > deadline:
-                raise ClusterError(f"timed out waiting for {what} (last error: {last_err}); "
-                                   f"last log lines ({self._log_path(name)}):\n"
-                                   f"{_tail(self._log_path(name))}")
+                raise ClusterError(
+                    f"timed out waiting for {what} (last error: {last_err}); "
+                    f"last log lines ({self._log_path(name)}):\n"
+                    f"{_tail(self._log_path(name))}"
+                )
             time.sleep(0.25)
 
     def _http_ok(self, url: str, expect: bytes, insecure: bool = False) -> bool:
@@ -804,11 +1002,18 @@ class LocalCluster(_ClusterBase):
         return all(n in ready for n in names)
 
     def _write_info(self) -> None:
-        info = {"server": self.server, "kubeconfig": str(self.kubeconfig), "ports": self.ports,
-                "pids": {n: p.pid for n, p in self._procs.items()}, "versions": self.versions,
-                "timings": self.timings,
-                "nodes": [n["metadata"]["name"] for n in
-                          node_manifests(self.node_pools, self.versions["K8S_VERSION"])]}
+        info = {
+            "server": self.server,
+            "kubeconfig": str(self.kubeconfig),
+            "ports": self.ports,
+            "pids": {n: p.pid for n, p in self._procs.items()},
+            "versions": self.versions,
+            "timings": self.timings,
+            "nodes": [
+                n["metadata"]["name"]
+                for n in node_manifests(self.node_pools, self.versions["K8S_VERSION"])
+            ],
+        }
         (self.state_dir / "cluster.json").write_text(json.dumps(info, indent=2))
 
     def _read_info(self) -> dict:
@@ -819,8 +1024,9 @@ class LocalCluster(_ClusterBase):
 
 
 @contextlib.contextmanager
-def cluster(state_dir: str | Path | None = None, *, timeout: float = 300,
-            keep: bool | None = None) -> Iterator[_ClusterBase]:
+def cluster(
+    state_dir: str | Path | None = None, *, timeout: float = 300, keep: bool | None = None
+) -> Iterator[_ClusterBase]:
     """The cluster for e2e tests (see the module docstring for how it is chosen).
 
     A local cluster is started in state_dir (default: env DILOCO_E2E_STATE_DIR, else
@@ -828,8 +1034,9 @@ def cluster(state_dir: str | Path | None = None, *, timeout: float = 300,
     mode = os.environ.get("DILOCO_E2E_CLUSTER", "auto")
     if mode not in ("auto", "local", "existing"):
         raise ClusterError(f"DILOCO_E2E_CLUSTER={mode!r}: expected auto, local or existing")
-    kc = os.environ.get("DILOCO_E2E_KUBECONFIG") or \
-        (os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or None)
+    kc = os.environ.get("DILOCO_E2E_KUBECONFIG") or (
+        os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or None
+    )
     if mode == "existing" or (mode == "auto" and kc):
         path = kc or str(Path.home() / ".kube" / "config")
         _log(f"using the existing cluster of {path}")
@@ -844,8 +1051,10 @@ def cluster(state_dir: str | Path | None = None, *, timeout: float = 300,
         yield c
     finally:
         if keep:
-            _log(f"keeping the cluster (DILOCO_E2E_KEEP): stop it with "
-                 f"e2e/cluster/down.sh --state-dir {c.state_dir}")
+            _log(
+                f"keeping the cluster (DILOCO_E2E_KEEP): stop it with "
+                f"e2e/cluster/down.sh --state-dir {c.state_dir}"
+            )
         else:
             c.stop()
 
@@ -857,8 +1066,11 @@ def cluster(state_dir: str | Path | None = None, *, timeout: float = 300,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=["up", "down", "status", "env", "kubeconfig"])
-    ap.add_argument("--state-dir", default=None,
-                    help="default: $DILOCO_E2E_STATE_DIR or ~/.cache/diloco-e2e/state")
+    ap.add_argument(
+        "--state-dir",
+        default=None,
+        help="default: $DILOCO_E2E_STATE_DIR or ~/.cache/diloco-e2e/state",
+    )
     ap.add_argument("--timeout", type=float, default=300, help="start timeout in seconds")
     ap.add_argument("--no-build", action="store_true", help="fail instead of running build.sh")
     ap.add_argument("--restart", action="store_true", help="up: restart even if running")
@@ -876,8 +1088,11 @@ def main(argv: list[str] | None = None) -> int:
             c.stop()
         elif a.command == "status":
             running = c.is_running()
-            print(json.dumps({"running": running, "state_dir": str(c.state_dir),
-                              **c._read_info()}, indent=2))
+            print(
+                json.dumps(
+                    {"running": running, "state_dir": str(c.state_dir), **c._read_info()}, indent=2
+                )
+            )
             return 0 if running else 1
         elif a.command == "env":
             print(f"export KUBECONFIG={c.kubeconfig}")

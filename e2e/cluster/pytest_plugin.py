@@ -11,10 +11,11 @@ Fixtures:
 When the binaries are not built and cannot be (no Go), the fixture skips the tests instead of
 failing, unless DILOCO_E2E_REQUIRE=1 (CI sets it where e2e must run).
 """
+
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -30,12 +31,17 @@ def _must_run() -> bool:
 
 @pytest.fixture(scope="session")
 def k8s_cluster() -> Iterator[harness._ClusterBase]:
-    if not _must_run() and os.environ.get("DILOCO_E2E_CLUSTER", "auto") != "existing" \
-            and not (os.environ.get("DILOCO_E2E_KUBECONFIG") or os.environ.get("KUBECONFIG")):
+    if (
+        not _must_run()
+        and os.environ.get("DILOCO_E2E_CLUSTER", "auto") != "existing"
+        and not (os.environ.get("DILOCO_E2E_KUBECONFIG") or os.environ.get("KUBECONFIG"))
+    ):
         missing = [p for p in harness.expected_binaries().all_paths() if not p.exists()]
         if missing and not harness.shutil.which("go"):
-            pytest.skip(f"control-plane binaries not built and no Go to build them "
-                        f"(run e2e/cluster/build.sh); missing {missing[0]}")
+            pytest.skip(
+                f"control-plane binaries not built and no Go to build them "
+                f"(run e2e/cluster/build.sh); missing {missing[0]}"
+            )
     with harness.cluster() as c:
         yield c
 

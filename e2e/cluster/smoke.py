@@ -10,6 +10,7 @@ the Job (backoffLimit 0); kwok's pod chaos label fails a pod; a node labelled no
 NotReady, gets the not-ready taint from the node lifecycle controller, and recovers; a Deployment
 on the CPU pool becomes available. Then stops the cluster and checks no process is left.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
+import harness
 
 NS = "smoke"
 T0 = time.monotonic()
@@ -59,24 +60,35 @@ def ready(obj: dict) -> str | None:
 
 def indexed_job(name: str, backoff: int) -> dict:
     return {
-        "apiVersion": "batch/v1", "kind": "Job",
+        "apiVersion": "batch/v1",
+        "kind": "Job",
         "metadata": {"name": name, "namespace": NS},
         "spec": {
-            "completionMode": "Indexed", "completions": 2, "parallelism": 2,
+            "completionMode": "Indexed",
+            "completions": 2,
+            "parallelism": 2,
             "backoffLimit": backoff,
             "template": {
                 "metadata": {"labels": {"app": name}},
                 "spec": {
                     "restartPolicy": "Never",
-                    "nodeSelector": {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
-                                     "cloud.google.com/gke-tpu-topology": "2x4"},
-                    "tolerations": [{"key": "google.com/tpu", "operator": "Exists",
-                                     "effect": "NoSchedule"}],
-                    "containers": [{
-                        "name": "learner", "image": "registry.invalid/diloco/learner:fake",
-                        "resources": {"limits": {"google.com/tpu": "4"},
-                                      "requests": {"cpu": "1", "memory": "1Gi"}},
-                    }],
+                    "nodeSelector": {
+                        "cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice",
+                        "cloud.google.com/gke-tpu-topology": "2x4",
+                    },
+                    "tolerations": [
+                        {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}
+                    ],
+                    "containers": [
+                        {
+                            "name": "learner",
+                            "image": "registry.invalid/diloco/learner:fake",
+                            "resources": {
+                                "limits": {"google.com/tpu": "4"},
+                                "requests": {"cpu": "1", "memory": "1Gi"},
+                            },
+                        }
+                    ],
                 },
             },
         },
@@ -87,25 +99,41 @@ def run_checks(c) -> None:
     k = c.kubectl
     # nodes
     nodes = c.kubectl_json("get", "nodes")["items"]
-    say(f"{len(nodes)} nodes:\n" + k("get", "nodes", "-L",
-        "cloud.google.com/gke-tpu-accelerator,cloud.google.com/gke-tpu-topology,"
-        "cloud.google.com/gke-nodepool").stdout)
-    v6e = {n["metadata"]["name"] for n in nodes if n["metadata"]["labels"].get(
-        "cloud.google.com/gke-tpu-accelerator") == "tpu-v6e-slice"}
-    v5p = sorted(n["metadata"]["name"] for n in nodes if n["metadata"]["labels"].get(
-        "cloud.google.com/gke-tpu-accelerator") == "tpu-v5p-slice")
+    say(
+        f"{len(nodes)} nodes:\n"
+        + k(
+            "get",
+            "nodes",
+            "-L",
+            "cloud.google.com/gke-tpu-accelerator,cloud.google.com/gke-tpu-topology,"
+            "cloud.google.com/gke-nodepool",
+        ).stdout
+    )
+    v6e = {
+        n["metadata"]["name"]
+        for n in nodes
+        if n["metadata"]["labels"].get("cloud.google.com/gke-tpu-accelerator") == "tpu-v6e-slice"
+    }
+    v5p = sorted(
+        n["metadata"]["name"]
+        for n in nodes
+        if n["metadata"]["labels"].get("cloud.google.com/gke-tpu-accelerator") == "tpu-v5p-slice"
+    )
     assert len(v6e) >= 2 and v5p, (v6e, v5p)
     for n in nodes:
         assert ready(n) == "True", n["metadata"]["name"]
         if n["metadata"]["name"] in v6e:
             assert n["status"]["allocatable"].get("google.com/tpu") == "4", n["status"]
-            assert {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"} in \
-                n["spec"]["taints"], n["spec"]
+            assert {"key": "google.com/tpu", "value": "present", "effect": "NoSchedule"} in n[
+                "spec"
+            ]["taints"], n["spec"]
     say("ok: nodes Ready, TPU labels, google.com/tpu=4 allocatable, TPU taint")
 
     k("create", "namespace", NS)
-    wait("default ServiceAccount in the namespace",
-         lambda: k("get", "sa", "default", "-n", NS, check=False).returncode == 0)
+    wait(
+        "default ServiceAccount in the namespace",
+        lambda: k("get", "sa", "default", "-n", NS, check=False).returncode == 0,
+    )
 
     # RBAC enforced for a service account (a real signed token), admin is cluster-admin
     k("create", "serviceaccount", "nobody", "-n", NS)
@@ -113,75 +141,154 @@ def run_checks(c) -> None:
     r = _as_token(c, token, "get", "pods", "-n", NS)
     assert r.returncode != 0 and "forbidden" in r.stderr.lower(), (r.returncode, r.stderr)
     say(f"ok: service account is forbidden: {r.stderr.strip()[:140]}")
-    k("create", "rolebinding", "nobody-view", "--clusterrole=view",
-      f"--serviceaccount={NS}:nobody", "-n", NS)
-    wait("service account allowed after a RoleBinding",
-         lambda: _as_token(c, token, "get", "pods", "-n", NS).returncode == 0, timeout=30)
+    k(
+        "create",
+        "rolebinding",
+        "nobody-view",
+        "--clusterrole=view",
+        f"--serviceaccount={NS}:nobody",
+        "-n",
+        NS,
+    )
+    wait(
+        "service account allowed after a RoleBinding",
+        lambda: _as_token(c, token, "get", "pods", "-n", NS).returncode == 0,
+        timeout=30,
+    )
     assert k("auth", "can-i", "*", "*").stdout.strip() == "yes"
 
     # Indexed Job on the v6e slice
     k("apply", "-f", "-", input=json.dumps(indexed_job("learners", backoff=0)))
-    running = wait("Indexed Job pods Running", lambda: (
-        lambda ps: ps if len(ps) == 2 and all(p["status"].get("phase") == "Running" for p in ps)
-        else None)(pods(c, "app=learners")), timeout=120)
+    running = wait(
+        "Indexed Job pods Running",
+        lambda: (
+            lambda ps: (
+                ps
+                if len(ps) == 2 and all(p["status"].get("phase") == "Running" for p in ps)
+                else None
+            )
+        )(pods(c, "app=learners")),
+        timeout=120,
+    )
     placed = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in running}
     assert all(n in v6e for n in placed.values()), placed
     assert len(set(placed.values())) == 2, f"4 chips per host: one pod per node, got {placed}"
-    idx = sorted(p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"]
-                 for p in running)
+    idx = sorted(
+        p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] for p in running
+    )
     assert idx == ["0", "1"], idx
-    say(f"ok: pods on v6e nodes {placed}, completion indexes {idx}, podIPs "
-        f"{[p['status'].get('podIP') for p in running]}")
+    say(
+        f"ok: pods on v6e nodes {placed}, completion indexes {idx}, podIPs "
+        f"{[p['status'].get('podIP') for p in running]}"
+    )
     time.sleep(3)
-    assert all(p["status"]["phase"] == "Running" for p in pods(c, "app=learners")), \
+    assert all(p["status"]["phase"] == "Running" for p in pods(c, "app=learners")), (
         "Job pods must stay Running (no auto-complete)"
+    )
 
     # a pod made Failed by a status patch -> the Job controller fails the Job (backoffLimit 0)
     victim = running[0]["metadata"]["name"]
     t = time.monotonic()
-    k("patch", "pod", victim, "-n", NS, "--subresource=status", "--type=merge", "-p",
-      json.dumps({"status": {"phase": "Failed", "reason": "Smoke", "message": "patched"}}))
-    job = wait("Job Failed (BackoffLimitExceeded) after the status patch", lambda: (
-        lambda j: j if any(cd["type"] == "Failed" and cd["status"] == "True"
-                           for cd in j.get("status", {}).get("conditions") or []) else None)(
-        c.kubectl_json("get", "job", "learners", "-n", NS)), timeout=60)
+    k(
+        "patch",
+        "pod",
+        victim,
+        "-n",
+        NS,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": {"phase": "Failed", "reason": "Smoke", "message": "patched"}}),
+    )
+    job = wait(
+        "Job Failed (BackoffLimitExceeded) after the status patch",
+        lambda: (
+            lambda j: (
+                j
+                if any(
+                    cd["type"] == "Failed" and cd["status"] == "True"
+                    for cd in j.get("status", {}).get("conditions") or []
+                )
+                else None
+            )
+        )(c.kubectl_json("get", "job", "learners", "-n", NS)),
+        timeout=60,
+    )
     conds = [(cd["type"], cd.get("reason")) for cd in job["status"]["conditions"]]
-    say(f"ok: job conditions {conds} {time.monotonic() - t:.1f}s after the patch; "
-        f"failed={job['status'].get('failed')}")
-    wait("the Job's other pod deleted", lambda: all(
-        p["status"].get("phase") in ("Failed", "Succeeded") for p in pods(c, "app=learners")),
-        timeout=60)
+    say(
+        f"ok: job conditions {conds} {time.monotonic() - t:.1f}s after the patch; "
+        f"failed={job['status'].get('failed')}"
+    )
+    wait(
+        "the Job's other pod deleted",
+        lambda: all(
+            p["status"].get("phase") in ("Failed", "Succeeded") for p in pods(c, "app=learners")
+        ),
+        timeout=60,
+    )
 
     # a Job with retries recreates a failed pod; kwok's chaos label fails a pod
     k("apply", "-f", "-", input=json.dumps(indexed_job("retry", backoff=3)))
-    ps = wait("retry Job pods Running", lambda: (
-        lambda ps: ps if len(ps) == 2 and all(p["status"].get("phase") == "Running" for p in ps)
-        else None)(pods(c, "app=retry")), timeout=120)
-    k("label", "pod", ps[0]["metadata"]["name"], "-n", NS,
-      f"{harness.POD_FAIL_LABEL}=true")
-    wait("kwok chaos stage fails the pod and the Job replaces it", lambda: (
-        lambda ps: len([p for p in ps if p["status"].get("phase") == "Failed"]) == 1 and
-        len([p for p in ps if p["status"].get("phase") == "Running"]) == 2)(pods(c, "app=retry")),
-        timeout=90)
+    ps = wait(
+        "retry Job pods Running",
+        lambda: (
+            lambda ps: (
+                ps
+                if len(ps) == 2 and all(p["status"].get("phase") == "Running" for p in ps)
+                else None
+            )
+        )(pods(c, "app=retry")),
+        timeout=120,
+    )
+    k("label", "pod", ps[0]["metadata"]["name"], "-n", NS, f"{harness.POD_FAIL_LABEL}=true")
+    wait(
+        "kwok chaos stage fails the pod and the Job replaces it",
+        lambda: (
+            lambda ps: (
+                len([p for p in ps if p["status"].get("phase") == "Failed"]) == 1
+                and len([p for p in ps if p["status"].get("phase") == "Running"]) == 2
+            )
+        )(pods(c, "app=retry")),
+        timeout=90,
+    )
 
     # node NotReady via kwok's chaos stage label, and back
     n = v5p[0]
     t = time.monotonic()
     k("label", "node", n, f"{harness.NODE_NOT_READY_LABEL}=true")
     wait(f"node {n} NotReady", lambda: ready(node(c, n)) == "False", timeout=60)
-    wait(f"node lifecycle controller taints {n} not-ready", lambda: any(
-        tt["key"] == "node.kubernetes.io/not-ready" for tt in
-        node(c, n)["spec"].get("taints") or []), timeout=90)
+    wait(
+        f"node lifecycle controller taints {n} not-ready",
+        lambda: any(
+            tt["key"] == "node.kubernetes.io/not-ready"
+            for tt in node(c, n)["spec"].get("taints") or []
+        ),
+        timeout=90,
+    )
     say(f"   NotReady + taint {time.monotonic() - t:.1f}s after the label")
     k("label", "node", n, f"{harness.NODE_NOT_READY_LABEL}-")
     wait(f"node {n} Ready again", lambda: ready(node(c, n)) == "True", timeout=60)
-    wait(f"not-ready taint removed from {n}", lambda: not any(
-        tt["key"].startswith("node.kubernetes.io/") for tt in
-        node(c, n)["spec"].get("taints") or []), timeout=90)
+    wait(
+        f"not-ready taint removed from {n}",
+        lambda: (
+            not any(
+                tt["key"].startswith("node.kubernetes.io/")
+                for tt in node(c, n)["spec"].get("taints") or []
+            )
+        ),
+        timeout=90,
+    )
 
     # a Deployment on the CPU pool (deployment + replicaset controllers, scheduler)
-    k("create", "deployment", "syncer", "-n", NS, "--image=registry.invalid/diloco/syncer:fake",
-      "--replicas=1")
+    k(
+        "create",
+        "deployment",
+        "syncer",
+        "-n",
+        NS,
+        "--image=registry.invalid/diloco/syncer:fake",
+        "--replicas=1",
+    )
     k("rollout", "status", "deployment/syncer", "-n", NS, "--timeout=90s", timeout=100)
     p = pods(c, "app=syncer")[0]
     assert p["spec"]["nodeName"].startswith("gke-e2e-default-pool"), p["spec"]["nodeName"]
@@ -194,14 +301,19 @@ def _as_token(c, token: str, *args: str):
     """kubectl with only a bearer token (no client certificate) against c's API server."""
     import subprocess
     import tempfile
+
     cfg = json.loads(Path(c.kubeconfig).read_text())
     cfg["users"] = [{"name": "tok", "user": {"token": token}}]
     cfg["contexts"][0]["context"]["user"] = "tok"
     with tempfile.NamedTemporaryFile("w", suffix=".kubeconfig") as f:
         json.dump(cfg, f)
         f.flush()
-        return subprocess.run([c.kubectl_path, "--kubeconfig", f.name, *args],
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [c.kubectl_path, "--kubeconfig", f.name, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
 
 def main() -> int:
