@@ -873,7 +873,7 @@ class LocalCluster(_ClusterBase):
         (st / STATE_MARKER).write_text("state dir of e2e/cluster/harness.py; wiped on start\n")
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        log = open(self._log_path(name), "ab")  # noqa: SIM115 - the child keeps it open
+        log = open(self._log_path(name), "ab")  # noqa: SIM115 - closed below once Popen has dup()ed it
         try:
             p = subprocess.Popen(
                 argv,
