@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from diloco_trainer.config import ConfigError, TrainingConfig, load_training_config
 
 
