@@ -35,7 +35,24 @@ unit: venv
 crds: venv
 	$(BIN)/python -m diloco_operator.crdgen --out crds/
 
-test: lint typecheck unit
+test: lint typecheck unit e2e
+
+# The real control plane (etcd, kube-apiserver, -controller-manager, -scheduler, kwok, kubectl,
+# helm) built from the Go module proxy into ~/.cache/diloco-e2e: tens of minutes cold, seconds warm.
+e2e-deps:
+	bash e2e/cluster/build.sh
+
+# End-to-end suite (docs/e2e.md): a local control plane started and stopped by the fixture, or
+# DILOCO_E2E_KUBECONFIG=... for an existing cluster.
+e2e: venv e2e-deps
+	$(BIN)/python -m pytest -q e2e
+
+# A control plane for people (builds first if needed): eval "$$(make -s cluster-up)"
+cluster-up:
+	@bash e2e/cluster/up.sh
+
+cluster-down:
+	bash e2e/cluster/down.sh
 
 bench: venv
 	$(BIN)/python -m bench.run
