@@ -14,7 +14,7 @@ import sys
 import kopf
 from prometheus_client import start_http_server
 
-from diloco_operator import handlers
+from diloco_operator import handlers, kube
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=handlers.Options.syncer_url,
         help="how to reach a run's syncer; fields {name} {namespace} {port}",
     )
+    p.add_argument(
+        "--release-runs",
+        action="store_true",
+        help="remove the operator's finalizer from every DilocoRun in scope and exit (use before "
+        "uninstalling the operator, or when runs/namespaces hang in Terminating without it)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.poll_interval <= 0:
@@ -66,6 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     handlers.STATE.options = handlers.Options(
         poll_interval=args.poll_interval, syncer_url=args.syncer_url
     )
+    if args.release_runs:
+        kube.load_config()
+        released = kube.release_runs(
+            None if args.all_namespaces or not args.namespace else args.namespace,
+            handlers.FINALIZER,
+        )
+        print(f"released {released} DilocoRun(s)")
+        return 0
     if args.metrics_port:
         start_http_server(args.metrics_port)
     clusterwide = args.all_namespaces or not args.namespace
