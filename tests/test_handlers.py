@@ -341,3 +341,19 @@ def test_operator_imports_without_jax() -> None:
         "sys.exit(1 if bad else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_leftover_pods_of_a_recreated_run_do_not_count() -> None:
+    """Delete + re-apply a run: the old Job's terminating pods carry the same unit name and
+    attempt, but another controller-uid; they must not be taken as signals of the new unit."""
+    new_job = job(attempt=0, hosts=1)
+    new_job["metadata"]["uid"] = "new-uid"
+    old_pod = pod(0, attempt=0, deleting=True)
+    old_pod["metadata"]["labels"]["batch.kubernetes.io/controller-uid"] = "old-uid"
+    fresh = pod(0, attempt=0)
+    fresh["metadata"]["labels"]["batch.kubernetes.io/controller-uid"] = "new-uid"
+    o = observe(new_job, [old_pod, fresh])
+    assert (o.phase, o.ready, o.failure) == ("Running", True, None)
+    # the same leftover pod under the new Job's uid is a real deletion signal
+    old_pod["metadata"]["labels"]["batch.kubernetes.io/controller-uid"] = "new-uid"
+    assert observe(new_job, [old_pod]).failure == "PodDeleted"

@@ -30,16 +30,21 @@ from prometheus_client import Counter, Gauge, Histogram
 from diloco_operator import builders, kube
 from diloco_operator.api import (
     GROUP,
-    LABEL_ATTEMPT,
     LABEL_COMPONENT,
     LABEL_RUN,
-    LABEL_UNIT,
     PLURAL,
     VERSION,
     DilocoRunStatus,
     parse_spec,
 )
-from diloco_operator.observe import PodView, job_view, node_ready, observe_unit, pod_view
+from diloco_operator.observe import (
+    CONTROLLER_UID,
+    PodView,
+    job_view,
+    node_ready,
+    observe_unit,
+    pod_view,
+)
 from diloco_operator.planner import (
     CreateSyncer,
     CreateUnit,
@@ -73,10 +78,8 @@ class Options:
 class State:
     options: Options = field(default_factory=Options)
     wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
-    # Pods seen deleted while their Job lived: (namespace, unit, attempt) -> pod names.
-    deleted_pods: dict[tuple[str, str, int], set[str]] = field(
-        default_factory=lambda: defaultdict(set)
-    )
+    # Pods seen deleted while their Job lived: Job uid -> pod names.
+    deleted_pods: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     tokens: dict[tuple[str, str], str] = field(default_factory=dict)
     http: aiohttp.ClientSession | None = None
 
@@ -192,9 +195,10 @@ def learner_pod_deleted(
     type: str, namespace: str | None, labels: Mapping[str, str], name: str, **_: Any
 ) -> None:
     if type == "DELETED":
-        attempt = int(labels.get(LABEL_ATTEMPT, "0") or 0)
-        key = (namespace or "", labels.get(LABEL_UNIT, ""), attempt)
-        STATE.deleted_pods[key].add(name)
+        # Keyed by the owning Job's uid: a same-named unit of a re-created run is another Job.
+        if len(STATE.deleted_pods) > 10_000:  # bound the memory; only recent Jobs matter
+            STATE.deleted_pods.clear()
+        STATE.deleted_pods[labels.get(CONTROLLER_UID, "")].add(name)
         wake(namespace, labels.get(LABEL_RUN))
 
 
@@ -258,14 +262,9 @@ def observed_units(namespace: str, name: str, indexes: dict[str, Any]) -> list[A
     nodes_index = indexes["cluster_nodes"]
     nodes = {node: all(store) for node, store in nodes_index.items()}
     units = []
-    current = {job.name: job.attempt for job in jobs}
     for job in jobs:
-        deleted = STATE.deleted_pods.get((namespace, job.name, job.attempt), set())
+        deleted = STATE.deleted_pods.get(job.uid, set()) if job.uid else set()
         units.append(observe_unit(job, pods, nodes, deleted))
-    # Forget deletions of attempts that have been replaced (keeps the memory bounded).
-    for ns, unit, attempt in list(STATE.deleted_pods):
-        if ns == namespace and unit in current and attempt < current[unit]:
-            del STATE.deleted_pods[(ns, unit, attempt)]
     return units
 
 

@@ -47,6 +47,11 @@ def _condition(
     )
 
 
+# The Job controller labels its pods with the Job's uid: the only safe way to tell this Job's
+# pods from leftovers of a same-named unit of an earlier run (delete + re-apply of a run).
+CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
+
+
 @dataclass(frozen=True)
 class JobView:
     name: str
@@ -59,6 +64,7 @@ class JobView:
     complete: bool
     message: str
     created: float
+    uid: str = ""
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class PodView:
     node: str | None
     terminating: bool
     message: str
+    job_uid: str = ""
 
 
 def job_view(body: Mapping[str, Any]) -> JobView:
@@ -92,6 +99,7 @@ def job_view(body: Mapping[str, Any]) -> JobView:
         complete=_condition(conditions, "Complete") is not None,
         message=f"{failed.get('reason', '')}: {failed.get('message', '')}" if failed else "",
         created=_time(meta.get("creationTimestamp")),
+        uid=meta.get("uid", ""),
     )
 
 
@@ -114,6 +122,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         node=(body.get("spec") or {}).get("nodeName"),
         terminating=bool(meta.get("deletionTimestamp")),
         message=str(message),
+        job_uid=labels.get(CONTROLLER_UID, ""),
     )
 
 
@@ -130,7 +139,13 @@ def observe_unit(
     """One unit as the planner sees it. `nodes` maps node name -> Ready (None: nodes unknown,
     e.g. no permission; node signals are then skipped). `deleted_pods`: names of this unit's
     pods seen deleted while the Job was alive."""
-    mine = [p for p in pods if p.unit == job.name and p.attempt == job.attempt]
+    mine = [
+        p
+        for p in pods
+        if p.unit == job.name
+        and p.attempt == job.attempt
+        and (not job.uid or not p.job_uid or p.job_uid == job.uid)
+    ]
 
     def unit(
         phase: Any, failure: str | None = None, message: str = "", ready: bool = False
