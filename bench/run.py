@@ -23,6 +23,7 @@ BENCHES: list[tuple[str, str]] = [
     ("parity", "bench.parity_bench"),
     ("goodput_real", "bench.goodput_real"),
     ("gpu", "bench.gpu_bench"),
+    ("operator", "bench.operator_bench"),
 ]
 
 HEADER = """# Benchmarks
@@ -39,6 +40,7 @@ the same machine; absolute times are context only. Sections: {names}.
 | simulator within 3 points of each published goodput figure | simulator |
 | learner overhead <= 3% | overhead |
 | syncer >= 30% of memory-copy bandwidth | syncer |
+| pod failure -> Offline <= 2 s, -> replacement <= 5 s beyond backoff; RSS < 300 MiB at 50x16 | operator |
 """
 
 

@@ -71,12 +71,10 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 60, every: 
 # cluster
 
 
-class _Interrupted(BaseException):
-    """SIGTERM turned into an exception so that fixture teardown (cluster stop) still runs."""
-
-
 def _sigterm(signum: int, _frame: Any) -> None:
-    raise _Interrupted(f"signal {signum}")
+    # SIGTERM (CI cancelling a job) ends the session like Ctrl-C: pytest still tears the
+    # fixtures down, so the cluster and the operator are stopped.
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _existing_kubeconfig() -> str | None:
@@ -138,7 +136,7 @@ def cluster() -> Iterator[harness._ClusterBase]:
 
 
 def kubectl(c: harness._ClusterBase, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
-    return c.kubectl(*args, **kw)  # type: ignore[no-any-return]
+    return c.kubectl(*args, **kw)
 
 
 def get_json(c: harness._ClusterBase, *args: str) -> Any:
