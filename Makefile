@@ -35,7 +35,7 @@ unit: venv
 crds: venv
 	$(BIN)/python -m diloco_operator.crdgen --out crds/
 
-test: lint typecheck unit e2e
+test: lint typecheck e2e-deps unit e2e
 
 # The real control plane (etcd, kube-apiserver, -controller-manager, -scheduler, kwok, kubectl,
 # helm) built from the Go module proxy into ~/.cache/diloco-e2e: tens of minutes cold, seconds warm.

@@ -15,7 +15,8 @@ import jsonschema
 import pytest
 import yaml
 
-CHART = Path(__file__).resolve().parents[1] / "charts" / "diloco-operator"
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "diloco-operator"
 OPERATOR = Path(__file__).resolve().parents[1] / "operator" / "diloco_operator"
 
 # (apiGroup, resource, verb) the operator needs inside a managed namespace, and why.
@@ -116,14 +117,30 @@ def test_every_kind_the_operator_creates_is_granted() -> None:
     assert {plural[k] for k in created} <= creatable
 
 
-@pytest.mark.skipif(shutil.which("helm") is None, reason="helm not on PATH")
+def _helm() -> str | None:
+    """helm on PATH, else the one `make e2e-deps` built (version pinned in e2e/cluster/versions.env)."""
+    if found := shutil.which("helm"):
+        return found
+    versions = (ROOT / "e2e" / "cluster" / "versions.env").read_text()
+    match = re.search(r"^HELM_VERSION=(\S+)", versions, re.MULTILINE)
+    if not match:
+        return None
+    built = Path.home() / ".cache" / "diloco-e2e" / f"helm-{match.group(1)}" / "bin" / "helm"
+    return str(built) if built.exists() else None
+
+
+HELM = _helm()
+
+
+@pytest.mark.skipif(HELM is None, reason="helm neither on PATH nor built (make e2e-deps)")
 @pytest.mark.parametrize(
     "extra", [[], ["-f", str(CHART / "values-gke-tpu.yaml")], ["--set", "watchNamespaces={a,b}"]]
 )
 def test_helm_lint_and_template(extra: list[str]) -> None:
-    subprocess.run(["helm", "lint", str(CHART), *extra], check=True, capture_output=True)
+    assert HELM is not None
+    subprocess.run([HELM, "lint", str(CHART), *extra], check=True, capture_output=True)
     out = subprocess.run(
-        ["helm", "template", "t", str(CHART), "--include-crds", *extra],
+        [HELM, "template", "t", str(CHART), "--include-crds", *extra],
         check=True,
         capture_output=True,
         text=True,
