@@ -171,7 +171,7 @@ def test_config_errors_exit_2_naming_the_field(
     assert "innerSteps" in capsys.readouterr().err
     good = write_config(tmp_path / "good.yaml")
     assert syncer_main.main(["--config", str(good)]) == 2
-    assert "token: required" in capsys.readouterr().err
+    assert "--token (or DILOCO_TOKEN / DILOCO_TOKEN_FILE) is required" in capsys.readouterr().err
     monkeypatch.setenv("DILOCO_SYNCER_PORT", "http")
     assert syncer_main.main(["--config", str(good), "--token", "t"]) == 2
     assert "DILOCO_SYNCER_PORT" in capsys.readouterr().err
@@ -184,7 +184,7 @@ def test_token_file_and_run_name_from_manifest(
     monkeypatch.delenv("DILOCO_RUN", raising=False)
     (tmp_path / "tok").write_text("s3cret\n")
     monkeypatch.setenv("DILOCO_TOKEN_FILE", str(tmp_path / "tok"))
-    assert syncer_main.resolve_token(None) == "s3cret"
+    assert syncer_main.resolve_token(None, os.environ) == "s3cret"
     manifest = tmp_path / "m.yaml"
     manifest.write_text(
         yaml.safe_dump({"kind": "DilocoRun", "metadata": {"name": "llm-7"}, "spec": {}})

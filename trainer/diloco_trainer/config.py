@@ -11,6 +11,7 @@ back to a default.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -274,6 +275,24 @@ def training_block(doc: dict[str, Any]) -> tuple[dict[str, Any], str]:
             raise ConfigError("spec.training: required (a mapping) in a DilocoRun manifest")
         return training, "spec.training"
     return doc, ""
+
+
+def resolve_token(flag: str | None, env: Mapping[str, str]) -> str:
+    """The run's bearer token: the flag, else DILOCO_TOKEN, else the file named by
+    DILOCO_TOKEN_FILE (a mounted Secret). Learner and syncer resolve it the same way."""
+    if flag:
+        return flag
+    if env.get("DILOCO_TOKEN"):
+        return env["DILOCO_TOKEN"]
+    token_file = env.get("DILOCO_TOKEN_FILE")
+    if token_file:
+        try:
+            return Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"DILOCO_TOKEN_FILE: cannot read {token_file}: {exc.strerror}"
+            ) from exc
+    raise ConfigError("--token (or DILOCO_TOKEN / DILOCO_TOKEN_FILE) is required")
 
 
 def load_training_config(path: str | Path) -> TrainingConfig:

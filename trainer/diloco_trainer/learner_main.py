@@ -14,10 +14,9 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from types import FrameType
 
-from diloco_trainer.config import ConfigError, load_training_config
+from diloco_trainer.config import ConfigError, load_training_config, resolve_token
 
 log = logging.getLogger("diloco_trainer.learner_main")
 EXIT_STOPPED = 143
@@ -62,20 +61,6 @@ def _int(value: str | None, flag: str, env: str, minimum: int = 0) -> int:
     return number
 
 
-def _token(args: argparse.Namespace, env: Mapping[str, str]) -> str:
-    if args.token:
-        return str(args.token)
-    token_file = _env_default(env, "DILOCO_TOKEN_FILE")
-    if token_file:
-        try:
-            return Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise UsageError(
-                f"DILOCO_TOKEN_FILE: cannot read {token_file}: {exc.strerror}"
-            ) from exc
-    raise UsageError("--token (or DILOCO_TOKEN / DILOCO_TOKEN_FILE) is required")
-
-
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     args = build_parser(env).parse_args(argv)
@@ -101,7 +86,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             raise UsageError(f"--slowdown (or DILOCO_SLOWDOWN) must be >= 1, got {slowdown}")
         if not args.syncer:
             raise UsageError("--syncer (or DILOCO_SYNCER_ADDR) is required")
-        token = _token(args, env)
+        token = resolve_token(args.token, env)
     except (ConfigError, UsageError) as exc:
         print(f"diloco-learner: {exc}", file=sys.stderr)
         return 2

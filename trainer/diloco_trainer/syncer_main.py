@@ -21,7 +21,12 @@ from pathlib import Path
 from aiohttp import web
 
 from diloco_trainer.checkpoint import CheckpointError, CheckpointStore
-from diloco_trainer.config import ConfigError, load_training_config, read_document
+from diloco_trainer.config import (
+    ConfigError,
+    load_training_config,
+    read_document,
+    resolve_token,
+)
 
 log = logging.getLogger("diloco.syncer")
 DEFAULT_PORT = 8470
@@ -37,22 +42,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run", default=None, help="run name shown in status")
     p.add_argument("--log-level", default=os.environ.get("DILOCO_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
-
-
-def resolve_token(flag: str | None) -> str:
-    if flag:
-        return flag
-    if os.environ.get("DILOCO_TOKEN"):
-        return os.environ["DILOCO_TOKEN"]
-    token_file = os.environ.get("DILOCO_TOKEN_FILE")
-    if token_file:
-        try:
-            return Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"DILOCO_TOKEN_FILE: cannot read {token_file}: {exc.strerror}"
-            ) from exc
-    raise ConfigError("token: required (--token, DILOCO_TOKEN or DILOCO_TOKEN_FILE)")
 
 
 def resolve_port(flag: int | None) -> int:
@@ -114,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         cfg = load_training_config(args.config)
-        token = resolve_token(args.token)
+        token = resolve_token(args.token, os.environ)
         port = resolve_port(args.port)
         name = run_name(args.run, args.config)
         ckpt_path = (
