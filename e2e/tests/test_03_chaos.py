@@ -7,6 +7,7 @@ The tests run in file order on one run and each leaves it healthy (every unit On
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import pytest
@@ -71,7 +72,7 @@ def test_exclusive_slices(cluster: Any, namespace: str, run: str) -> None:
     pools: dict[str, set[str]] = {}
     for i in range(2):
         pods = wait_for(
-            f"{unit(i)} pods Running", lambda i=i: running_pods(cluster, namespace, unit(i), 0)
+            f"{unit(i)} pods Running", partial(running_pods, cluster, namespace, unit(i), 0)
         )
         pools[unit(i)] = {
             node_of(cluster, p["spec"]["nodeName"])["metadata"]["labels"][NODEPOOL_LABEL]
@@ -166,9 +167,7 @@ def test_node_not_ready_units_recreated_elsewhere(cluster: Any, namespace: str, 
         cluster.kubectl("label", "node", node, f"{NODE_NOT_READY_LABEL}=true")
     try:
         for node in broken:
-            wait_for(
-                f"node {node} NotReady", lambda n=node: not _node_ready(cluster, n), timeout=60
-            )
+            wait_for(f"node {node} NotReady", partial(_node_not_ready, cluster, node), timeout=60)
         u = _wait_offline(cluster, namespace, victim, {"NodeNotReady"})
         assert any(node in u["lastFailure"]["message"] for node in broken), u
         _wait_replaced(cluster, namespace, victim, attempt + 1)
@@ -183,7 +182,11 @@ def test_node_not_ready_units_recreated_elsewhere(cluster: Any, namespace: str, 
         for node in broken:
             cluster.kubectl("label", "node", node, f"{NODE_NOT_READY_LABEL}-")
     for node in broken:
-        wait_for(f"node {node} Ready again", lambda n=node: _node_ready(cluster, n), timeout=60)
+        wait_for(f"node {node} Ready again", partial(_node_ready, cluster, node), timeout=60)
+
+
+def _node_not_ready(cluster: Any, node: str) -> bool:
+    return not _node_ready(cluster, node)
 
 
 def _node_ready(cluster: Any, node: str) -> bool:
