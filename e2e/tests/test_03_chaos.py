@@ -85,6 +85,16 @@ def test_exclusive_slices(cluster: Any, namespace: str, run: str) -> None:
             ]
             == NODEPOOL_LABEL
         )
+    for name, job in live_jobs(cluster, namespace, RUN).items():
+        spec = job["spec"]
+        assert spec["completions"] == spec["parallelism"] == 2, name  # 2x4 = 2 hosts x 4 chips
+        (container,) = spec["template"]["spec"]["containers"]
+        res = container["resources"]
+        assert res["requests"] == {"cpu": "8", "memory": "64Gi", "google.com/tpu": "4"}, name
+        assert res["limits"] == {"google.com/tpu": "4"}, name
+        assert (
+            spec["template"]["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "2x4"
+        )
     # Both hosts of a slice in one node pool; the two slices in different pools.
     assert all(len(p) == 1 for p in pools.values()), pools
     assert pools[unit(0)] != pools[unit(1)], pools
