@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -266,16 +267,13 @@ class LocalRuntime:
             if proc is None or slot.name not in self.attempts:
                 continue  # Missing
             attempt = self.attempts[slot.name]
+            unit = partial(ObservedUnit, slot.name, slot.group, slot.index, attempt)
             code = self.exit_codes.get(slot.name)
             if code is None and slot.name in self.killed:
                 # We sent SIGKILL: a failure signal even if the process is not reaped yet (a
                 # process can take a while to die, e.g. threads stuck in the kernel).
                 observed.append(
-                    ObservedUnit(
-                        slot.name,
-                        slot.group,
-                        slot.index,
-                        attempt,
+                    unit(
                         "Running",
                         failure=PROCESS_EXITED,
                         message="learner process killed by SIGKILL (chaos)",
@@ -288,29 +286,14 @@ class LocalRuntime:
                     # Ready once the syncer has heard from this attempt; it stays ready while
                     # the process lives (a restarting syncer forgets learners for a while).
                     self.ready.add(slot.name)
-                ready = slot.name in self.ready
                 observed.append(
-                    ObservedUnit(
-                        slot.name,
-                        slot.group,
-                        slot.index,
-                        attempt,
-                        "Running",
-                        ready=ready,
-                        since=proc.started_at,
-                    )
+                    unit("Running", ready=slot.name in self.ready, since=proc.started_at)
                 )
             elif code == 0:
-                observed.append(
-                    ObservedUnit(slot.name, slot.group, slot.index, attempt, "Succeeded")
-                )
+                observed.append(unit("Succeeded"))
             else:
                 observed.append(
-                    ObservedUnit(
-                        slot.name,
-                        slot.group,
-                        slot.index,
-                        attempt,
+                    unit(
                         "Failed",
                         failure=PROCESS_EXITED,
                         message=f"learner process {_signal_name(code)}",
