@@ -120,7 +120,11 @@ def participation_share(contributing: int, online: int) -> float:
 
 
 def scale_delta(delta: Mapping[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:
-    return {name: (leaf * np.float32(factor)).astype(np.float32) for name, leaf in delta.items()}
+    # float32 * float32 scalar is already float32: no second copy of a fragment-sized array.
+    return {
+        name: np.multiply(leaf, np.float32(factor), dtype=np.float32)
+        for name, leaf in delta.items()
+    }
 
 
 def merge_fragment(
