@@ -179,6 +179,81 @@ def test_offline_unit_is_deleted_waited_for_then_recreated_after_backoff() -> No
     assert p.status.phase == "Running"
 
 
+def test_unit_that_ran_healthily_is_recreated_at_once() -> None:
+    spec = make_spec(2)  # restartBackoffSeconds 10, healthyAfterSeconds 10 (default)
+    observed, status = online_run(spec)  # Online since T0+1
+    healthy, victim = observed[0], "r-default-1"
+    progress = SyncerReport(
+        learners={
+            "r-default-0": LearnerReport(attempt=0, age_seconds=1, step=500),
+            victim: LearnerReport(attempt=0, age_seconds=1, step=480),
+        }
+    )
+    now = T0 + 60
+    p = plan("r", spec, [healthy], status, now, syncer=SYNCER_UP, report=progress)
+    assert unit(p, victim).state == "Offline"
+    assert unit(p, victim).quick_failures == 0
+    assert p.requeue_after == 0.0  # look again at once: nothing to wait for once it is gone
+    p = plan("r", spec, [healthy], p.status, now, syncer=SYNCER_UP, report=progress)
+    (create,) = p.of_type(CreateUnit)
+    assert (create.name, create.attempt) == (victim, 1)
+
+
+def test_crash_loop_backs_off_doubling_capped_and_a_healthy_run_resets_it() -> None:
+    spec = make_spec(
+        2,
+        failurePolicy={
+            "maxUnitRestarts": 20,
+            "restartBackoffSeconds": 10,
+            "maxRestartBackoffSeconds": 35,
+        },
+    )
+    observed, status = online_run(spec)
+    healthy, victim = observed[0], "r-default-1"
+    now = T0 + 60
+    # Attempt 0 was healthy (Online 59 s; no syncer report to say otherwise): at once.
+    p = plan("r", spec, [healthy], status, now, syncer=SYNCER_UP)
+    assert p.requeue_after == 0.0
+    p = plan("r", spec, [healthy], p.status, now, syncer=SYNCER_UP)
+    assert p.of_type(CreateUnit)[0].attempt == 1
+    # Then every new attempt dies while starting (never Online): 10, 20, 35 (cap), 35 s.
+    waits = []
+    for attempt in (1, 2, 3, 4):
+        crashed = running(victim, attempt=attempt, phase="Failed", ready=False)
+        p = plan("r", spec, [healthy, crashed], p.status, now, syncer=SYNCER_UP)
+        assert unit(p, victim).state == "Offline"
+        assert unit(p, victim).quick_failures == attempt
+        waits.append(p.requeue_after)
+        p = plan("r", spec, [healthy], p.status, now + waits[-1] - 0.5, syncer=SYNCER_UP)
+        assert not p.of_type(CreateUnit)
+        now += waits[-1]
+        p = plan("r", spec, [healthy], p.status, now, syncer=SYNCER_UP)
+        assert p.of_type(CreateUnit)[0].attempt == attempt + 1
+    assert waits == [10.0, 20.0, 35.0, 35.0]
+    # Attempt 5 comes Online and trains for a while: its failure is a fresh incident.
+    p = plan("r", spec, [healthy, running(victim, attempt=5)], p.status, now, syncer=SYNCER_UP)
+    assert unit(p, victim).state == "Online"
+    trained = SyncerReport(learners={victim: LearnerReport(attempt=5, age_seconds=1, step=40)})
+    p = plan("r", spec, [healthy], p.status, now + 30, syncer=SYNCER_UP, report=trained)
+    assert unit(p, victim).quick_failures == 0 and p.requeue_after == 0.0
+
+
+def test_online_unit_that_never_made_progress_is_a_quick_failure() -> None:
+    """Online long enough, but the syncer still has it at step 0 (it heartbeated at join and
+    died compiling): that is a crash loop, not a healthy run."""
+    spec = make_spec(2)
+    observed, status = online_run(spec)
+    victim = "r-default-1"
+    stuck = SyncerReport(learners={victim: LearnerReport(attempt=0, age_seconds=1, step=0)})
+    p = plan("r", spec, [observed[0]], status, T0 + 300, syncer=SYNCER_UP, report=stuck)
+    assert unit(p, victim).quick_failures == 1
+    assert p.requeue_after == pytest.approx(10.0)
+    # Online only briefly (5 s < healthyAfterSeconds): quick as well.
+    observed, status = online_run(spec)
+    p = plan("r", spec, [observed[0]], status, T0 + 6, syncer=SYNCER_UP)
+    assert unit(p, victim).quick_failures == 1
+
+
 def test_restart_budget_spent_gives_the_unit_up_and_quorum_loss_fails_the_run() -> None:
     spec = make_spec(2)
     observed, status = online_run(spec)
@@ -189,9 +264,10 @@ def test_restart_budget_spent_gives_the_unit_up_and_quorum_loss_fails_the_run() 
         p = plan("r", spec, world, status, now, syncer=SYNCER_UP)
         if attempt < 2:
             assert unit(p, "r-default-1").state == "Offline"
-            p = plan("r", spec, [world[0]], p.status, now + 11, syncer=SYNCER_UP)
+            # Quick failures in a row (crash loop): backoff 10 s, then 20 s.
+            p = plan("r", spec, [world[0]], p.status, now + 21, syncer=SYNCER_UP)
             assert p.of_type(CreateUnit)[0].attempt == attempt + 1
-        status, now = p.status, now + 20
+        status, now = p.status, now + 30
     assert unit(p, "r-default-1").state == "Failed"
     assert events(p, "RestartBudgetSpent")
     assert p.status.phase == "Degraded"  # quorum 1: the other unit keeps training

@@ -167,7 +167,23 @@ class FailurePolicy(Strict):
         10, ge=0, le=10000, description="Recreations per unit before it is given up (Failed)."
     )
     restart_backoff_seconds: float = Field(
-        5.0, ge=0, le=3600, description="Wait between a unit being gone and its recreation."
+        5.0,
+        ge=0,
+        le=3600,
+        description="Crash-loop backoff: the wait between a unit being gone and its recreation "
+        "after a quick failure (one before the attempt ran healthily); it doubles with each "
+        "further quick failure in a row. A unit that had run healthily is recreated at once.",
+    )
+    max_restart_backoff_seconds: float = Field(
+        300.0, ge=0, le=86400, description="Cap of the doubling crash-loop backoff."
+    )
+    healthy_after_seconds: float = Field(
+        10.0,
+        ge=0,
+        le=86400,
+        description="An attempt that was Online this long (and, when the syncer reports it, "
+        "made training progress) ran healthily: its failure is restarted at once and clears "
+        "the crash-loop count.",
     )
     offline_after_seconds: float = Field(
         30.0, gt=0, le=86400, description="Heartbeat age at the syncer that marks a unit Offline."
@@ -273,6 +289,11 @@ class UnitStatus(Strict):
     state: UnitState
     attempt: int = 0
     restarts: int = 0
+    quick_failures: int = Field(
+        0,
+        description="Failures in a row of attempts that had not run healthily (crash loop); "
+        "the restart backoff doubles with each. 0: recreated at once.",
+    )
     since: datetime | None = Field(None, description="When the unit entered its state.")
     last_failure: UnitFailure | None = None
 

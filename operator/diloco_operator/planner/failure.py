@@ -1,6 +1,14 @@
 """Failure policy: failure signals turn a unit Offline; the whole unit is deleted, and once it is
-gone and the backoff has passed it is recreated with attempt+1. A unit whose restart budget is
-spent is given up (Failed) instead."""
+gone and its restart delay has passed it is recreated with attempt+1. A unit whose restart budget
+is spent is given up (Failed) instead.
+
+The restart delay works like a Kubernetes crash-loop backoff. A unit that had run healthily (Online
+for `healthyAfterSeconds` and, when the syncer reports it, past step 0) before it failed is
+recreated at once: a preempted slice or a killed process says nothing about the next attempt, and
+every second waited is a unit's worth of lost training. A failure that comes before that (a crash
+while starting or compiling) is a *quick failure*: the first waits `restartBackoffSeconds`, each
+further one in a row doubles it, up to `maxRestartBackoffSeconds`; a healthy run clears the count.
+"""
 
 from __future__ import annotations
 
@@ -69,14 +77,50 @@ def failure_signal(
     return None
 
 
+def ran_healthily(
+    unit: UnitStatus, report: SyncerReport | None, policy: FailurePolicy, now: float
+) -> bool:
+    """Whether the failing attempt had run healthily: Online for at least healthyAfterSeconds,
+    and past step 0 when the syncer still reports this attempt (a unit that heartbeats at join
+    and then dies compiling never made progress, however long the compile took)."""
+    if unit.state != "Online" or seconds_since(unit.since, now) < policy.healthy_after_seconds:
+        return False
+    learner = report.learners.get(unit.name) if report is not None else None
+    if learner is None or learner.attempt != unit.attempt or learner.step is None:
+        return True  # nothing says otherwise (e.g. the syncer restarted and forgot it)
+    return learner.step > 0
+
+
+def restart_delay(policy: FailurePolicy, quick_failures: int) -> float:
+    """Seconds between a unit being Offline and its recreation: 0 after a healthy run, else the
+    crash-loop backoff restartBackoffSeconds * 2^(quick_failures-1), capped."""
+    if quick_failures <= 0:
+        return 0.0
+    cap = max(policy.max_restart_backoff_seconds, policy.restart_backoff_seconds)
+    return float(min(policy.restart_backoff_seconds * 2.0 ** min(quick_failures - 1, 60), cap))
+
+
 def take_offline(
-    unit: UnitStatus, signal: Signal, policy: FailurePolicy, now: float
+    unit: UnitStatus,
+    signal: Signal,
+    policy: FailurePolicy,
+    now: float,
+    report: SyncerReport | None = None,
 ) -> tuple[UnitStatus, list[Action]]:
-    """Mark a failed unit Offline (or Failed when its budget is spent) and delete all of it."""
+    """Mark a failed unit Offline (or Failed when its budget is spent) and delete all of it; the
+    crash-loop count restarts from 0 after a healthy run and grows after a quick failure."""
     failure = UnitFailure(reason=signal.reason, message=signal.message[:1024], time=at(now))
     spent = unit.restarts >= policy.max_unit_restarts
     state = "Failed" if spent else "Offline"
-    updated = unit.model_copy(update={"state": state, "since": at(now), "last_failure": failure})
+    quick = 0 if ran_healthily(unit, report, policy, now) else unit.quick_failures + 1
+    updated = unit.model_copy(
+        update={
+            "state": state,
+            "since": at(now),
+            "last_failure": failure,
+            "quick_failures": quick,
+        }
+    )
     events: list[Action] = [
         EmitEvent(
             "Warning", "UnitOffline", f"{unit.name}: {signal.reason}: {signal.message}", unit.name
@@ -104,8 +148,8 @@ def recover(
     policy: FailurePolicy,
     now: float,
 ) -> tuple[UnitStatus, list[Action], float | None]:
-    """An Offline unit: keep deleting until it is gone, then after the backoff recreate it.
-    Returns the unit, the actions and the seconds until it should be looked at again."""
+    """An Offline unit: keep deleting until it is gone, then after its restart delay recreate
+    it. Returns the unit, the actions and the seconds until it should be looked at again."""
     if obs is not None and obs.attempt > unit.attempt and obs.phase != "Terminating":
         # The replacement exists but its status write was lost (operator crash): adopt it.
         adopted = unit.model_copy(
@@ -125,8 +169,9 @@ def recover(
         )
         return unit, actions, policy.restart_backoff_seconds or 1.0
     waited = seconds_since(unit.since, now)
-    if waited < policy.restart_backoff_seconds:
-        return unit, [], policy.restart_backoff_seconds - waited
+    delay = restart_delay(policy, unit.quick_failures)
+    if waited < delay:
+        return unit, [], delay - waited
     attempt = unit.attempt + 1
     updated = unit.model_copy(
         update={

@@ -19,7 +19,13 @@ from diloco_operator.api import (
 )
 from diloco_operator.planner.completion import TERMINAL, TROUBLED, run_phase
 from diloco_operator.planner.conditions import set_condition
-from diloco_operator.planner.failure import Signal, failure_signal, recover, take_offline
+from diloco_operator.planner.failure import (
+    Signal,
+    failure_signal,
+    recover,
+    restart_delay,
+    take_offline,
+)
 from diloco_operator.planner.model import (
     Action,
     CreateSyncer,
@@ -91,8 +97,8 @@ def _step_unit(
             None,
         )
     if signal is not None:
-        updated, actions = take_offline(unit, signal, policy, now)
-        wait = policy.restart_backoff_seconds if updated.state == "Offline" else None
+        updated, actions = take_offline(unit, signal, policy, now, report)
+        wait = restart_delay(policy, updated.quick_failures) if updated.state == "Offline" else None
         return updated, actions, wait
     assert obs is not None
     if obs.phase == "Running" and obs.ready and unit.state != "Online":
