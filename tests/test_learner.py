@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -9,7 +13,8 @@ import numpy as np
 import pytest
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.learner import learner_horizon
-from diloco_trainer.learner_main import main
+from diloco_trainer.learner_main import build_parser, main
+from diloco_trainer.standby import IdentityError, take_identity, wait_for_identity
 from diloco_trainer.sync_link import Backoff, PendingPush, fragment_delta
 
 
@@ -89,3 +94,53 @@ def test_cli_usage_errors_exit_2(
     config = _write(tmp_path, "totalSteps: 10\n")
     assert main(["--config", config, *argv], env) == 2
     assert message in capsys.readouterr().err
+
+
+def test_standby_identity_is_one_json_line_and_end_of_input_releases() -> None:
+    assert wait_for_identity(io.StringIO("")) is None
+    identity = wait_for_identity(io.StringIO('{"unit": 2, "attempt": 1}\n{"ignored": 1}\n'))
+    assert identity == {"unit": 2, "attempt": 1}
+    with pytest.raises(IdentityError, match="not JSON"):
+        wait_for_identity(io.StringIO("unit 2\n"))
+    with pytest.raises(IdentityError, match="needs at least a unit"):
+        wait_for_identity(io.StringIO('{"attempt": 1}\n'))
+
+
+def test_standby_identity_becomes_the_learner_flags(tmp_path: Path) -> None:
+    args = build_parser({}).parse_args(["--config", "x", "--standby"])
+    take_identity(
+        args,
+        {"unit": 2, "unitName": "r-default-2", "numUnits": 4, "attempt": 3, "slowdown": 1.5},
+    )
+    assert (args.unit, args.unit_name, args.num_units, args.attempt, args.slowdown) == (
+        "2",
+        "r-default-2",
+        "4",
+        "3",
+        "1.5",
+    )
+    assert args.group == "default"
+
+
+@pytest.mark.slow
+def test_standby_warms_up_then_validates_its_identity_like_flags(tmp_path: Path) -> None:
+    """A real spare: it compiles first, then a bad identity is a usage error (exit 2) naming the
+    flag, exactly as the same value given as a flag would be."""
+    config = _write(
+        tmp_path,
+        "totalSteps: 10\nmodel: {preset: tiny, dModel: 32, nLayers: 1, nHeads: 2, seqLen: 32}\n"
+        "data: {batchSize: 4, maxBytes: 65536}\n",
+    )
+    env = {**os.environ, "DILOCO_NUM_UNITS": "2", "DILOCO_TOKEN": "t", "JAX_PLATFORMS": "cpu"}
+    env["DILOCO_SYNCER_ADDR"] = "http://127.0.0.1:1"
+    done = subprocess.run(
+        [sys.executable, "-m", "diloco_trainer.learner_main", "--config", config, "--standby"],
+        input='{"unit": 5, "attempt": 1}\n',
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "event=standby_ready" in done.stderr
+    assert "--unit 5 must be < --num-units 2" in done.stderr

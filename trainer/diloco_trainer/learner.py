@@ -22,6 +22,8 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
+from jax.sharding import Mesh
 
 from diloco_trainer.client import SyncerClient
 from diloco_trainer.config import TrainingConfig
@@ -31,6 +33,7 @@ from diloco_trainer.fragments import FragmentCounters, is_due, pack_fragments
 from diloco_trainer.model import init_params, param_shapes
 from diloco_trainer.sync_link import PendingPush, Progress, SyncLink, retry_until
 from diloco_trainer.train import (
+    TrainStep,
     check_batch_divisible,
     init_opt_state,
     make_mesh,
@@ -79,6 +82,25 @@ class LearnerResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class StepProgram:
+    """What a learner builds before training that does not depend on which unit it is: the mesh,
+    the inner optimizer (its schedule depends only on the run's size) and the jit-compiled train
+    step. A warm spare (`standby.py`) builds and compiles it before it knows its unit."""
+
+    num_units: int
+    mesh: Mesh
+    optimizer: optax.GradientTransformation
+    train_step: TrainStep
+
+
+def build_step_program(cfg: TrainingConfig, num_units: int) -> StepProgram:
+    mesh = make_mesh()
+    check_batch_divisible(cfg.data.batch_size, mesh.devices.size)
+    optimizer = make_optimizer(cfg.inner_optimizer, learner_horizon(cfg, num_units))
+    return StepProgram(num_units, mesh, optimizer, make_train_step(optimizer, mesh))
+
+
 def learner_horizon(cfg: TrainingConfig, num_units: int) -> int:
     """This learner's expected share of the run's inner steps (for the LR schedule)."""
     if cfg.total_steps is not None:
@@ -105,8 +127,13 @@ def join_and_pull(
 
 
 def run_learner(
-    cfg: TrainingConfig, opts: LearnerOptions, stop: threading.Event | None = None
+    cfg: TrainingConfig,
+    opts: LearnerOptions,
+    stop: threading.Event | None = None,
+    program: StepProgram | None = None,
 ) -> LearnerResult:
+    """Train as unit `opts` until the run is complete or `stop` is set. `program`: the train step
+    already built and compiled (a warm spare); None builds it here (it compiles at step 1)."""
     stop = stop or threading.Event()
     leader = is_leader()
     started = time.monotonic()
@@ -134,14 +161,13 @@ def run_learner(
     versions = [startup[p][0] for p in range(len(layout))]
 
     # ---- the unit's SPMD training state
-    mesh = make_mesh()
-    check_batch_divisible(cfg.data.batch_size, mesh.devices.size)
-    optimizer = make_optimizer(cfg.inner_optimizer, learner_horizon(cfg, opts.num_units))
+    if program is None or program.num_units != opts.num_units:
+        program = build_step_program(cfg, opts.num_units)
+    mesh, optimizer, train_step = program.mesh, program.optimizer, program.train_step
     params = place_params(
         {**global_params, **{n: a for _, t in startup.values() for n, a in t.items()}}, mesh
     )
     opt_state = init_opt_state(optimizer, params, mesh)
-    train_step = make_train_step(optimizer, mesh)
     rows = cfg.data.batch_size // jax.process_count()
     batches = train_batches(
         cfg, opts.unit, opts.num_units, opts.attempt, jax.process_index(), batch_size=rows
@@ -176,6 +202,8 @@ def run_learner(
             prev_loss = loss
             now = time.monotonic()
             step_time, last_done = now - last_done, now
+            if step == 1:  # its time is the compile (or the cache hit of a warm spare)
+                log.info("event=first_step unit=%s seconds=%.2f", opts.name, now - started)
             if opts.slowdown > 1.0 and step > 2:  # the first steps' time is compilation
                 time.sleep((opts.slowdown - 1.0) * step_time)
                 last_done = time.monotonic()

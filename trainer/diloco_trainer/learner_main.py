@@ -1,5 +1,8 @@
 """`diloco-learner --config FILE --unit N`: one learner unit (flags or DILOCO_* env, see contracts).
 
+`diloco-learner --config FILE --standby`: a warm spare for the local runtime (standby.py): it
+imports JAX and compiles the train step first, then reads its unit identity on stdin.
+
 Exit codes: 0 when the syncer reports the run complete (or --max-steps was reached), 2 for a
 config/usage error (the message names the field), 143 after SIGTERM/SIGINT (stopped, not done),
 1 for anything else (the supervisor restarts the unit).
@@ -15,8 +18,12 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import TYPE_CHECKING, Any
 
-from diloco_trainer.config import ConfigError, load_training_config, resolve_token
+from diloco_trainer.config import ConfigError, TrainingConfig, load_training_config, resolve_token
+
+if TYPE_CHECKING:
+    from diloco_trainer.learner import StepProgram
 
 log = logging.getLogger("diloco_trainer.learner_main")
 EXIT_STOPPED = 143
@@ -46,6 +53,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--log-every", type=int, default=50, help="progress log period in steps")
     add("--max-steps", type=int, default=None, help="stop after this many local steps")
     add("--log-level", default="INFO")
+    add(
+        "--standby",
+        action="store_true",
+        help="warm spare (local runtime): import, build and compile first, then read the unit "
+        "identity as one JSON line on stdin",
+    )
     return parser
 
 
@@ -61,6 +74,43 @@ def _int(value: str | None, flag: str, env: str, minimum: int = 0) -> int:
     return number
 
 
+def resolve(
+    args: argparse.Namespace, env: Mapping[str, str]
+) -> tuple[TrainingConfig, dict[str, Any]]:
+    """The training config and the LearnerOptions fields from flags/env; raises ConfigError or
+    UsageError naming what is wrong."""
+    cfg = load_training_config(args.config)
+    unit = _int(args.unit, "--unit", "DILOCO_UNIT")
+    num_units = _int(args.num_units or str(unit + 1), "--num-units", "DILOCO_NUM_UNITS", 1)
+    if unit >= num_units:
+        raise UsageError(f"--unit {unit} must be < --num-units {num_units}")
+    attempt = _int(args.attempt, "--attempt", "DILOCO_ATTEMPT")
+    try:
+        slowdown = float(args.slowdown)
+    except ValueError:
+        raise UsageError(
+            f"--slowdown (or DILOCO_SLOWDOWN) must be a number, got {args.slowdown!r}"
+        ) from None
+    if not slowdown >= 1.0:
+        raise UsageError(f"--slowdown (or DILOCO_SLOWDOWN) must be >= 1, got {slowdown}")
+    if not args.syncer:
+        raise UsageError("--syncer (or DILOCO_SYNCER_ADDR) is required")
+    token = resolve_token(args.token, env)
+    options = {
+        "syncer": args.syncer,
+        "token": token,
+        "unit": unit,
+        "num_units": num_units,
+        "unit_name": args.unit_name,
+        "attempt": attempt,
+        "group": args.group,
+        "slowdown": slowdown,
+        "log_every": args.log_every,
+        "max_steps": args.max_steps,
+    }
+    return cfg, options
+
+
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     args = build_parser(env).parse_args(argv)
@@ -69,33 +119,59 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    if args.standby:
+        return standby_main(args, env)
     try:
-        cfg = load_training_config(args.config)
-        unit = _int(args.unit, "--unit", "DILOCO_UNIT")
-        num_units = _int(args.num_units or str(unit + 1), "--num-units", "DILOCO_NUM_UNITS", 1)
-        if unit >= num_units:
-            raise UsageError(f"--unit {unit} must be < --num-units {num_units}")
-        attempt = _int(args.attempt, "--attempt", "DILOCO_ATTEMPT")
-        try:
-            slowdown = float(args.slowdown)
-        except ValueError:
-            raise UsageError(
-                f"--slowdown (or DILOCO_SLOWDOWN) must be a number, got {args.slowdown!r}"
-            ) from None
-        if not slowdown >= 1.0:
-            raise UsageError(f"--slowdown (or DILOCO_SLOWDOWN) must be >= 1, got {slowdown}")
-        if not args.syncer:
-            raise UsageError("--syncer (or DILOCO_SYNCER_ADDR) is required")
-        token = resolve_token(args.token, env)
+        cfg, options = resolve(args, env)
     except (ConfigError, UsageError) as exc:
         print(f"diloco-learner: {exc}", file=sys.stderr)
         return 2
-
     # Heavy imports (JAX) only after the config is known to be good: errors stay fast.
-    from diloco_trainer.distributed import enable_compilation_cache, init_distributed
-    from diloco_trainer.learner import LearnerOptions, run_learner
+    from diloco_trainer.distributed import enable_compilation_cache
 
     enable_compilation_cache()
+    return train(cfg, options)
+
+
+def standby_main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    """--standby: a warm spare (standby.py). Warm up, wait for a unit identity on stdin, then
+    run exactly as a learner started with those flags would."""
+    try:
+        cfg = load_training_config(args.config)
+        num_units = _int(args.num_units, "--num-units", "DILOCO_NUM_UNITS", 1)
+    except (ConfigError, UsageError) as exc:
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return 2
+    from diloco_trainer.distributed import distributed_args, enable_compilation_cache
+    from diloco_trainer.standby import IdentityError, take_identity, wait_for_identity, warm_up
+
+    if distributed_args(env) is not None:
+        print("diloco-learner: --standby runs single-host units only", file=sys.stderr)
+        return 2
+    enable_compilation_cache()
+    try:
+        program = warm_up(cfg, num_units)
+    except ValueError as exc:  # the same config errors a unit would hit at its start
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return 2
+    try:
+        identity = wait_for_identity(sys.stdin)
+        if identity is None:
+            log.info("event=standby_released")
+            return 0
+        take_identity(args, identity)
+        cfg, options = resolve(args, env)
+    except (ConfigError, UsageError, IdentityError) as exc:
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return 2
+    return train(cfg, options, program)
+
+
+def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | None = None) -> int:
+    """Run the learner (JAX imported by now) until complete or stopped; the exit code."""
+    from diloco_trainer.distributed import init_distributed
+    from diloco_trainer.learner import LearnerOptions, run_learner
+
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -105,20 +181,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     init_distributed()
-    opts = LearnerOptions(
-        syncer=args.syncer,
-        token=token,
-        unit=unit,
-        num_units=num_units,
-        unit_name=args.unit_name,
-        attempt=attempt,
-        group=args.group,
-        slowdown=slowdown,
-        log_every=args.log_every,
-        max_steps=args.max_steps,
-    )
+    opts = LearnerOptions(**options)
     try:
-        result = run_learner(cfg, opts, stop)
+        result = run_learner(cfg, opts, stop, program)
     except ValueError as exc:  # e.g. batch size vs devices, data that cannot be windowed
         print(f"diloco-learner: {exc}", file=sys.stderr)
         return 2
