@@ -68,3 +68,43 @@ def test_children_die_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
     sup.kill()
     sup.wait()
     assert wait_for(lambda: not any(psutil.pid_exists(p) for p in pids), timeout=10)
+
+
+# A stand-in spare: waits for one line on stdin, then "becomes" what it says until killed.
+WAITER = [
+    sys.executable,
+    "-c",
+    "import sys, time; line = sys.stdin.readline(); print('took', line.strip(), flush=True); "
+    "time.sleep(60)",
+]
+
+
+def test_hand_over_makes_a_waiting_process_the_unit(tmp_path: Path) -> None:
+    table = ProcessTable()
+    old = table.spawn("u", SLEEPER, {}, tmp_path / "u.log")
+    assert table.signal("u", signal.SIGKILL)
+    assert wait_for(lambda: "u" in table.poll())
+    spare = table.spawn("spare:0", WAITER, {}, tmp_path / "spares.log", stdin_pipe=True)
+    assert not table.any_exited()
+    assert table.hand_over("spare:0", "u", b'{"unit": 0}\n', tmp_path / "u.log")
+    assert table.get("u") is spare and "spare:0" not in table
+    assert spare.key == "u" and spare.log_path == tmp_path / "u.log"
+    assert wait_for(lambda: "took" in (tmp_path / "spares.log").read_text())
+    # It is the unit now: signals by the unit's name reach it, its exit is the unit's.
+    assert table.signal("u", signal.SIGKILL)
+    assert wait_for(table.any_exited)
+    assert table.poll() == {"u": -signal.SIGKILL}
+    # The first attempt's record is kept, so survivors() still checks its pids.
+    table.stop_all(grace_seconds=1.0)
+    assert table.survivors() == []
+    assert old.returncode == -signal.SIGKILL
+
+
+def test_hand_over_to_a_dead_spare_fails_and_renames_nothing(tmp_path: Path) -> None:
+    table = ProcessTable()
+    spare = table.spawn("spare:0", WAITER, {}, tmp_path / "spares.log", stdin_pipe=True)
+    assert table.signal("spare:0", signal.SIGKILL)
+    assert wait_for(lambda: spare.popen.poll() is not None)
+    assert not table.hand_over("spare:0", "u", b"{}\n", tmp_path / "u.log")
+    assert table.get("u") is None
+    assert table.poll() == {"spare:0": -signal.SIGKILL}

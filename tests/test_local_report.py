@@ -49,6 +49,16 @@ def test_goodput_counts_progress_between_heartbeats_only() -> None:
     assert "c" not in good.per_unit
 
 
+def test_goodput_ends_when_the_budget_is_reached() -> None:
+    """Learner-seconds after the end (the budget reached) are no part of the run: an interval
+    that straddles it counts up to it, later ones not at all."""
+    beats = [hb("a", 0, 0, 0), hb("a", 0, 1, 5), hb("a", 0, 2, 10), hb("a", 0, 3, 15)]
+    good = compute_goodput(beats, [], {}, end=1.5)
+    assert good.useful_seconds == pytest.approx(1.5)
+    assert good.total_seconds == pytest.approx(1.5)
+    assert good.ratio == pytest.approx(1.0)
+
+
 def test_goodput_subtracts_time_a_unit_was_stopped() -> None:
     beats = [hb("a", 0, 0, 0), hb("a", 0, 10, 20)]
     good = compute_goodput(beats, [("a", 2.0, 6.0), ("other", 0.0, 10.0)], {}, end=10.0)

@@ -1,8 +1,11 @@
 """`diloco local run` end to end with the real syncer and learners as processes: a killed unit
-rejoins and the run completes; SIGTERM leaves no orphans; a corrupt checkpoint is a clear error.
+rejoins (a warm spare takes it over) and the run completes; SIGTERM leaves no orphans, spare
+included; a corrupt checkpoint is a clear error.
 
-Kept small: a 1-layer width-32 model and 16k tokens; `slowdown` stretches the slow unit's steps
-with sleep, so the run lasts long enough for a restart to rejoin without burning CPU.
+Kept small: a 1-layer width-32 model and 150k tokens (a few seconds of the fast unit, so the
+syncer merges and evaluates after even a warm spare's near-instant rejoin); `slowdown` stretches
+the slow unit's steps with sleep, so the run lasts long enough for a restart to rejoin without
+burning CPU.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def manifest(tmp_path: Path, **training: Any) -> Path:
                 "data": {"batchSize": 4, "maxBytes": 65536},
                 "innerSteps": 5,
                 "fragments": 2,
-                "totalTokens": 16_000,
+                "totalTokens": 150_000,
                 "heartbeatSeconds": 0.5,
                 "checkpoint": {"everySeconds": 2},
                 "eval": {"everySeconds": 2, "batches": 1},
@@ -95,7 +98,7 @@ def test_killed_unit_rejoins_and_run_completes(tmp_path: Path) -> None:
     assert f"report: {report.resolve()}" in done.stderr
     summary = json.loads((report / "summary.json").read_text())
     assert summary["complete"] is True
-    assert summary["tokens"] >= 16_000
+    assert summary["tokens"] >= 150_000
     assert summary["unitKills"] == 1 and summary["killsSurvived"] == 1
     assert summary["restarts"] >= 1 and summary["rejoins"] >= 1
     assert summary["finalEvalLoss"] is not None
@@ -109,6 +112,15 @@ def test_killed_unit_rejoins_and_run_completes(tmp_path: Path) -> None:
     restarted = story.index(("unit-restarted", unit0, f"{unit0} recreated as attempt 1"))
     rejoined = story.index(("unit-online", unit0, f"{unit0} attempt 1 online"))
     assert kill < failed < restarted < rejoined < kinds.index("run-complete")
+    # Attempt 1 is the warm spare started with the run (it had imported JAX and compiled the
+    # train step already), and the runtime started another spare in its place.
+    taken = [e for e in events(report) if e["kind"] == "spare-taken" and e["unit"] == unit0]
+    assert len(taken) == 1 and taken[0]["message"].startswith("attempt 1 is warm spare pid")
+    assert kinds.count("spare-started") >= 2
+    unit_log = (report / "logs" / f"{unit0}.log").read_text()
+    assert f"event=standby_taken unit={unit0} attempt=1 pid={taken[0]['data']['pid']}" in unit_log
+    assert "event=joined unit=t-fast-0 attempt=1" in unit_log
+    assert "event=standby_ready" in (report / "logs" / "spares.log").read_text()
     for name in ("loss_vs_time.png", "loss_vs_tokens.png", "timeline.png"):
         assert (report / name).stat().st_size > 5000
     assert (report / "logs" / f"{unit0}.log").read_text()
@@ -129,12 +141,14 @@ def test_sigterm_stops_everything_without_orphans(tmp_path: Path) -> None:
         children: list[psutil.Process] = []
         while time.monotonic() < deadline:
             children = psutil.Process(sup.pid).children(recursive=True)
-            if len(children) >= 3:  # the syncer and both learners
+            if len(children) >= 4:  # the syncer, both learners and the warm spare
                 break
             time.sleep(0.2)
-        assert len(children) >= 3, "supervisor did not start its processes"
+        assert len(children) >= 4, "supervisor did not start its processes"
         time.sleep(3)  # let them get busy (imports, compiles)
-        pids = [p.pid for p in psutil.Process(sup.pid).children(recursive=True)]
+        kids = psutil.Process(sup.pid).children(recursive=True)
+        pids = [p.pid for p in kids]
+        assert any("--standby" in p.cmdline() for p in kids), "no warm spare"
         os.kill(sup.pid, signal.SIGTERM)
         _, err = sup.communicate(timeout=60)
     finally:

@@ -1,6 +1,6 @@
 """The `diloco` command line.
 
-    diloco local run FILE [--chaos] [--report-dir D] [--max-seconds S] [--seed N]
+    diloco local run FILE [--chaos] [--report-dir D] [--max-seconds S] [--seed N] [--spares N]
     diloco simulate [--chips 150000,...] [--learners 1,2,...] [--plot FILE] [--json]
 
 Subcommands hang off argparse subparsers; each registers itself in `build_parser` with a
@@ -55,6 +55,12 @@ def _add_local(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=Path,
         default=None,
         help="an existing syncer checkpoint directory to continue from",
+    )
+    run.add_argument(
+        "--spares",
+        type=int,
+        default=1,
+        help="warm spare learners kept waiting to take over a recreated unit (0: none)",
     )
     run.add_argument(
         "--no-live", action="store_true", help="no live display (default when not a terminal)"
@@ -148,6 +154,7 @@ def _local_run(args: argparse.Namespace) -> int:
         max_seconds=args.max_seconds,
         live=live,
         checkpoint_dir=args.resume_from.resolve() if args.resume_from else None,
+        spare_learners=max(0, args.spares),
     )
     console.print(
         f"run [bold]{run.name}[/]: {run.spec.total_units} units, chaos "

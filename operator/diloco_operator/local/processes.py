@@ -70,8 +70,10 @@ class ProcessTable:
         argv: Sequence[str],
         env: Mapping[str, str],
         log_path: Path,
+        stdin_pipe: bool = False,
     ) -> ManagedProcess:
-        """Start `argv` in a new session with stdout+stderr appended to `log_path`."""
+        """Start `argv` in a new session with stdout+stderr appended to `log_path`; its stdin is
+        a pipe (for `hand_over`) when `stdin_pipe`, else /dev/null."""
         if key in self._procs and self._procs[key].alive():
             raise RuntimeError(f"process {key} is still running (pid {self._procs[key].pid})")
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +82,7 @@ class ProcessTable:
             popen = subprocess.Popen(
                 list(argv),
                 env=dict(env),
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -105,6 +107,39 @@ class ProcessTable:
         log.info("process=started key=%s pid=%d log=%s", key, popen.pid, log_path)
         return proc
 
+    def hand_over(self, key: str, new_key: str, line: bytes, log_path: Path) -> bool:
+        """Write `line` to the stdin pipe of the waiting process `key` and close it; the process
+        is `new_key` from then on (signals, polls, stops). False, and nothing renamed, when it
+        has died or cannot take the line."""
+        proc = self._procs.get(key)
+        if proc is None or not proc.alive() or proc.popen.stdin is None:
+            return False
+        if new_key in self._procs and self._procs[new_key].alive():
+            raise RuntimeError(
+                f"process {new_key} is still running (pid {self._procs[new_key].pid})"
+            )
+        try:
+            proc.popen.stdin.write(line)
+            proc.popen.stdin.close()
+        except (BrokenPipeError, OSError):
+            return False
+        if proc.popen.poll() is not None:
+            return False  # the next poll() reports its exit under the old key
+        del self._procs[key]
+        if new_key in self._procs:
+            self._finished.append(self._procs[new_key])
+        proc.key, proc.log_path, proc.started_at = new_key, log_path, time.monotonic()
+        self._procs[new_key] = proc
+        log.info("process=handed-over key=%s new_key=%s pid=%d", key, new_key, proc.pid)
+        return True
+
+    def any_exited(self) -> bool:
+        """Whether a child exited since the last `poll` (which will report it); cheap enough to
+        call between ticks, so a death is acted on at once, as a watch event would be."""
+        return any(
+            p.returncode is None and p.popen.poll() is not None for p in self._procs.values()
+        )
+
     def poll(self) -> dict[str, int]:
         """Reap children that exited since the last poll; returns key -> exit code (negative:
         killed by that signal)."""
@@ -116,7 +151,7 @@ class ProcessTable:
             code = proc.popen.poll()
             if code is not None:
                 proc.returncode = code
-                proc.log_file.close()
+                _close_files(proc)
                 exited[key] = code
                 log.info("process=exited key=%s pid=%d code=%d", key, proc.pid, code)
         return exited
@@ -181,6 +216,14 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def _close_files(proc: ManagedProcess) -> None:
+    if not proc.log_file.closed:
+        proc.log_file.close()
+    if proc.popen.stdin is not None and not proc.popen.stdin.closed:
+        with contextlib.suppress(OSError):
+            proc.popen.stdin.close()
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -228,5 +271,4 @@ def _terminate_groups(procs: Sequence[ManagedProcess], grace_seconds: float) -> 
             proc.popen.wait(timeout=5)
         if proc.returncode is None and proc.popen.returncode is not None:
             proc.returncode = proc.popen.returncode
-        if not proc.log_file.closed:
-            proc.log_file.close()
+        _close_files(proc)

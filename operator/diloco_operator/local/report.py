@@ -2,11 +2,12 @@
 
 Goodput (docs/local.md has the prose): for each unit, learner-seconds are counted from the moment
 it started training (the last heartbeat before its first reported inner step) until the end of the
-run; its one-time start-up is reported separately. A learner-second
-is *useful* when it lies between two consecutive heartbeats of the same attempt whose step counter
-advanced, and the unit was not SIGSTOPped during it. Everything else (restart backoff, process
-start and JIT compile after a kill, work since the last heartbeat before a kill, pauses) is not.
-goodput = useful learner-seconds / total learner-seconds.
+run, which for a completed run is the moment the syncer was seen to report the budget reached
+(later learner-seconds are not part of the run); its one-time start-up is reported separately. A
+learner-second is *useful* when it lies between two consecutive heartbeats of the same attempt
+whose step counter advanced, and the unit was not SIGSTOPped during it. Everything else (restart
+backoff, process start and JIT compile after a kill, work since the last heartbeat before a kill,
+pauses) is not. goodput = useful learner-seconds / total learner-seconds.
 """
 
 from __future__ import annotations
@@ -45,11 +46,11 @@ def compute_goodput(
     end: float,
 ) -> Goodput:
     """Goodput as defined in the module docstring. `unit_started` is when each unit's first
-    process started (to report start-up time); `end` is when the run ended."""
+    process started (to report start-up time); `end` is when the run ended. A heartbeat interval
+    that straddles `end` counts up to `end` only."""
     by_unit: dict[str, list[Heartbeat]] = defaultdict(list)
     for hb in sorted(heartbeats, key=lambda h: h.time):
-        if hb.time <= end:
-            by_unit[hb.unit].append(hb)
+        by_unit[hb.unit].append(hb)
     paused: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for unit, start, stop in pauses:
         paused[unit].append((start, stop))
@@ -63,7 +64,7 @@ def compute_goodput(
         advancing = [
             (prev, cur)
             for prev, cur in pairs
-            if cur.attempt == prev.attempt and cur.step > prev.step
+            if cur.attempt == prev.attempt and cur.step > prev.step and prev.time < end
         ]
         if not advancing:
             continue  # never trained: nothing to account (its start-up never ended)
@@ -71,8 +72,9 @@ def compute_goodput(
         unit_total = max(0.0, end - first)
         useful = 0.0
         for prev, cur in advancing:
-            span = cur.time - prev.time
-            useful += max(0.0, span - _overlap(prev.time, cur.time, paused[unit]))
+            stop = min(cur.time, end)
+            span = stop - prev.time
+            useful += max(0.0, span - _overlap(prev.time, stop, paused[unit]))
         useful_total += useful
         total += unit_total
         if unit in unit_started:
@@ -102,8 +104,12 @@ def build_summary(
     complete: bool,
     unit_started: dict[str, float],
     exit_reason: str,
+    budget_reached_at: float | None = None,
 ) -> dict[str, Any]:
-    good = compute_goodput(rec.heartbeats, rec.pauses, unit_started, ended_at)
+    """summary.json. Goodput ends at `budget_reached_at` (when the supervisor saw the syncer
+    report the budget reached) for a complete run, else at `ended_at`."""
+    end = budget_reached_at if budget_reached_at is not None else ended_at
+    good = compute_goodput(rec.heartbeats, rec.pauses, unit_started, end)
     last = rec.samples[-1] if rec.samples else None
     kinds = [e.kind for e in rec.events]
     return {
@@ -111,6 +117,9 @@ def build_summary(
         "complete": complete,
         "exitReason": exit_reason,
         "wallSeconds": round(ended_at - rec.started_at, 3),
+        "budgetReachedSeconds": None
+        if budget_reached_at is None
+        else round(budget_reached_at - rec.started_at, 3),
         "finalEvalLoss": final_loss(rec.samples),
         "finalTrainLoss": last.train_loss if last else None,
         "outerSteps": last.outer_step if last else 0,
@@ -285,6 +294,7 @@ def write_report(
     complete: bool,
     unit_started: dict[str, float],
     exit_reason: str,
+    budget_reached_at: float | None = None,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = build_summary(
@@ -294,6 +304,7 @@ def write_report(
         complete=complete,
         unit_started=unit_started,
         exit_reason=exit_reason,
+        budget_reached_at=budget_reached_at,
     )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     write_plots(rec, out_dir, ended_at)

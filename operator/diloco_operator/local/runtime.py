@@ -9,6 +9,7 @@ delivered between ticks; the live display and the recorder see every tick.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -49,6 +50,10 @@ from rich.live import Live
 log = logging.getLogger(__name__)
 
 SYNCER = "syncer"
+# Keys of warm spare learners (a ':' never appears in a unit name, so no clash).
+SPARE_PREFIX = "spare:"
+# Spares that die before being used, after which the runtime stops starting them.
+MAX_SPARE_FAILURES = 3
 # Exit code of both programs for a config error (docs/contracts.md): restarting cannot help.
 CONFIG_ERROR_EXIT = 2
 # A learner busy in an XLA compile can take seconds to act on SIGTERM; then it gets SIGKILL.
@@ -86,6 +91,8 @@ class RunOptions:
     syncer_start_timeout: float = 120.0
     stop_grace_seconds: float = 5.0
     max_syncer_restarts: int = 50
+    # Warm spare learners kept waiting (imported, compiled) to take over a recreated unit.
+    spare_learners: int = 1
     # Argv prefix of the two programs; default: this interpreter's modules (same venv).
     syncer_argv: tuple[str, ...] = (sys.executable, "-m", "diloco_trainer.syncer_main")
     learner_argv: tuple[str, ...] = (sys.executable, "-m", "diloco_trainer.learner_main")
@@ -173,6 +180,11 @@ class LocalRuntime:
         self.ready: set[str] = set()
         self.signals: list[int] = []
         self.killed: set[str] = set()
+        self.spares: list[str] = []  # keys of live spares, oldest first
+        self.spare_seq = 0
+        self.spare_failures = 0
+        self.requeue_after: float | None = None
+        self.budget_reached_at: float | None = None
 
     # --- process actions ------------------------------------------------------------------
 
@@ -204,30 +216,100 @@ class LocalRuntime:
         self.recorder.event(now, kind, SYNCER, f"syncer on port {self.port}")
         self.recorder.state(now, SYNCER, "starting")
 
+    def _learner_env(self) -> dict[str, str]:
+        env = child_env(dict(os.environ))
+        env.update({"DILOCO_SYNCER_ADDR": self.client.base_url, "DILOCO_TOKEN": self.token})
+        return env
+
     def _start_unit(self, action: CreateUnit, now: float) -> None:
         proc = self.procs.get(action.name)
         if proc is not None and proc.alive():
             return  # idempotent: the planner may ask again before it observes the process
         slowdown = self.slowdown.get(action.group, 1.0)
-        env = child_env(dict(os.environ))
-        env.update(
-            {
-                "DILOCO_SYNCER_ADDR": self.client.base_url,
-                "DILOCO_TOKEN": self.token,
-                "DILOCO_UNIT": str(action.global_index),
-                "DILOCO_UNIT_NAME": action.name,
-                "DILOCO_NUM_UNITS": str(action.num_units),
-                "DILOCO_ATTEMPT": str(action.attempt),
-                "DILOCO_GROUP": action.group,
-                "DILOCO_SLOWDOWN": f"{slowdown:g}",
-            }
-        )
-        argv = [*self.opts.learner_argv, "--config", str(self.run.path.resolve())]
-        self.procs.spawn(action.name, argv, env, self.logs_dir / f"{action.name}.log")
+        log_path = self.logs_dir / f"{action.name}.log"
+        if not self._hand_to_spare(action, slowdown, log_path, now):
+            env = self._learner_env()
+            env.update(
+                {
+                    "DILOCO_UNIT": str(action.global_index),
+                    "DILOCO_UNIT_NAME": action.name,
+                    "DILOCO_NUM_UNITS": str(action.num_units),
+                    "DILOCO_ATTEMPT": str(action.attempt),
+                    "DILOCO_GROUP": action.group,
+                    "DILOCO_SLOWDOWN": f"{slowdown:g}",
+                }
+            )
+            argv = [*self.opts.learner_argv, "--config", str(self.run.path.resolve())]
+            self.procs.spawn(action.name, argv, env, log_path)
         self.attempts[action.name] = action.attempt
         self.ready.discard(action.name)
         self.exit_codes.pop(action.name, None)
         self.unit_started.setdefault(action.name, now)
+
+    # --- warm spares --------------------------------------------------------------------------
+
+    def _hand_to_spare(
+        self, action: CreateUnit, slowdown: float, log_path: Path, now: float
+    ) -> bool:
+        """Make the oldest live spare this unit (it has imported JAX and compiled the train step
+        already); False when there is none, and the caller starts a fresh process."""
+        identity = {
+            "unit": action.global_index,
+            "unitName": action.name,
+            "numUnits": action.num_units,
+            "attempt": action.attempt,
+            "group": action.group,
+            "slowdown": slowdown,
+            "log": str(log_path.resolve()),
+        }
+        line = (json.dumps(identity) + "\n").encode()
+        while self.spares:
+            key = self.spares.pop(0)
+            proc = self.procs.get(key)
+            if proc is not None and self.procs.hand_over(key, action.name, line, log_path):
+                self.recorder.event(
+                    now,
+                    "spare-taken",
+                    action.name,
+                    f"attempt {action.attempt} is warm spare pid {proc.pid}",
+                    pid=proc.pid,
+                )
+                return True
+        return False
+
+    def _top_up_spares(self, now: float) -> None:
+        """Keep `spare_learners` spares waiting, from the first tick (a spare needs as long as a
+        unit to warm up, and the first failure may come soon) until the run is over."""
+        if (
+            self.status.phase in ("Succeeded", "Failed")
+            or self.spare_failures >= MAX_SPARE_FAILURES
+        ):
+            return
+        self.spares = [k for k in self.spares if (p := self.procs.get(k)) is not None and p.alive()]
+        while len(self.spares) < self.opts.spare_learners:
+            key = f"{SPARE_PREFIX}{self.spare_seq}"
+            self.spare_seq += 1
+            env = self._learner_env()
+            env["DILOCO_NUM_UNITS"] = str(self.run.spec.total_units)
+            argv = [*self.opts.learner_argv, "--config", str(self.run.path.resolve()), "--standby"]
+            proc = self.procs.spawn(key, argv, env, self.logs_dir / "spares.log", stdin_pipe=True)
+            self.spares.append(key)
+            self.recorder.event(now, "spare-started", None, f"warm spare pid {proc.pid}")
+
+    def _spare_exited(self, key: str, code: int, now: float) -> None:
+        if key in self.spares:
+            self.spares.remove(key)
+        if code != 0:
+            self.spare_failures += 1
+            self.recorder.event(now, "spare-exited", None, f"warm spare {_signal_name(code)}")
+            if self.spare_failures >= MAX_SPARE_FAILURES:
+                self.recorder.event(
+                    now,
+                    "spares-disabled",
+                    None,
+                    f"{self.spare_failures} spares died unused (see logs/spares.log); "
+                    "units are started fresh",
+                )
 
     def _delete_units(self, names: list[str]) -> None:
         """Stop the units' process groups together; afterwards they are Missing to the planner."""
@@ -312,6 +394,9 @@ class LocalRuntime:
                         f"{headline(path, 'diloco-syncer:')}\nlast lines of {path}:\n{log_tail(path)}"
                     )
                 self.recorder.event(now, "syncer-exited", SYNCER, _signal_name(code))
+                continue
+            if key.startswith(SPARE_PREFIX):
+                self._spare_exited(key, code, now)
                 continue
             self.exit_codes[key] = code
             if code == CONFIG_ERROR_EXIT:
@@ -483,7 +568,9 @@ class LocalRuntime:
             report=self.report,
         )
         self.status = result.status
+        self.requeue_after = result.requeue_after
         self.apply(result.actions, now)
+        self._top_up_spares(now)
         for unit in self.status.units:
             self.recorder.state(now, unit.name, self._unit_state(unit.name, unit.state))
         self._chaos(now)
@@ -534,6 +621,7 @@ class LocalRuntime:
             complete=complete,
             unit_started=self.unit_started,
             exit_reason=reason,
+            budget_reached_at=self.budget_reached_at if complete else None,
         )
         self.recorder.close()
         if aborted is not None:
@@ -555,6 +643,7 @@ class LocalRuntime:
                 raise Interrupted(self.signals[0])
             now = time.time()
             if self.tick(now):
+                self.budget_reached_at = now
                 self.recorder.event(
                     now, "run-complete", None, "the syncer reports the budget reached"
                 )
@@ -566,7 +655,13 @@ class LocalRuntime:
                 on_tick(view)
             if self.opts.max_seconds is not None and now - self.started_at > self.opts.max_seconds:
                 return False, f"stopped after --max-seconds {self.opts.max_seconds:g}"
-            while not self.signals and time.time() - now < self.opts.tick_seconds:
+            # The next pass comes sooner when the plan asks (e.g. a unit that ran healthily is
+            # recreated as soon as it is gone) or a child exits (the Kubernetes backend is woken
+            # by watch events the same way).
+            wait = self.opts.tick_seconds
+            if self.requeue_after is not None:
+                wait = min(wait, max(0.0, self.requeue_after))
+            while not self.signals and time.time() - now < wait and not self.procs.any_exited():
                 time.sleep(0.05)
 
     def _finish_learners(self, now: float) -> None:
@@ -591,7 +686,7 @@ class LocalRuntime:
         for name in list(self.resume_at):
             self.procs.signal(name, signal.SIGCONT)
         self.resume_at.clear()
-        units = [s.name for s in self.slots]
+        units = [s.name for s in self.slots] + self.spares  # spares die with the units
         self.procs.stop_all(grace_seconds=self.opts.stop_grace_seconds, batches=[units, [SYNCER]])
         left = self.procs.survivors()
         if left:
