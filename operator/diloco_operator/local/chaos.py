@@ -5,7 +5,8 @@ settings and sequence of `due()` calls (times and running units), it makes the s
 so a chaos run can be replayed.
 
 Faults:
-- `kill`: SIGKILL a learner unit (the supervisor marks it offline and restarts it after backoff);
+- `kill`: SIGKILL a learner unit (the supervisor marks it offline and recreates it, from a warm
+  spare when one is ready);
 - `pause`: SIGSTOP a unit for `pause_seconds`, then SIGCONT (a straggler);
 - `kill-syncer`: SIGKILL the syncer (it restarts from its last checkpoint; learners reconnect).
 """
