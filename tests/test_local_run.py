@@ -2,8 +2,8 @@
 rejoins (a warm spare takes it over) and the run completes; SIGTERM leaves no orphans, spare
 included; a corrupt checkpoint is a clear error.
 
-Kept small: a 1-layer width-32 model and 150k tokens (a few seconds of the fast unit, so the
-syncer merges and evaluates after even a warm spare's near-instant rejoin); `slowdown` stretches
+Kept small: a 1-layer width-32 model and 400k tokens (10-20 s of the fast unit, so the syncer
+merges and evaluates after even a warm spare's near-instant rejoin); `slowdown` stretches
 the slow unit's steps with sleep, so the run lasts long enough for a restart to rejoin without
 burning CPU.
 """
@@ -47,7 +47,7 @@ def manifest(tmp_path: Path, **training: Any) -> Path:
                 "data": {"batchSize": 4, "maxBytes": 65536},
                 "innerSteps": 5,
                 "fragments": 2,
-                "totalTokens": 150_000,
+                "totalTokens": 400_000,
                 "heartbeatSeconds": 0.5,
                 "checkpoint": {"everySeconds": 2},
                 "eval": {"everySeconds": 2, "batches": 1},
@@ -98,7 +98,7 @@ def test_killed_unit_rejoins_and_run_completes(tmp_path: Path) -> None:
     assert f"report: {report.resolve()}" in done.stderr
     summary = json.loads((report / "summary.json").read_text())
     assert summary["complete"] is True
-    assert summary["tokens"] >= 150_000
+    assert summary["tokens"] >= 400_000
     assert summary["unitKills"] == 1 and summary["killsSurvived"] == 1
     assert summary["restarts"] >= 1 and summary["rejoins"] >= 1
     assert summary["finalEvalLoss"] is not None
