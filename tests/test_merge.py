@@ -134,3 +134,39 @@ def test_scale_delta_keeps_float32_and_direction() -> None:
     out = scale_delta(delta, 0.25)
     assert out["w"].dtype == np.float32
     np.testing.assert_allclose(out["w"], [0.25, -0.5])
+
+
+def test_round_momentum_with_full_shares_is_optax_nesterov() -> None:
+    plain = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
+    rounds = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True, per_round=True)
+    theta = {"w": np.array([1.0, -2.0, 0.5], np.float32)}
+    a, b = theta, theta
+    sa, sb = plain.init(theta), rounds.init(theta)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        g = {"w": rng.normal(size=3).astype(np.float32)}
+        a, sa = plain.step(a, sa, g)
+        b, sb = rounds.step(b, sb, g, share=1.0)
+        np.testing.assert_allclose(a["w"], b["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_round_momentum_applies_a_split_round_like_one_synchronous_step() -> None:
+    # Round 1 arrives as four quarter-share merges, round 2 as one full merge; the momentum must
+    # move once per round, so at each round's end theta equals two synchronous Nesterov steps on
+    # the rounds' summed gradients.
+    sync = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
+    rounds = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True, per_round=True)
+    theta = {"w": np.array([1.0, 1.0], np.float32)}
+    parts = [np.array(v, np.float32) for v in ([0.1, 0.0], [0.0, 0.2], [0.05, 0.05], [0.1, -0.1])]
+    s_theta, s_state = sync.step(theta, sync.init(theta), {"w": sum(parts)})
+    r_theta, r_state = theta, rounds.init(theta)
+    for i, part in enumerate(parts):
+        r_theta, r_state = rounds.step(r_theta, r_state, {"w": part}, share=0.25)
+        if i < 3:  # mid-round: only the plain SGD part so far
+            expected = theta["w"] - 0.7 * sum(parts[: i + 1])
+            np.testing.assert_allclose(r_theta["w"], expected, rtol=1e-5)
+    np.testing.assert_allclose(r_theta["w"], s_theta["w"], rtol=1e-5)
+    second = {"w": np.array([0.3, -0.1], np.float32)}
+    s_theta, _ = sync.step(s_theta, s_state, second)
+    r_theta, _ = rounds.step(r_theta, r_state, second, share=1.0)
+    np.testing.assert_allclose(r_theta["w"], s_theta["w"], rtol=1e-5)

@@ -141,6 +141,13 @@ class OuterOptimizerConfig(Strict):
     lr: float = Field(0.7, gt=0, le=10)
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
+    momentum_per: Literal["merge", "round"] = Field(
+        "merge",
+        description="round: the momentum moves once per round of contributions (their "
+        "participation shares add up to 1) and each merge in between is a plain SGD step; "
+        "merge: once per merge (plain optax Nesterov). Identical when every merge holds "
+        "every learner.",
+    )
 
 
 class GraceConfig(Strict):

@@ -8,7 +8,7 @@ because fragments step at different times.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,17 +18,72 @@ import optax
 Params = dict[str, np.ndarray]
 
 
+class RoundMomentumState(NamedTuple):
+    momentum: optax.Updates
+    pending: optax.Updates  # the outer gradients of the round so far
+    filled: jax.Array  # share of a round they represent
+
+
+def round_nesterov(learning_rate: float, momentum: float) -> optax.GradientTransformationExtraArgs:
+    """Nesterov SGD whose momentum moves once per *round* of contributions, not once per merge.
+
+    With quorum 1 a round of H inner steps arrives as up to M merges, each scaled by its share
+    (`merge.participation_share`). Each merge is applied at once as a plain SGD step; the momentum
+    buffer is updated, and its Nesterov term applied, only when the shares add up to a full round,
+    with the round's summed gradient. Per round this is exactly `optax.sgd(lr, momentum,
+    nesterov=True)` on the round's average; a momentum driven by every single-learner merge is
+    the failure mode asynchronous Local-SGD reports (Liu et al. 2024, "delayed Nesterov").
+    With share 1 on every call it is identical to optax's Nesterov SGD.
+    """
+
+    def init_fn(params: optax.Params) -> RoundMomentumState:
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        return RoundMomentumState(zeros, zeros, jnp.zeros([], jnp.float32))
+
+    def update_fn(
+        updates: optax.Updates,
+        state: RoundMomentumState,
+        params: optax.Params | None = None,
+        *,
+        share: float | jax.Array = 1.0,
+        **extra: Any,
+    ) -> tuple[optax.Updates, RoundMomentumState]:
+        del params, extra
+        pending = jax.tree_util.tree_map(jnp.add, state.pending, updates)
+        filled = state.filled + share
+        done = filled >= 1.0 - 1e-6
+        mom = jax.tree_util.tree_map(
+            lambda m, p: jnp.where(done, momentum * m + p, m), state.momentum, pending
+        )
+        step = jax.tree_util.tree_map(
+            lambda g, m: -learning_rate * (g + jnp.where(done, momentum * m, 0.0)), updates, mom
+        )
+        pending = jax.tree_util.tree_map(lambda p: jnp.where(done, jnp.zeros_like(p), p), pending)
+        return step, RoundMomentumState(mom, pending, jnp.where(done, 0.0, filled))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 class OuterOptimizer:
-    """optax.sgd(lr, momentum, nesterov) with one state per fragment and a jitted update."""
+    """The outer optimizer with one state per fragment and a jitted update: optax Nesterov SGD,
+    or `round_nesterov` (momentum once per round of contributions) when `per_round`."""
 
-    def __init__(self, lr: float, momentum: float, nesterov: bool) -> None:
-        self.tx = optax.sgd(learning_rate=lr, momentum=momentum or None, nesterov=nesterov)
+    def __init__(self, lr: float, momentum: float, nesterov: bool, per_round: bool = False) -> None:
+        self.per_round = per_round and nesterov and momentum > 0
+        self.tx: optax.GradientTransformation = (
+            round_nesterov(lr, momentum)
+            if self.per_round
+            else optax.sgd(learning_rate=lr, momentum=momentum or None, nesterov=nesterov)
+        )
 
-        def _step(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
-            updates, new_state = self.tx.update(grads, state, params)
+        def _step(params: Any, state: Any, grads: Any, share: jax.Array) -> tuple[Any, Any]:
+            if self.per_round:
+                updates, new_state = self.tx.update(grads, state, params, share=share)
+            else:
+                updates, new_state = self.tx.update(grads, state, params)
             return optax.apply_updates(params, updates), new_state
 
-        self._step: Callable[[Any, Any, Any], tuple[Any, Any]] = jax.jit(_step)
+        self._step: Callable[[Any, Any, Any, jax.Array], tuple[Any, Any]] = jax.jit(_step)
 
     def init(self, fragment_params: Mapping[str, np.ndarray]) -> Any:
         return self.tx.init({k: jnp.asarray(v) for k, v in fragment_params.items()})
@@ -38,6 +93,7 @@ class OuterOptimizer:
         fragment_params: Mapping[str, np.ndarray],
         state: Any,
         merged_delta: Mapping[str, np.ndarray],
+        share: float = 1.0,
     ) -> tuple[Params, Any]:
         """One outer step; returns new numpy params (fresh arrays, never aliasing inputs; views of
         the step's output buffers, so treat them as read-only)."""
@@ -45,7 +101,7 @@ class OuterOptimizer:
             raise ValueError("outer step: merged delta leaves differ from the fragment's leaves")
         params = {k: jnp.asarray(v) for k, v in fragment_params.items()}
         grads = {k: jnp.asarray(merged_delta[k], dtype=jnp.float32) for k in params}
-        new_params, new_state = self._step(params, state, grads)
+        new_params, new_state = self._step(params, state, grads, jnp.float32(share))
         return {k: np.asarray(v) for k, v in new_params.items()}, new_state
 
     # Checkpointing: optimizer state as a flat list of arrays, restored into the tree of init().

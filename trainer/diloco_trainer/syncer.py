@@ -65,7 +65,10 @@ class Syncer:
             cfg.grace.ema, offline_after=max(5.0, 3 * cfg.heartbeat_seconds)
         )
         self.outer = OuterOptimizer(
-            cfg.outer_optimizer.lr, cfg.outer_optimizer.momentum, cfg.outer_optimizer.nesterov
+            cfg.outer_optimizer.lr,
+            cfg.outer_optimizer.momentum,
+            cfg.outer_optimizer.nesterov,
+            per_round=cfg.outer_optimizer.momentum_per == "round",
         )
         params = init_fn(cfg.model, cfg.seed)
         self.shapes = {k: tuple(int(d) for d in v.shape) for k, v in params.items()}
@@ -332,7 +335,7 @@ class Syncer:
         )
         if share < 1.0:
             merged = scale_delta(merged, share)
-        return self.outer.step(params, state, merged)
+        return self.outer.step(params, state, merged, share)
 
     # ---------------------------------------------------------------- downloads
     async def fragment_payload(self, f: FragmentState) -> bytes:
