@@ -21,6 +21,7 @@ BENCHES: list[tuple[str, str]] = [
     ("communication", "bench.comm_bench"),
     ("overhead", "bench.overhead_bench"),
     ("parity", "bench.parity_bench"),
+    ("ablations", "bench.ablation_bench"),
     ("goodput_real", "bench.goodput_real"),
     ("gpu", "bench.gpu_bench"),
     ("operator", "bench.operator_bench"),

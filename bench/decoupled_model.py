@@ -1,0 +1,210 @@
+"""Decoupled DiLoCo in one process, with a clock we control: the ablation harness of the parity row.
+
+The real decoupled run (learner and syncer processes, `parity_bench.decoupled`) is the headline,
+but its arrival pattern depends on the machine's load, so two runs of it differ in more than the
+setting under study. Here M learners advance in lock step (one vmapped train step per tick; a
+learner at half speed steps every other tick), each sends fragment p at its own staggered steps
+(shifted by its `phase`), and the syncer's rules are applied to what arrived: a merge of every
+contribution pending for `grace` ticks (grace 0: the contributions of the same tick), the merge
+weights, RDA or plain mean, participation scaling, the Nesterov outer step, and the broadcast that
+every live learner installs `delay` ticks later. Kills drop a learner's unsent progress and
+restart it from the global parameters with a fresh inner optimizer, as a restarted process does.
+
+The merge, weights, quantization and outer step are the product's own functions; only the clock
+and the transport are simulated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from diloco_trainer.config import TrainingConfig
+from diloco_trainer.data import train_batches
+from diloco_trainer.evaluate import eval_loss
+from diloco_trainer.fragments import is_due, pack_fragments
+from diloco_trainer.merge import Contribution, merge_fragment, participation_share, scale_delta
+from diloco_trainer.model import init_params, loss_fn, param_shapes
+from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.quantize import dequantize, quantize
+from diloco_trainer.train import make_optimizer
+
+Install = Literal["overwrite", "keep-unsent"]
+Host = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Kill:
+    learner: int
+    tick: int
+    down_ticks: int
+
+
+@dataclass(frozen=True)
+class Setting:
+    learners: int = 4
+    phases: Sequence[int] | None = None  # default: spread evenly over H (no two learners align)
+    speeds: Sequence[float] | None = None  # steps per tick, in (0, 1]; default all 1.0
+    kills: Sequence[Kill] = ()
+    grace: int = 0
+    delay: int = 0
+    method: Literal["rda", "mean"] = "rda"
+    token_weighting: bool = True
+    scheme: Literal["none", "int8", "int4"] = "none"
+    install: Install = "overwrite"
+    per_round_momentum: bool = False
+
+
+@dataclass
+class Result:
+    loss: float
+    seconds: float
+    ticks: int
+    merges: int
+    contributions: int
+    steps: list[int] = field(default_factory=list)
+
+    @property
+    def note(self) -> str:
+        return (
+            f"{self.merges} merges, {self.contributions / max(self.merges, 1):.2f} "
+            f"contributions/merge, steps {self.steps}, {self.ticks} ticks"
+        )
+
+
+def roundtrip(delta: Host, scheme: str) -> Host:
+    """The delta as the syncer sees it after quantization (block 128) and dequantization."""
+    if scheme == "none":
+        return delta
+    return {k: dequantize(quantize(v, scheme, 128)) for k, v in delta.items()}  # type: ignore[arg-type]
+
+
+def _speed_gate(speed: float, tick: int) -> bool:
+    """Whether a learner of this speed completes a step at `tick` (1-based): evenly spaced."""
+    return int(tick * speed) > int((tick - 1) * speed)
+
+
+def simulate(
+    cfg: TrainingConfig,
+    total_steps: int,
+    s: Setting,
+    eval_batches: int,
+    max_ticks: int | None = None,
+) -> Result:
+    """Run until the learners have done `total_steps` inner steps together (equal tokens), or
+    for `max_ticks` ticks (equal wall-clock), whichever comes first."""
+    started = time.perf_counter()
+    m_count, h = s.learners, cfg.inner_steps
+    phases = list(s.phases) if s.phases is not None else [m * h // m_count for m in range(m_count)]
+    speeds = list(s.speeds) if s.speeds is not None else [1.0] * m_count
+    opt = make_optimizer(cfg.inner_optimizer, -(-total_steps // m_count))
+    init = init_params(cfg.model, cfg.seed)
+    layout = pack_fragments(param_shapes(cfg.model), cfg.fragments)
+    fresh_state = opt.init({k: jnp.asarray(v) for k, v in init.items()})
+    params = {k: jnp.stack([jnp.asarray(v)] * m_count) for k, v in init.items()}
+    state = jax.tree_util.tree_map(lambda x: jnp.stack([x] * m_count), fresh_state)
+
+    def one(p: Any, st: Any, batch: jax.Array, active: jax.Array) -> tuple[Any, Any]:
+        _, grads = jax.value_and_grad(loss_fn)(p, batch)
+        updates, new_st = opt.update(grads, st, p)
+        new_p = optax.apply_updates(p, updates)
+        keep = lambda new, old: jnp.where(active, new, old)  # noqa: E731
+        return jax.tree_util.tree_map(keep, new_p, p), jax.tree_util.tree_map(keep, new_st, st)
+
+    step_all = jax.jit(jax.vmap(one))
+    streams: list[Iterator[np.ndarray]] = [train_batches(cfg, m, m_count) for m in range(m_count)]
+    outer = OuterOptimizer(
+        cfg.outer_optimizer.lr, cfg.outer_optimizer.momentum, True, s.per_round_momentum
+    )
+    glob: Host = {k: np.array(v) for k, v in init.items()}
+    outer_states = [outer.init({n: glob[n] for n in frag}) for frag in layout]
+    # ref[m][p]: where learner m's not-yet-sent progress on fragment p is measured from
+    ref: list[list[Host]] = [
+        [{n: glob[n] for n in frag} for frag in layout] for _ in range(m_count)
+    ]
+    counts = np.zeros((m_count, len(layout)), dtype=np.int64)
+    steps = [0] * m_count
+    down_until = [0] * m_count
+    kills = {(k.tick, k.learner): k.down_ticks for k in s.kills}
+    pending: list[list[tuple[int, int, Host, int]]] = [[] for _ in layout]
+    arrivals: list[tuple[int, int, Host]] = []
+    merges = contributions = tick = 0
+    batch_shape = (cfg.data.batch_size, cfg.model.context + 1)
+    tokens = cfg.tokens_per_step
+
+    def host(m: int, names: Sequence[str]) -> Host:
+        return {n: np.asarray(params[n][m]) for n in names}
+
+    def set_leaves(m: int, values: Host) -> None:
+        for n, v in values.items():
+            params[n] = params[n].at[m].set(v)
+
+    while sum(steps) < total_steps and (max_ticks is None or tick < max_ticks):
+        tick += 1
+        for m in range(m_count):
+            if (tick, m) in kills:  # unsent progress is lost; back after the downtime
+                down_until[m] = tick + kills[(tick, m)]
+            elif down_until[m] == tick:  # restart: pull the global parameters, fresh optimizer
+                set_leaves(m, glob)
+                state = jax.tree_util.tree_map(lambda a, b, m=m: a.at[m].set(b), state, fresh_state)
+                ref[m] = [{n: glob[n] for n in frag} for frag in layout]
+                counts[m] = 0
+        alive = [down_until[m] <= tick for m in range(m_count)]
+        active = [a and _speed_gate(speeds[m], tick) for m, a in enumerate(alive)]
+        batch = np.stack(
+            [
+                next(streams[m]) if active[m] else np.zeros(batch_shape, np.int32)
+                for m in range(m_count)
+            ]
+        )
+        params, state = step_all(params, state, batch, jnp.asarray(active))
+        for m in range(m_count):
+            if not active[m]:
+                continue
+            steps[m] += 1
+            counts[m] += 1
+            for p, frag in enumerate(layout):
+                if is_due(steps[m] + phases[m], p, h, len(layout)):
+                    theta = host(m, frag)
+                    delta = roundtrip({n: ref[m][p][n] - theta[n] for n in frag}, s.scheme)
+                    pending[p].append((tick, m, delta, int(counts[m, p])))
+                    if s.install == "keep-unsent":
+                        ref[m][p], counts[m, p] = theta, 0
+        online = sum(alive)
+        for p, frag in enumerate(layout):
+            if not pending[p] or tick - pending[p][0][0] < s.grace:
+                continue
+            contribs = [Contribution(d, c, c * tokens) for _, _, d, c in pending[p] if c > 0]
+            pending[p] = []
+            if not contribs:
+                continue
+            merged = merge_fragment(contribs, s.method, s.token_weighting)
+            share = participation_share(len(contribs), online)
+            merged = scale_delta(merged, share)
+            new, outer_states[p] = outer.step(
+                {n: glob[n] for n in frag}, outer_states[p], merged, share
+            )
+            glob.update({k: np.array(v) for k, v in new.items()})
+            merges, contributions = merges + 1, contributions + len(contribs)
+            arrivals.append((tick + s.delay, p, {n: glob[n] for n in frag}))
+        due = [a for a in arrivals if a[0] <= tick]
+        arrivals = [a for a in arrivals if a[0] > tick]
+        for _, p, tensors in due:
+            for m in range(m_count):
+                if not alive[m]:
+                    continue
+                if s.install == "overwrite":  # the product's learner: drop unsent progress
+                    set_leaves(m, tensors)
+                    counts[m, p] = 0
+                else:  # keep what was not sent yet on top of the new global fragment
+                    theta = host(m, layout[p])
+                    set_leaves(m, {n: tensors[n] + theta[n] - ref[m][p][n] for n in tensors})
+                ref[m][p] = tensors
+    loss = eval_loss(glob, cfg, eval_batches)
+    return Result(loss, time.perf_counter() - started, tick, merges, contributions, steps)
