@@ -553,3 +553,61 @@ def test_validate_push_is_pure_and_ordered_by_severity() -> None:
             validate_push(f, h, delta, {"w": (3,)}, max_staleness=2)
         assert (err.value.status, err.value.reason) == (status, reason)
     assert f.version == 5 and not f.pending
+
+
+def test_join_reply_carries_the_units_step_across_restarts(tmp_path: Path) -> None:
+    """resumeStep: 0 for a new unit; after a restart of the unit (attempt+1), the steps its
+    earlier attempts reported; after a restart of the syncer, the same from its checkpoint
+    (per-attempt counters are checkpointed, so the token total and the schedule agree)."""
+    cfg = tiny_cfg(checkpoint={"path": str(tmp_path), "everySeconds": 3600}, totalSteps=10_000)
+    first = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
+    try:
+        assert first.client("unit-0").join().resume_step == 0  # a new unit
+        first.client("unit-0").heartbeat(120, 120 * 64, 1.0, 3.0)
+        restarted = first.client("unit-0", attempt=1)
+        assert restarted.join().resume_step == 120
+        restarted.heartbeat(30, 30 * 64, 1.0, 3.0)  # counts from 0 again within its attempt
+        assert restarted.join().resume_step == 120  # its own attempt is not counted twice
+        assert first.client("unit-0", attempt=2).join().resume_step == 150
+        assert first.client("unit-1").join().resume_step == 0  # other units are unaffected
+        assert first.client("observer").status()["learners"]["unit-0"]["tokens"] == 150 * 64
+        first.run(first.syncer.save_checkpoint(force=True))
+    finally:
+        first.close()
+
+    second = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
+    try:
+        assert second.client("unit-0", attempt=3).join().resume_step == 150
+        assert second.client("unit-1", attempt=1).join().resume_step == 0
+        assert second.client("observer").status()["tokens"] == 150 * 64
+    finally:
+        second.close()
+
+
+@pytest.mark.parametrize("live", [{"totalSteps": 10_000, "heartbeatSeconds": 0.1}], indirect=True)
+def test_a_restarted_learner_continues_its_lr_schedule_and_counts_its_own_steps(
+    live: LiveSyncer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Attempt 1 of a unit whose attempt 0 reported 120 steps: the learner continues its schedule
+    at 120 (re-warming), while its heartbeats count this attempt's steps from 0, so the syncer's
+    total for the unit is 120 + the new steps (nothing counted twice)."""
+    import logging
+
+    from diloco_trainer.learner import LearnerOptions, run_learner
+
+    cfg = live.syncer.cfg
+    live.client("unit-0").heartbeat(120, 120 * cfg.tokens_per_step, 1.0, 3.0)
+    opts = LearnerOptions(
+        syncer=live.url, token=TOKEN, unit=0, num_units=1, unit_name="unit-0", attempt=1,
+        log_every=2, max_steps=40, slowdown=3.0,
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="diloco_trainer.learner"):
+        result = run_learner(cfg, opts)
+    assert result.steps == 40 and result.tokens == 40 * cfg.tokens_per_step
+    text = caplog.text
+    assert "resume_step=120" in text
+    assert re.search(r"event=progress unit=unit-0 step=2 schedule_step=122 ", text), text
+    # Heartbeats carried this attempt's own steps (the last few may not have been reported).
+    wait_until(lambda: live.syncer.learners.get("unit-0").steps > 120)
+    counted = live.syncer.learners.get("unit-0").steps
+    assert counted <= 160 and live.syncer.learners.resume_step("unit-0", 2) == counted

@@ -92,3 +92,46 @@ def test_batch_must_divide_over_devices() -> None:
         ValueError, match=r"data\.batchSize \(16\) must be divisible by the unit's 3"
     ):
         check_batch_divisible(16, 3)
+
+
+def test_resumed_schedule_new_unit_starts_at_zero_and_rejoin_continues() -> None:
+    from diloco_trainer.train import resumed_learning_rate, rewarmup_steps
+
+    cfg = InnerOptimizerConfig(lr=1e-3, warmup_steps=50, schedule="cosine")
+    schedule = learning_rate_schedule(cfg, 1000)
+    ramp = rewarmup_steps(cfg)
+    assert ramp == 20 and rewarmup_steps(cfg.model_copy(update={"warmup_steps": 5})) == 5
+    for count in (0, 10, 49, 50, 400):  # a new unit (start 0): the plain schedule
+        assert float(resumed_learning_rate(schedule, count, 0, ramp)) == float(schedule(count))
+    # A unit rejoining at step 600: a linear ramp to the scheduled LR, then the schedule.
+    assert float(resumed_learning_rate(schedule, 600, 600, ramp)) == pytest.approx(
+        float(schedule(600)) / 20
+    )
+    assert float(resumed_learning_rate(schedule, 609, 600, ramp)) == pytest.approx(
+        float(schedule(609)) / 2
+    )
+    for count in (619, 620, 800):
+        assert float(resumed_learning_rate(schedule, count, 600, ramp)) == pytest.approx(
+            float(schedule(count))
+        )
+    assert float(schedule(600)) < 0.6 * cfg.lr  # late in the run: well below the peak
+
+
+def test_resume_schedule_sets_the_optimizer_count_and_ramps_its_first_update() -> None:
+    import jax.numpy as jnp
+    from diloco_trainer.train import make_optimizer, resume_schedule
+
+    cfg = InnerOptimizerConfig(lr=1e-2, warmup_steps=50, weight_decay=0.0, grad_clip=None)
+    opt = make_optimizer(cfg, 1000)
+    schedule = learning_rate_schedule(cfg, 1000)
+    params = {"w": jnp.ones((4, 4))}
+    grads = {"w": jnp.full((4, 4), 0.5)}
+    fresh = opt.init(params)
+    assert float(opt.update(grads, fresh, params)[0]["w"][0, 0]) == 0.0  # warmup step 0: LR 0
+    resumed = resume_schedule(fresh, 700)
+    updates, state = opt.update(grads, resumed, params)
+    # Fresh Adam moments: the first update is ~ -lr per coordinate; lr = schedule(700) / 20.
+    assert float(updates["w"][0, 0]) == pytest.approx(-float(schedule(700)) / 20, rel=1e-3)
+    for _ in range(19):
+        updates, state = opt.update(grads, state, params)
+    assert float(updates["w"][0, 0]) == pytest.approx(-float(schedule(719)), rel=1e-3)

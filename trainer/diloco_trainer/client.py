@@ -45,6 +45,7 @@ class JoinReply:
     versions: list[int]
     complete: bool
     outer_step: int = 0
+    resume_step: int = 0  # the unit's steps in earlier attempts: where its LR schedule continues
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     scheme: Scheme = "none"
     block_size: int = 128
@@ -186,6 +187,7 @@ class SyncerClient:
             versions=r["versions"],
             complete=bool(r["complete"]),
             outer_step=int(r.get("outerStep", 0)),
+            resume_step=int(r.get("resumeStep", 0)),
             shapes={k: tuple(v) for k, v in r.get("shapes", {}).items()},
             scheme=self.compression,
             block_size=self.block_size,

@@ -86,6 +86,13 @@ def broadcast_from_leader(tree: T) -> T:
     return result
 
 
+def broadcast_int(value: int) -> int:
+    """The leader's `value` on every process of the unit (identity on a single process)."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.asarray(broadcast_from_leader(np.asarray(value, np.int64))))
+
+
 def exchange_arrivals(
     arrivals: dict[int, tuple[int, dict[str, np.ndarray]]],
     layout: list[list[str]],

@@ -1,6 +1,7 @@
 """The learner: inner AdamW steps on its own shard; fragments go out and come back in the background.
 
-    join + pull the global parameters (a fresh learner waits for the syncer, with backoff)
+    join + pull the global parameters (a fresh learner waits for the syncer, with backoff);
+        the join says where the unit's LR schedule continues (its steps in earlier attempts)
     loop:
         one train step (async dispatch; at most one step in flight)
         for each fragment due now: hand (base_p, theta_p, counters_p) to the sender thread
@@ -28,7 +29,7 @@ from jax.sharding import Mesh
 from diloco_trainer.client import SyncerClient
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data import train_batches
-from diloco_trainer.distributed import exchange_arrivals, is_leader
+from diloco_trainer.distributed import broadcast_int, exchange_arrivals, is_leader
 from diloco_trainer.fragments import FragmentCounters, is_due, pack_fragments
 from diloco_trainer.model import init_params, param_shapes
 from diloco_trainer.sync_link import PendingPush, Progress, SyncLink, retry_until
@@ -36,11 +37,15 @@ from diloco_trainer.train import (
     TrainStep,
     check_batch_divisible,
     init_opt_state,
+    learning_rate_schedule,
     make_mesh,
     make_optimizer,
     make_train_step,
     place_params,
     replicated,
+    resume_schedule,
+    resumed_learning_rate,
+    rewarmup_steps,
     shard_batch,
 )
 
@@ -111,19 +116,26 @@ def learner_horizon(cfg: TrainingConfig, num_units: int) -> int:
     return max(1, -(-total // num_units))
 
 
-def join_and_pull(
-    client: SyncerClient, stop: threading.Event
-) -> tuple[list[list[str]], dict[str, np.ndarray], list[int], bool] | None:
+@dataclass(frozen=True)
+class Joined:
+    layout: list[list[str]]
+    params: dict[str, np.ndarray]
+    versions: list[int]
+    complete: bool
+    resume_step: int = 0  # the unit's steps in earlier attempts (0 for a new unit)
+
+
+def join_and_pull(client: SyncerClient, stop: threading.Event) -> Joined | None:
     """Join the run and fetch the current global parameters, retrying while unreachable."""
     joined = retry_until(client.join, stop, "join")
     if joined is None:
         return None
     if joined.complete:
-        return joined.layout, {}, joined.versions, True
+        return Joined(joined.layout, {}, joined.versions, True, joined.resume_step)
     pulled = retry_until(client.pull_all, stop, "pull")
     if pulled is None:
         return None
-    return joined.layout, pulled[0], pulled[1], False
+    return Joined(joined.layout, pulled[0], pulled[1], False, joined.resume_step)
 
 
 def run_learner(
@@ -144,16 +156,21 @@ def run_learner(
     layout = pack_fragments(shapes, cfg.fragments)
     global_params: dict[str, np.ndarray] = init_params(cfg.model, cfg.seed)
     versions = [0] * len(layout)
+    resume_step = 0  # where this unit's LR schedule continues (its steps in earlier attempts)
     if leader:
         joined = join_and_pull(client, stop)
         if joined is None:  # stopped while waiting for the syncer
             return LearnerResult(0, 0, time.monotonic() - started, False, None, versions)
-        layout, pulled, versions, complete = joined
-        if complete:
+        if joined.complete:
             log.info("event=already_complete unit=%s", opts.name)
-            return LearnerResult(0, 0, time.monotonic() - started, True, None, versions)
-        global_params.update(pulled)
-        log.info("event=joined unit=%s attempt=%d versions=%s", opts.name, opts.attempt, versions)
+            return LearnerResult(0, 0, time.monotonic() - started, True, None, joined.versions)
+        layout, versions, resume_step = joined.layout, joined.versions, joined.resume_step
+        global_params.update(joined.params)
+        log.info(
+            "event=joined unit=%s attempt=%d versions=%s resume_step=%d",
+            opts.name, opts.attempt, versions, resume_step,
+        )  # fmt: skip
+    resume_step = broadcast_int(resume_step)
     startup = {
         p: (versions[p], {n: global_params[n] for n in layout[p]}) for p in range(len(layout))
     }
@@ -167,7 +184,8 @@ def run_learner(
     params = place_params(
         {**global_params, **{n: a for _, t in startup.values() for n, a in t.items()}}, mesh
     )
-    opt_state = init_opt_state(optimizer, params, mesh)
+    # Fresh AdamW moments; the LR schedule continues at the unit's step (short re-warmup).
+    opt_state = resume_schedule(init_opt_state(optimizer, params, mesh), resume_step, mesh)
     rows = cfg.data.batch_size // jax.process_count()
     batches = train_batches(
         cfg, opts.unit, opts.num_units, opts.attempt, jax.process_index(), batch_size=rows
@@ -175,6 +193,8 @@ def run_learner(
     base = {p: startup[p][1] for p in startup}  # host copy of the global version last received
     counters = FragmentCounters(len(layout))
     tokens_per_step = cfg.tokens_per_step
+    schedule = learning_rate_schedule(cfg.inner_optimizer, learner_horizon(cfg, opts.num_units))
+    ramp = rewarmup_steps(cfg.inner_optimizer)
 
     progress = Progress()
     link = SyncLink(client, versions, cfg.heartbeat_seconds, progress) if leader else None
@@ -231,7 +251,10 @@ def run_learner(
                 elapsed = time.monotonic() - window_start
                 progress.tokens_per_sec = window_steps * tokens_per_step / max(elapsed, 1e-9)
                 window_start, window_steps = time.monotonic(), 0
-                _log_progress(opts, step, progress, versions, link)
+                lr = float(
+                    resumed_learning_rate(schedule, resume_step + step - 1, resume_step, ramp)
+                )
+                _log_progress(opts, step, progress, versions, link, resume_step + step, lr)
             if done:
                 break
     finally:
@@ -253,14 +276,24 @@ def run_learner(
 
 
 def _log_progress(
-    opts: LearnerOptions, step: int, progress: Progress, versions: list[int], link: Any
+    opts: LearnerOptions,
+    step: int,
+    progress: Progress,
+    versions: list[int],
+    link: Any,
+    schedule_step: int,
+    lr: float,
 ) -> None:
+    """step/tokens: this attempt's (what heartbeats report); schedule_step: the unit's step in
+    its LR schedule (earlier attempts included); lr: the LR of the last step."""
     loss = float(progress.loss) if progress.loss is not None else float("nan")
     log.info(
-        "event=progress unit=%s step=%d tokens=%d loss=%.4f tokens_per_sec=%.0f versions=%s "
-        "pending_pushes=%d",
+        "event=progress unit=%s step=%d schedule_step=%d lr=%.3g tokens=%d loss=%.4f "
+        "tokens_per_sec=%.0f versions=%s pending_pushes=%d",
         opts.name,
         step,
+        schedule_step,
+        lr,
         progress.tokens,
         loss,
         progress.tokens_per_sec,

@@ -83,6 +83,15 @@ class LearnerRegistry:
             rec.loss = loss
         return rec
 
+    def resume_step(self, unit: str, attempt: int) -> int:
+        """Where attempt `attempt` of `unit` continues its LR schedule: the steps its other
+        attempts reported (0 for a new unit). Steps an attempt did after its last heartbeat are
+        not known here (they are not counted as tokens either)."""
+        rec = self.records.get(unit)
+        if rec is None:
+            return 0
+        return sum(s for a, (s, _) in rec.attempts.items() if a != attempt)
+
     def online(self, now: float) -> list[str]:
         return sorted(
             u

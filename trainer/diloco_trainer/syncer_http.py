@@ -106,9 +106,11 @@ async def join(request: web.Request) -> web.Response:
     unit, attempt, group = _identity(await _json_body(request))
 
     s.learners.seen(unit, attempt, group, time.time())
+    resume_step = s.learners.resume_step(unit, attempt)  # where its LR schedule continues
     log.info(
-        "event=join unit=%s attempt=%d group=%s versions=%s", unit, attempt, group, s.versions()
-    )
+        "event=join unit=%s attempt=%d group=%s versions=%s resume_step=%d",
+        unit, attempt, group, s.versions(), resume_step,
+    )  # fmt: skip
     cfg = s.cfg
     return _json(
         {
@@ -117,6 +119,7 @@ async def join(request: web.Request) -> web.Response:
             "versions": s.versions(),
             "complete": s.complete,
             "outerStep": s.outer_step,
+            "resumeStep": resume_step,
             "shapes": {k: list(v) for k, v in s.shapes.items()},
             "compression": {
                 "scheme": cfg.compression.scheme,

@@ -9,7 +9,7 @@ the unit. Every process feeds only its own rows (`shard_batch`), which is what m
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,19 +40,87 @@ def learning_rate_schedule(cfg: InnerOptimizerConfig, total_steps: int) -> optax
     )
 
 
+# A restarted unit re-warms for at most this many steps: its AdamW moments are fresh, and Adam's
+# first updates with fresh moments are close to sign(g) (|m|/sqrt(v) ~ 1 per coordinate) until the
+# second moment has averaged over some steps; 20 steps is one b2=0.95 time constant (two of b1=0.9).
+REWARMUP_STEPS = 20
+
+
+def rewarmup_steps(cfg: InnerOptimizerConfig) -> int:
+    """Length of a resumed learner's linear re-warmup: min(warmupSteps, REWARMUP_STEPS)."""
+    return min(cfg.warmup_steps, REWARMUP_STEPS)
+
+
+def resumed_learning_rate(schedule: optax.Schedule, count: Any, start: Any, rewarmup: int) -> Any:
+    """The LR at schedule step `count` of a learner whose optimizer started at step `start`.
+
+    start == 0 (a new unit): exactly `schedule(count)`, whose own warmup applies. start > 0 (a
+    unit resumed at the step it had reached): the schedule continues from there, times a linear
+    ramp over the first `rewarmup` steps of this process, (count - start + 1) / rewarmup, so step
+    `start + rewarmup - 1` and later train at the scheduled LR. Works on Python ints and jnp."""
+    lr = schedule(count)
+    if rewarmup <= 0:
+        return lr
+    ramp = jnp.clip((count - start + 1) / rewarmup, 0.0, 1.0)
+    return jnp.where(start > 0, lr * ramp, lr)
+
+
+class ResumableScheduleState(NamedTuple):
+    step: jax.Array  # schedule step of the next update
+    start: jax.Array  # schedule step this optimizer state started at (0: a new unit)
+
+
+def scale_by_resumable_schedule(
+    schedule: optax.Schedule, rewarmup: int
+) -> optax.GradientTransformation:
+    """optax.scale_by_learning_rate(schedule) whose state also holds the step it started at, so
+    one compiled train step serves a new unit (start 0) and a resumed one (`resume_schedule`)."""
+
+    def init(params: Any) -> ResumableScheduleState:
+        del params
+        return ResumableScheduleState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+
+    def update(updates: Any, state: ResumableScheduleState, params: Any = None) -> Any:
+        del params
+        lr = resumed_learning_rate(schedule, state.step, state.start, rewarmup)
+        updates = jax.tree_util.tree_map(lambda g: jnp.array(-lr, dtype=g.dtype) * g, updates)
+        step = optax.safe_int32_increment(state.step)
+        return updates, ResumableScheduleState(step, state.start)
+
+    return optax.GradientTransformation(init, update)
+
+
+def resume_schedule(opt_state: Any, step: int, mesh: Mesh | None = None) -> Any:
+    """A fresh optimizer state whose LR schedule continues at `step` (AdamW moments untouched)."""
+    value = np.asarray(step, np.int32)
+
+    def fix(node: Any) -> Any:
+        if isinstance(node, ResumableScheduleState):
+            arr = (
+                jax.device_put(value, replicated(mesh)) if mesh is not None else jnp.asarray(value)
+            )
+            return ResumableScheduleState(arr, arr)
+        if isinstance(node, tuple) and not hasattr(node, "_fields"):
+            return tuple(fix(child) for child in node)
+        return node
+
+    return fix(opt_state)
+
+
 def _decay_mask(params: Mapping[str, Any]) -> dict[str, bool]:
     # Decay matrices only: norm scales are 1-D and decaying them toward 0 hurts.
     return {name: len(value.shape) >= 2 for name, value in params.items()}
 
 
 def make_optimizer(cfg: InnerOptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping and warmup/cosine schedule over this learner's horizon."""
-    adamw = optax.adamw(
-        learning_rate_schedule(cfg, total_steps),
-        b1=cfg.b1,
-        b2=cfg.b2,
-        weight_decay=cfg.weight_decay,
-        mask=_decay_mask,
+    """AdamW with global-norm clipping and warmup/cosine schedule over this learner's horizon.
+
+    The same chain as optax.adamw, with its last stage (the LR) resumable: `resume_schedule` sets
+    where the schedule continues for a restarted unit (see `resumed_learning_rate`)."""
+    adamw = optax.chain(
+        optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2),
+        optax.add_decayed_weights(cfg.weight_decay, _decay_mask),
+        scale_by_resumable_schedule(learning_rate_schedule(cfg, total_steps), rewarmup_steps(cfg)),
     )
     if cfg.grad_clip is None:
         return adamw
