@@ -81,6 +81,11 @@ class LearnerResult:
     link_stats: dict[str, int] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
+    # Where the loop's time went after its first (compiling) step: "train" = dispatching the step
+    # and waiting for the previous one; "slowdown" = the --slowdown sleep; "other" = the rest of
+    # the loop (installing arrivals, queueing pushes' references, logging). Nothing in the loop
+    # waits on other learners or the syncer, so a unit's idle time would show up under "other".
+    loop_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_sec(self) -> float:
@@ -203,8 +208,10 @@ def run_learner(
 
     step, prev_loss, last_done = 0, None, time.monotonic()
     window_start, window_steps = last_done, 0
+    loop_seconds = {"train": 0.0, "slowdown": 0.0, "other": 0.0}
     try:
         while True:
+            top = time.monotonic()
             params, opt_state, loss = train_step(
                 params, opt_state, shard_batch(next(batches), mesh)
             )
@@ -227,6 +234,7 @@ def run_learner(
             if opts.slowdown > 1.0 and step > 2:  # the first steps' time is compilation
                 time.sleep((opts.slowdown - 1.0) * step_time)
                 last_done = time.monotonic()
+            slept = last_done - now
 
             # ---- arrivals from the syncer (and the stop decision) reach every host at this step
             done = stop.is_set() or (opts.max_steps is not None and step >= opts.max_steps)
@@ -255,6 +263,10 @@ def run_learner(
                     resumed_learning_rate(schedule, resume_step + step - 1, resume_step, ramp)
                 )
                 _log_progress(opts, step, progress, versions, link, resume_step + step, lr)
+            if step > 1:
+                loop_seconds["train"] += now - top
+                loop_seconds["slowdown"] += slept
+                loop_seconds["other"] += time.monotonic() - now - slept
             if done:
                 break
     finally:
@@ -272,6 +284,7 @@ def run_learner(
         link_stats=dict(link.stats) if link is not None else {},
         bytes_sent=client.bytes_sent,
         bytes_received=client.bytes_received,
+        loop_seconds=loop_seconds,
     )
 
 

@@ -189,7 +189,8 @@ def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | N
         return 2
     log.info(
         "event=exit unit=%s steps=%d tokens=%d tokens_per_sec=%.0f complete=%s loss=%s "
-        "versions=%s bytes_sent=%d bytes_received=%d",
+        "versions=%s bytes_sent=%d bytes_received=%d train_seconds=%.2f slowdown_seconds=%.2f "
+        "other_seconds=%.2f",
         opts.name,
         result.steps,
         result.tokens,
@@ -199,6 +200,9 @@ def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | N
         ",".join(map(str, result.versions)),
         result.bytes_sent,
         result.bytes_received,
+        result.loop_seconds.get("train", 0.0),
+        result.loop_seconds.get("slowdown", 0.0),
+        result.loop_seconds.get("other", 0.0),
     )
     if stop.is_set() and not result.complete:
         return EXIT_STOPPED
