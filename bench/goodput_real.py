@@ -189,10 +189,11 @@ spares' own seconds before they take a unit are not learner-seconds; their CPU i
 the learners like everything else on the machine.
 
 The loss column is context, not a target here: the final eval loss is the syncer's last periodic
-evaluation (every 10 s), taken at a different point of each run's last seconds, and a restarted
-learner starts its inner learning-rate schedule (warmup, then cosine over its share of the
-budget) afresh, so on a budget this short a run with more restarts trains longer at a high
-learning rate and can end lower than the run without faults.
+evaluation (every 10 s), taken at a different point of each run's last seconds. A restarted
+learner continues its unit's inner learning-rate schedule where the syncer counted it (join's
+`resumeStep`, after a re-warmup of at most 20 steps: docs/design.md); runs before that change
+restarted the schedule from its warmup, so a run with more restarts trained longer at a high
+learning rate and could end lower than the run without faults.
 """
     return Section(
         name="goodput_real",
