@@ -23,6 +23,7 @@ BENCHES: list[tuple[str, str]] = [
     ("parity", "bench.parity_bench"),
     ("ablations", "bench.ablation_bench"),
     ("goodput_real", "bench.goodput_real"),
+    ("mixed_speed", "bench.mixed_speed"),
     ("gpu", "bench.gpu_bench"),
     ("operator", "bench.operator_bench"),
 ]
