@@ -63,7 +63,7 @@ def run(ctx: BenchContext) -> Section:
         n = n_params(model)
         tps = batch * model.context
         dp = dp_bytes_per_token(n, tps)
-        for h in (24, 50, 100, 500):
+        for h in (24, 30, 50, 100, 500):
             cells = []
             for s in SCHEMES:
                 d = diloco_bytes_per_token(n, tps, h, bytes_per_param(s, block))
@@ -74,7 +74,7 @@ def run(ctx: BenchContext) -> Section:
         analytic_rows,
     )
 
-    h = 50
+    h = 30  # the parity section's setting: one H for both targets
     steps = 150 if ctx.quick else 400
     measured_rows = []
     int4_ratio = 0.0

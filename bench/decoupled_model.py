@@ -8,7 +8,8 @@ learner at half speed steps every other tick), each sends fragment p at its own 
 contribution pending for `grace` ticks (grace 0: the contributions of the same tick), the merge
 weights, RDA or plain mean, participation scaling, the Nesterov outer step, and the broadcast that
 every live learner installs `delay` ticks later. Kills drop a learner's unsent progress and
-restart it from the global parameters with a fresh inner optimizer, as a restarted process does.
+restart it from the global parameters with fresh AdamW moments and the LR schedule continued at
+the learner's step, as a restarted process does (`resumeStep`).
 
 The merge, weights, quantization and outer step are the product's own functions; only the clock
 and the transport are simulated.
@@ -33,7 +34,7 @@ from diloco_trainer.merge import Contribution, merge_fragment, participation_sha
 from diloco_trainer.model import init_params, loss_fn, param_shapes
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.quantize import dequantize, quantize
-from diloco_trainer.train import make_optimizer
+from diloco_trainer.train import make_optimizer, resume_schedule
 
 Install = Literal["overwrite", "keep-unsent"]
 Host = dict[str, np.ndarray]
@@ -150,9 +151,10 @@ def simulate(
         for m in range(m_count):
             if (tick, m) in kills:  # unsent progress is lost; back after the downtime
                 down_until[m] = tick + kills[(tick, m)]
-            elif down_until[m] == tick:  # restart: pull the global parameters, fresh optimizer
-                set_leaves(m, glob)
-                state = jax.tree_util.tree_map(lambda a, b, m=m: a.at[m].set(b), state, fresh_state)
+            elif down_until[m] == tick:  # restart: pull the global parameters, fresh AdamW
+                set_leaves(m, glob)  # moments, the LR schedule continued (as `resumeStep` does)
+                resumed = resume_schedule(fresh_state, steps[m])
+                state = jax.tree_util.tree_map(lambda a, b, m=m: a.at[m].set(b), state, resumed)
                 ref[m] = [{n: glob[n] for n in frag} for frag in layout]
                 counts[m] = 0
         alive = [down_until[m] <= tick for m in range(m_count)]
