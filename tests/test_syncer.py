@@ -399,8 +399,8 @@ def test_heartbeats_count_across_attempts_and_complete_the_run(live: LiveSyncer)
     assert not r.complete
     status = other.status()
     assert set(status) == {
-        "run", "outerStep", "steps", "tokens", "loss", "trainLoss", "complete", "time",
-        "fragments", "learners", "bytesReceived", "bytesSent",
+        "run", "outerStep", "steps", "tokens", "loss", "trainLoss", "complete", "finalLoss",
+        "finalEval", "time", "fragments", "learners", "bytesReceived", "bytesSent",
     }  # fmt: skip
     assert status["steps"] == 90 and status["tokens"] == 90 * 64
     assert (
@@ -553,6 +553,55 @@ def test_validate_push_is_pure_and_ordered_by_severity() -> None:
             validate_push(f, h, delta, {"w": (3,)}, max_staleness=2)
         assert (err.value.status, err.value.reason) == (status, reason)
     assert f.version == 5 and not f.pending
+
+
+def test_final_eval_after_the_budget_waits_for_the_last_merge_and_survives_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Once `complete`, the syncer evaluates the global model after the in-flight merge has
+    landed (even with periodic eval off), reports it as finalLoss and checkpoints it; a restarted
+    syncer reports it again without evaluating."""
+    calls: list[float] = []
+
+    def fake_eval(params: Any, cfg: TrainingConfig, batches: int) -> float:
+        value = float(sum(float(np.sum(v, dtype=np.float64)) for v in params.values()))
+        calls.append(value)
+        return value
+
+    cfg = tiny_cfg(
+        checkpoint={"path": str(tmp_path), "everySeconds": 3600},
+        grace={"mode": "fixed", "maxSeconds": 0.5},
+    )
+    first = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=fake_eval))
+    try:
+        learner, other = first.client("unit-0"), first.client("unit-1")
+        learner.join()
+        other.join()  # online and silent: the merge of unit-0's push waits out the 0.5 s grace
+        status = learner.status()
+        assert status["finalLoss"] is None and status["finalEval"] == "waiting"
+        learner.push(0, 0, fragment_delta(first, 0, scale=0.1), 100, 6400)
+        assert learner.heartbeat(100, 6400, 1000.0, 3.0).complete  # merge still in its grace
+        wait_until(lambda: learner.status()["finalEval"] == "done")
+        status = learner.status()
+        assert status["complete"] and [f["version"] for f in status["fragments"]] == [1, 0, 0]
+        params, _ = learner.pull_all()
+        assert status["finalLoss"] == pytest.approx(fake_eval(params, cfg, 1))
+        assert status["loss"] is None  # the periodic curve (off here) is untouched
+        final = status["finalLoss"]
+        learner.heartbeat(101, 6464, 1000.0, 3.0)
+        assert learner.status()["finalLoss"] == final  # evaluated once, at the first completion
+        assert len(calls) == 2  # the syncer's one evaluation plus ours above
+    finally:
+        first.close()
+
+    calls.clear()
+    second = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=fake_eval))
+    try:
+        status = second.client("observer").status()
+        assert status["complete"] and status["finalLoss"] == final
+        assert status["finalEval"] == "done" and calls == []
+    finally:
+        second.close()
 
 
 def test_join_reply_carries_the_units_step_across_restarts(tmp_path: Path) -> None:

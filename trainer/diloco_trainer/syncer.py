@@ -45,6 +45,12 @@ from diloco_trainer.wire import PayloadMismatch, WireError, decode_push, encode_
 
 log = logging.getLogger("diloco.syncer")
 
+# How long the final evaluation waits for in-flight work (a push being decoded, a merge running)
+# to land once the budget is reached. Merges of these models take milliseconds to a few hundred;
+# a grace window can hold one back up to grace.maxSeconds, but waiting longer than this would
+# only delay every run's report, and whatever did not land is the same few steps in every run.
+FINAL_SETTLE_SECONDS = 2.0
+
 
 class Syncer:
     def __init__(
@@ -75,6 +81,11 @@ class Syncer:
         layout = pack_fragments(self.shapes, cfg.fragments)
         self.frags = [self._new_fragment(i, names, params) for i, names in enumerate(layout)]
         self.eval_loss: float | None = None
+        # The evaluation taken once the budget is reached (docs/protocol.md, "Final evaluation").
+        self.final_loss: float | None = None
+        self.final_eval = "waiting"  # waiting | running | done | failed | off
+        self._final_task: asyncio.Task[None] | None = None
+        self._decoding = 0  # pushes being decoded right now
         self.sync_time = Ema(cfg.grace.ema)
         self.bytes_received = 0
         self.bytes_sent = 0
@@ -92,6 +103,10 @@ class Syncer:
         snap = restore if restore is not None else (store.load_latest() if store else None)
         if snap is not None:
             syncer_persist.restore(self, snap)
+        if self.final_loss is not None:
+            self.final_eval = "done"
+        elif eval_fn is None:
+            self.final_eval = "off"
         self._journal_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="journal")
         self._published = syncer_persist.resume_numbering(self)
         self._publish_gauges()
@@ -172,6 +187,8 @@ class Syncer:
             "loss": self.eval_loss,
             "trainLoss": self.learners.train_loss(),
             "complete": self.complete,
+            "finalLoss": self.final_loss,
+            "finalEval": self.final_eval,
             "time": now,
             "fragments": [
                 {"index": f.index, "version": f.version, "lastMerge": f.last_merge}
@@ -204,12 +221,15 @@ class Syncer:
                 f"body of {len(body)} bytes exceeds {f.max_body} for fragment {f.index}",
             )
         loop = asyncio.get_running_loop()
+        self._decoding += 1
         try:
             header, delta = await loop.run_in_executor(self._decode_pool, decode_push, body)
         except PayloadMismatch as exc:
             raise Reject(422, "mismatch", str(exc)) from exc
         except WireError as exc:
             raise Reject(400, "malformed", str(exc)) from exc
+        finally:
+            self._decoding -= 1
         # A retry repeats the same push exactly; a later push on the same base has more c_steps.
         key = (header.unit, header.attempt, header.base_version, header.c_steps)
         if key in f.seen and header.fragment == f.index:
@@ -392,6 +412,59 @@ class Syncer:
             self.metrics.eval_loss.set(loss)
         log.info("event=eval outer_step=%d loss=%.4f", step, loss)
 
+    def check_complete(self) -> None:
+        """Start the final evaluation the first time the budget is seen reached (called after
+        every heartbeat, and at startup for a restored run that completed before its final
+        evaluation finished)."""
+        if self.final_eval == "waiting" and self.complete and self._final_task is None:
+            self.final_eval = "running"
+            self._final_task = asyncio.get_running_loop().create_task(self._final_evaluation())
+            self._background.append(self._final_task)
+
+    def _settled(self) -> bool:
+        return self._decoding == 0 and all(f.merge_task is None for f in self.frags)
+
+    async def _final_evaluation(self) -> None:
+        """Wait (at most FINAL_SETTLE_SECONDS) until no push is being decoded and no merge is
+        running, evaluate the global parameters, expose the loss as `finalLoss` and checkpoint.
+        Contributions left pending below the quorum never merge (learners have stopped), so they
+        are not waited for."""
+        started = time.monotonic()
+        while not self._settled() and time.monotonic() - started < FINAL_SETTLE_SECONDS:
+            await asyncio.sleep(0.02)
+        settled = self._settled()
+        waited = time.monotonic() - started
+        eval_fn, cfg = self.eval_fn, self.cfg
+        if eval_fn is None:
+            return
+        versions = tuple(self.versions())
+        params: dict[str, np.ndarray] = {}
+        for f in self.frags:
+            params.update(f.params)
+        step = self.outer_step
+        try:
+            if versions == self._evaluated and self.eval_loss is not None:
+                loss = self.eval_loss  # the periodic eval saw exactly this model already
+            else:
+                loss = await asyncio.get_running_loop().run_in_executor(
+                    self._eval_pool, lambda: eval_fn(params, cfg, cfg.eval.batches)
+                )
+        except Exception:
+            self.final_eval = "failed"
+            log.exception("event=final_eval_failed outer_step=%d", step)
+            return
+        if not math.isfinite(loss):
+            self.final_eval = "failed"
+            log.warning("event=final_eval_failed outer_step=%d loss=%s", step, loss)
+            return
+        self.final_loss = float(loss)
+        self.final_eval = "done"
+        log.info(
+            "event=final_eval outer_step=%d versions=%s loss=%.4f settled=%s waited=%.3f",
+            step, list(versions), loss, str(settled).lower(), waited,
+        )  # fmt: skip
+        await self.save_checkpoint(force=True)
+
     async def start_background(self, app: web.Application) -> None:
         if self.store is not None:
             await self.save_checkpoint()  # a fresh run has a checkpoint from its first second
@@ -406,6 +479,7 @@ class Syncer:
             self._background.append(
                 asyncio.create_task(self._every(self.cfg.eval.every_seconds, self.run_eval, "eval"))
             )
+        self.check_complete()
 
     async def wake_pollers(self, app: web.Application) -> None:
         """On shutdown: answer every open long-poll (204) so the server can stop at once."""

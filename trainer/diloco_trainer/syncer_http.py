@@ -150,6 +150,7 @@ async def heartbeat(request: web.Request) -> web.Response:
         now=time.time(),
     )
     s._publish_gauges()
+    s.check_complete()
     return _json({"complete": s.complete, "versions": s.versions(), "outerStep": s.outer_step})
 
 

@@ -34,6 +34,7 @@ def restore(s: Syncer, snap: Snapshot) -> None:
         f.last_merge = (snap.extra.get("lastMerge") or [None] * len(s.frags))[f.index]
     s.learners.load_json(snap.learners, now=time.time())
     s.eval_loss = snap.extra.get("evalLoss")
+    s.final_loss = snap.extra.get("finalLoss")
     s._saved_mark = s._mark()
     log.info(
         "event=restored seq=%d versions=%s outer_step=%d",
@@ -78,6 +79,7 @@ def snapshot(s: Syncer) -> Snapshot:
         extra={
             "run": s.run,
             "evalLoss": s.eval_loss,
+            "finalLoss": s.final_loss,
             "lastMerge": [f.last_merge for f in s.frags],
         },
     )
