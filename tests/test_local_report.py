@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from diloco_operator.local.recorder import GlobalSample, Heartbeat, Recorder
 from diloco_operator.local.report import (
+    build_summary,
     compute_goodput,
     count_rejoins,
     eval_points,
@@ -135,7 +136,8 @@ def test_write_report_files(tmp_path: Path) -> None:
     rec.close()
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == summary
-    assert summary["finalEvalLoss"] == 4.1
+    assert summary["finalEvalLoss"] == 4.1 and summary["lastPeriodicEvalLoss"] == 4.1
+    assert summary["finalEvalLossSource"] == "periodic"  # no final evaluation was given
     assert summary["tokens"] == 8000
     assert summary["bytesSent"] == 123
     assert summary["unitKills"] == 1 and summary["killsSurvived"] == 1
@@ -145,3 +147,28 @@ def test_write_report_files(tmp_path: Path) -> None:
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     lines = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(x["kind"], x["elapsed"]) for x in lines] == [("chaos-kill", 2.0)]
+
+
+def test_summary_prefers_the_syncers_final_evaluation() -> None:
+    rec = Recorder(started_at=1000.0)
+    rec.observe_status(1001.0, {"loss": 4.5, "tokens": 10})
+    summary = build_summary(
+        rec,
+        run_name="r",
+        ended_at=1004.0,
+        complete=True,
+        unit_started={},
+        exit_reason="complete",
+        final_eval_loss=4.2,
+    )
+    assert summary["finalEvalLoss"] == 4.2 and summary["finalEvalLossSource"] == "final"
+    assert summary["lastPeriodicEvalLoss"] == 4.5
+    empty = build_summary(
+        Recorder(started_at=1000.0),
+        run_name="r",
+        ended_at=1004.0,
+        complete=False,
+        unit_started={},
+        exit_reason="stopped",
+    )
+    assert empty["finalEvalLoss"] is None and empty["finalEvalLossSource"] is None

@@ -102,7 +102,9 @@ def test_killed_unit_rejoins_and_run_completes(tmp_path: Path) -> None:
     assert summary["tokens"] >= 400_000
     assert summary["unitKills"] == 1 and summary["killsSurvived"] == 1
     assert summary["restarts"] >= 1 and summary["rejoins"] >= 1
-    assert summary["finalEvalLoss"] is not None
+    # The final eval loss is the syncer's evaluation at the budget, not the last periodic one.
+    assert summary["finalEvalLossSource"] == "final"
+    assert summary["finalEvalLoss"] > 0 and summary["lastPeriodicEvalLoss"] is not None
     assert 0.0 < summary["goodput"] <= 1.0
 
     story = [(e["kind"], e["unit"], e["message"]) for e in events(report)]
@@ -113,6 +115,10 @@ def test_killed_unit_rejoins_and_run_completes(tmp_path: Path) -> None:
     restarted = story.index(("unit-restarted", unit0, f"{unit0} recreated as attempt 1"))
     rejoined = story.index(("unit-online", unit0, f"{unit0} attempt 1 online"))
     assert kill < failed < restarted < rejoined < kinds.index("run-complete")
+    final = [e for e in events(report) if e["kind"] == "final-eval"]
+    assert len(final) == 1 and final[0]["data"]["loss"] == summary["finalEvalLoss"]
+    assert kinds.index("run-complete") < kinds.index("final-eval") < kinds.index("stopped")
+    assert "event=final_eval " in (report / "logs" / "syncer.log").read_text()
     # Attempt 1 is the warm spare started with the run (it had imported JAX and compiled the
     # train step already), and the runtime started another spare in its place.
     taken = [e for e in events(report) if e["kind"] == "spare-taken" and e["unit"] == unit0]

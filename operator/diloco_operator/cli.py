@@ -170,9 +170,10 @@ def _local_run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     s = result.summary
     loss = s["finalEvalLoss"]
+    which = "final eval loss" if s.get("finalEvalLossSource") == "final" else "last eval loss"
     console.print(
         f"{'complete' if result.complete else 'stopped'} ({result.exit_reason}) after "
-        f"{s['wallSeconds']:.0f}s: eval loss {'-' if loss is None else f'{loss:.4f}'}, "
+        f"{s['wallSeconds']:.0f}s: {which} {'-' if loss is None else f'{loss:.4f}'}, "
         f"tokens {s['tokens']}, goodput {100 * s['goodput']:.1f}%, unit kills {s['unitKills']}, "
         f"syncer kills {s['syncerKills']}, rejoins {s['rejoins']}",
         highlight=False,

@@ -105,13 +105,21 @@ def build_summary(
     unit_started: dict[str, float],
     exit_reason: str,
     budget_reached_at: float | None = None,
+    final_eval_loss: float | None = None,
 ) -> dict[str, Any]:
     """summary.json. Goodput ends at `budget_reached_at` (when the supervisor saw the syncer
-    report the budget reached) for a complete run, else at `ended_at`."""
+    report the budget reached) for a complete run, else at `ended_at`. `final_eval_loss` is the
+    syncer's evaluation at the budget (its `finalLoss`); without it the final eval loss falls back
+    to the last periodic evaluation, and `finalEvalLossSource` says which one it is."""
     end = budget_reached_at if budget_reached_at is not None else ended_at
     good = compute_goodput(rec.heartbeats, rec.pauses, unit_started, end)
     last = rec.samples[-1] if rec.samples else None
     kinds = [e.kind for e in rec.events]
+    periodic = final_loss(rec.samples)
+    final = final_eval_loss if final_eval_loss is not None else periodic
+    source = (
+        "final" if final_eval_loss is not None else "periodic" if periodic is not None else None
+    )
     return {
         "run": run_name,
         "complete": complete,
@@ -120,7 +128,9 @@ def build_summary(
         "budgetReachedSeconds": None
         if budget_reached_at is None
         else round(budget_reached_at - rec.started_at, 3),
-        "finalEvalLoss": final_loss(rec.samples),
+        "finalEvalLoss": final,
+        "finalEvalLossSource": source,
+        "lastPeriodicEvalLoss": periodic,
         "finalTrainLoss": last.train_loss if last else None,
         "outerSteps": last.outer_step if last else 0,
         "innerSteps": last.steps if last else 0,
@@ -295,6 +305,7 @@ def write_report(
     unit_started: dict[str, float],
     exit_reason: str,
     budget_reached_at: float | None = None,
+    final_eval_loss: float | None = None,
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = build_summary(
@@ -305,6 +316,7 @@ def write_report(
         unit_started=unit_started,
         exit_reason=exit_reason,
         budget_reached_at=budget_reached_at,
+        final_eval_loss=final_eval_loss,
     )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     write_plots(rec, out_dir, ended_at)

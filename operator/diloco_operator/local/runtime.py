@@ -58,6 +58,9 @@ MAX_SPARE_FAILURES = 3
 CONFIG_ERROR_EXIT = 2
 # A learner busy in an XLA compile can take seconds to act on SIGTERM; then it gets SIGKILL.
 UNIT_STOP_GRACE = 5.0
+# How long a complete run waits for the syncer's final evaluation (finalLoss) before stopping it;
+# the syncer settles in-flight merges for at most 2 s, then runs one eval (seconds on a CPU).
+FINAL_EVAL_WAIT = 60.0
 # Planner event reasons under the names the report counts (others keep their reason).
 EVENT_KINDS = {
     "UnitOffline": "unit-failed",
@@ -185,6 +188,7 @@ class LocalRuntime:
         self.spare_failures = 0
         self.requeue_after: float | None = None
         self.budget_reached_at: float | None = None
+        self.final_eval_loss: float | None = None
 
     # --- process actions ------------------------------------------------------------------
 
@@ -622,6 +626,7 @@ class LocalRuntime:
             unit_started=self.unit_started,
             exit_reason=reason,
             budget_reached_at=self.budget_reached_at if complete else None,
+            final_eval_loss=self.final_eval_loss if complete else None,
         )
         self.recorder.close()
         if aborted is not None:
@@ -648,6 +653,7 @@ class LocalRuntime:
                     now, "run-complete", None, "the syncer reports the budget reached"
                 )
                 self._finish_learners(now)
+                self._await_final_eval(live, on_tick)
                 return True, "complete"
             view = self.view(now)
             live.update(render(view), refresh=True)
@@ -679,6 +685,46 @@ class LocalRuntime:
             self.last_status = final
         for slot in self.slots:
             self.recorder.state(time.time(), slot.name, "complete")
+
+    def _await_final_eval(self, live: Any, on_tick: Callable[[View], None] | None) -> None:
+        """The syncer evaluates the global model once more when the budget is reached; wait (at
+        most FINAL_EVAL_WAIT) for that `finalLoss` before the syncer is stopped. A syncer without
+        the field (older), without an eval function or whose evaluation failed is not waited for."""
+        started = time.time()
+        self.recorder.event(
+            started, "final-eval-waiting", SYNCER, "waiting for the syncer's final evaluation"
+        )
+        outcome = f"no final evaluation within {FINAL_EVAL_WAIT:g}s"
+        while not self.signals and time.time() - started < FINAL_EVAL_WAIT:
+            proc = self.procs.get(SYNCER)
+            if proc is None or not proc.alive():
+                outcome = "the syncer is gone"
+                break
+            status = self.client.status()
+            if status is not None:
+                self.last_status = status
+                state = status.get("finalEval")
+                loss = status.get("finalLoss")
+                if isinstance(loss, int | float) and not isinstance(loss, bool):
+                    self.final_eval_loss = float(loss)
+                    self.recorder.observe_status(time.time(), status)
+                    self.recorder.event(
+                        time.time(),
+                        "final-eval",
+                        SYNCER,
+                        f"final eval loss {loss:.4f} after {time.time() - started:.1f}s",
+                        loss=float(loss),
+                    )
+                    return
+                if state not in ("waiting", "running"):
+                    outcome = f"the syncer reports finalEval={state}"
+                    break
+            view = self.view(time.time())
+            live.update(render(view), refresh=True)
+            if on_tick is not None:
+                on_tick(view)
+            time.sleep(0.2)
+        self.recorder.event(time.time(), "final-eval-missing", SYNCER, outcome)
 
     def shutdown(self) -> None:
         """Stop learners first, then the syncer (it checkpoints on SIGTERM); prove no child of
