@@ -321,9 +321,13 @@ def test_syncer_reported_completion_succeeds_the_run_and_stops_units() -> None:
     assert (p.status.outer_step, p.status.tokens, p.status.loss) == (40, 5000, 2.5)
     complete = next(c for c in p.status.conditions if c.type == "Complete")
     assert complete.status == "True"
+    assert p.status.final_loss is None  # the syncer's final evaluation comes a moment later
+    final = SyncerReport.from_json({"complete": True, "loss": 2.6, "finalLoss": 2.4})
+    p = plan("r", spec, [], p.status, T0 + 9.5, syncer=SYNCER_UP, report=final)
+    assert (p.status.loss, p.status.final_loss) == (2.6, 2.4)
     # Terminal: a unit vanishing afterwards creates nothing.
     p = plan("r", spec, [], p.status, T0 + 10, syncer=ObservedSyncer(False, False))
-    assert p.actions == () and p.status.phase == "Succeeded"
+    assert p.actions == () and p.status.phase == "Succeeded" and p.status.final_loss == 2.4
 
 
 def test_units_exiting_successfully_complete_the_run() -> None:

@@ -321,6 +321,11 @@ class DilocoRunStatus(Strict):
     tokens: int | None = None
     loss: float | None = None
     train_loss: float | None = None
+    final_loss: float | None = Field(
+        None,
+        description="Held-out loss of the global model evaluated once the budget was reached "
+        "(the syncer's finalLoss); null until then.",
+    )
     observed_generation: int | None = None
     message: str | None = None
 

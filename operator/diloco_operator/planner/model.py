@@ -66,6 +66,7 @@ class SyncerReport:
     loss: float | None = None
     train_loss: float | None = None
     complete: bool = False
+    final_loss: float | None = None
     learners: dict[str, LearnerReport] = field(default_factory=dict)
 
     @classmethod
@@ -96,6 +97,7 @@ class SyncerReport:
             loss=num("loss", float),
             train_loss=num("trainLoss", float),
             complete=doc.get("complete") is True,
+            final_loss=num("finalLoss", float),
             learners=learners,
         )
 

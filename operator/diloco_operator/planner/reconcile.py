@@ -252,6 +252,9 @@ def plan(
         train_loss=report.train_loss
         if report and report.train_loss is not None
         else prev.train_loss,
+        final_loss=report.final_loss
+        if report and report.final_loss is not None
+        else prev.final_loss,
         observed_generation=generation if generation is not None else prev.observed_generation,
         message=why,
     )
