@@ -604,6 +604,28 @@ def test_final_eval_after_the_budget_waits_for_the_last_merge_and_survives_a_res
         second.close()
 
 
+def test_a_run_restored_complete_without_a_final_eval_evaluates_at_startup(
+    tmp_path: Path,
+) -> None:
+    cfg = tiny_cfg(checkpoint={"path": str(tmp_path), "everySeconds": 3600})
+    first = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
+    try:
+        assert first.client("unit-0").heartbeat(100, 6400, 1000.0, 3.0).complete
+        assert first.client("observer").status()["finalEval"] == "off"  # no eval function
+        first.run(first.syncer.save_checkpoint(force=True))
+    finally:
+        first.close()
+    second = LiveSyncer(
+        Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=lambda p, c, b: 4.25)
+    )
+    try:
+        observer = second.client("observer")
+        wait_until(lambda: observer.status()["finalEval"] == "done")
+        assert observer.status()["finalLoss"] == 4.25
+    finally:
+        second.close()
+
+
 def test_join_reply_carries_the_units_step_across_restarts(tmp_path: Path) -> None:
     """resumeStep: 0 for a new unit; after a restart of the unit (attempt+1), the steps its
     earlier attempts reported; after a restart of the syncer, the same from its checkpoint
