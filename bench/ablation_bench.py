@@ -4,9 +4,10 @@ Every row runs `bench.decoupled_model.simulate` (the product's merge, weights, q
 outer step; lock-step learners, simulated transport) against data-parallel at the same tokens.
 "Spread" phases put the M learners' fragment schedules H/M steps apart, so no two contributions
 ever meet in one merge: the arrival pattern of unaligned learners with quorum 1. "Aligned" phases
-make every merge hold all M learners: synchronous (streaming) DiLoCo. The ablations (RDA vs mean,
-token weighting, int8/int4, installing arrivals on top of unsent progress) change one thing of
-the spread row each. Chaos and mixed speeds are the same model with kills and half-speed learners.
+make every merge hold all M learners: synchronous (streaming) DiLoCo. RDA vs plain mean is
+ablated on aligned merges and token weighting on near-aligned ones (with one contribution per
+merge, as in the spread rows, both are no-ops); int8/int4 and installing arrivals on top of
+unsent progress change one thing of the spread row each. Chaos and mixed speeds are the same model with kills and half-speed learners.
 """
 
 from __future__ import annotations
@@ -35,13 +36,19 @@ def chaos_kills(learners: int, ticks: int, per_learner: int, down: int) -> list[
 
 
 def rows_m4(steps: int, h: int) -> list[Row]:
-    spread = Setting()
     down = max(1, steps // 40)  # each kill costs 2.5% of a learner's run, twice per learner
+    # Near-aligned: schedules 0-6 steps apart and a 3-tick grace window, so merges hold two or
+    # three learners with different counters (RDA and token weighting only matter there).
+    near = [0, 1, 3, 6]
     return [
         Row("aligned (synchronous streaming DiLoCo)", Setting(phases=[0] * 4)),
-        Row("spread (decoupled, quorum 1): reference", spread),
-        Row("spread, plain mean instead of RDA", Setting(method="mean")),
-        Row("spread, token weighting off", Setting(token_weighting=False)),
+        Row("aligned, plain mean instead of RDA", Setting(phases=[0] * 4, method="mean")),
+        Row("near-aligned + grace", Setting(phases=near, grace=3)),
+        Row(
+            "near-aligned + grace, token weighting off",
+            Setting(phases=near, grace=3, token_weighting=False),
+        ),
+        Row("spread (decoupled, quorum 1): reference", Setting()),
         Row("spread, int8 deltas", Setting(scheme="int8")),
         Row("spread, int4 deltas", Setting(scheme="int4")),
         Row("spread, install on top of unsent progress", Setting(install="keep-unsent")),
@@ -67,7 +74,7 @@ def run(ctx: BenchContext) -> Section:
     dp4 = data_parallel(cfg, steps)
     record("data-parallel (batch 4 x B)", 4, dp4.loss, dp4.loss, "")
     by_name: dict[str, Result] = {}
-    for row in rows_m4(steps, h) if not ctx.quick else rows_m4(steps, h)[:3]:
+    for row in rows_m4(steps, h) if not ctx.quick else rows_m4(steps, h)[::4]:
         res = simulate(cfg, steps * 4, row.setting, EVAL_BATCHES)
         by_name[row.name] = res
         record(row.name, 4, res.loss, dp4.loss, res.note)

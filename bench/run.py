@@ -36,7 +36,7 @@ the same machine; absolute times are context only. Sections: {names}.
 
 | target (issues 2, 4, 6) | section |
 |---|---|
-| decoupled M=4 loss / data-parallel loss at equal tokens <= 1.02 (<= 1.03 under chaos) | parity |
+| decoupled M=4 loss / data-parallel loss at equal tokens <= 1.02 (<= 1.03 under chaos) | parity, ablations |
 | bytes per token >= 400x below data-parallel with int4 | communication |
 | goodput >= 90% at one kill per unit per minute | goodput_real |
 | simulator within 3 points of each published goodput figure | simulator |
