@@ -101,6 +101,18 @@ def run(ctx: BenchContext) -> Section:
         res = simulate(cfg8, steps8 * 8, row.setting, EVAL_BATCHES)
         record(row.name, 8, res.loss, dp8.loss, res.note)
 
+    losses = {(m, n): loss for n, m, loss, _, _ in results}
+    reading = []
+    spread = losses.get((4, "spread (decoupled, quorum 1): reference"))
+    chaos = losses.get((4, "spread, chaos: 2 kills per learner"))
+    if spread and chaos:
+        reading.append(f"chaos / no chaos (spread): {chaos / spread:.3f}")
+    slow = [v for (m, n), v in losses.items() if n.startswith("aligned, all wait")]
+    if mixed is not None and slow:
+        reading.append(
+            f"mixed speeds at equal wall-clock, decoupled / synchronous waiting for the slowest: "
+            f"{mixed.loss / slow[0]:.3f}"
+        )
     table = md_table(
         ["M", "run", "eval loss", "loss / data-parallel", "note"],
         [(m, n, f"{loss:.4f}", f"{r:.3f}", note) for n, m, loss, r, note in results],
@@ -118,6 +130,8 @@ parameters with fresh AdamW moments (its LR schedule continues, re-warmed). Mixe
 tick; at equal tokens the fast ones simply do more of the steps.
 
 {table}
+
+{"; ".join(reading)}.
 """
     return Section(
         name="ablations",
