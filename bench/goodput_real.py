@@ -197,8 +197,8 @@ few percent either way is within what different arrival patterns give.
 
 Goodput here depends on how loaded the machine is: a spare needs ~7 s to warm up on an idle
 machine and 20-24 s at load 8-10, while kills come every 15 s on average, sometimes in bursts; a
-kill that finds no ready spare costs a cold start. An earlier run of this section (15:44 UTC,
-load 8.4, before the LR-schedule and final-eval changes) measured 91.8% for the same row.
+kill that finds no ready spare costs a cold start. Kills are Poisson, so each run sees a
+different number of them: read goodput together with the kills and wall columns.
 """
     return Section(
         name="goodput_real",
