@@ -12,15 +12,11 @@ is also run without any, so the table shows what a cold restart costs.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.common import BenchContext, Section, log, md_table
+from bench.live import local_run
 
 UNITS = 4
 # Warm spare learners (`diloco local run --spares`). Kills are Poisson, so they come in bursts,
@@ -88,24 +84,13 @@ def down_share(events_path: Path, wall: float) -> float:
 def one_run(
     tokens: int, kill_every: float | None, max_seconds: float, spares: int
 ) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
-        path = Path(tmp) / "run.yaml"
-        path.write_text(yaml.safe_dump(manifest(tokens, kill_every)))
-        report = Path(tmp) / "report"
-        cmd = [sys.executable, "-m", "diloco_operator.cli", "local", "run", str(path)]
-        cmd += ["--report-dir", str(report), "--no-live", "--max-seconds", str(max_seconds)]
-        cmd += ["--spares", str(spares)]
-        if kill_every is not None:
-            cmd.append("--chaos")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_seconds + 300)
-        summary_path = report / "summary.json"
-        if not summary_path.exists():
-            raise RuntimeError(f"local run failed ({proc.returncode}): {proc.stderr[-1500:]}")
-        summary: dict[str, Any] = json.loads(summary_path.read_text())
+    doc, chaos = manifest(tokens, kill_every), kill_every is not None
+    with local_run(doc, max_seconds, spares, chaos) as (report, code):
+        summary: dict[str, Any] = json.loads((report / "summary.json").read_text())
         events = report / "events.jsonl"
         wall = float(summary.get("wallSeconds", 0.0))
         summary["downShare"] = down_share(events, wall) if events.exists() else float("nan")
-        summary["exitCode"] = proc.returncode
+        summary["exitCode"] = code
         return summary
 
 

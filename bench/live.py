@@ -141,3 +141,22 @@ def recording() -> Iterator[ProgressRecorder]:
     finally:
         logger.removeHandler(rec)
         logger.setLevel(old_level)
+
+
+@contextmanager
+def local_run(
+    doc: dict[str, Any], max_seconds: float, spares: int, chaos: bool = False
+) -> Iterator[tuple[Path, int]]:
+    """Run the manifest `doc` with `diloco local run` (no live display) in a temporary folder;
+    yield its report folder and exit code while the folder still exists."""
+    with tempfile.TemporaryDirectory(prefix="bench-local-") as tmp:
+        path = Path(tmp) / "run.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        report = Path(tmp) / "report"
+        cmd = [sys.executable, "-m", "diloco_operator.cli", "local", "run", str(path)]
+        cmd += ["--report-dir", str(report), "--no-live", "--max-seconds", str(max_seconds)]
+        cmd += ["--spares", str(spares)] + (["--chaos"] if chaos else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_seconds + 300)
+        if not (report / "summary.json").exists():
+            raise RuntimeError(f"local run failed ({proc.returncode}): {proc.stderr[-1500:]}")
+        yield report, proc.returncode

@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from typing import Any
 import yaml
 
 from bench.common import BenchContext, Section, log, md_table
+from bench.live import local_run
 
 NAME = "bench-mixed"
 GROUPS = (("fast", 2), ("slow", 2))
@@ -153,16 +151,8 @@ def loss_at(evals: list[tuple[float, float]], t: float) -> float | None:
 
 
 def one_run(fast: float, slow: float, max_seconds: float) -> RunFigures:
-    with tempfile.TemporaryDirectory(prefix="bench-mixed-") as tmp:
-        path = Path(tmp) / "run.yaml"
-        path.write_text(yaml.safe_dump(manifest(fast, slow)))
-        report = Path(tmp) / "report"
-        cmd = [sys.executable, "-m", "diloco_operator.cli", "local", "run", str(path)]
-        cmd += ["--report-dir", str(report), "--no-live", "--max-seconds", str(max_seconds)]
-        cmd += ["--spares", "0"]  # no restarts here; a warming spare would only take CPU
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_seconds + 300)
-        if not (report / "summary.json").exists():
-            raise RuntimeError(f"local run failed ({proc.returncode}): {proc.stderr[-1500:]}")
+    # No spares: there are no restarts here, and a warming spare would only take CPU.
+    with local_run(manifest(fast, slow), max_seconds, spares=0) as (report, _):
         return parse_run(report)
 
 
