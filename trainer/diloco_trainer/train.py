@@ -100,11 +100,10 @@ def resume_schedule(opt_state: Any, step: int, mesh: Mesh | None = None) -> Any:
                 jax.device_put(value, replicated(mesh)) if mesh is not None else jnp.asarray(value)
             )
             return ResumableScheduleState(arr, arr)
-        if isinstance(node, tuple) and not hasattr(node, "_fields"):
-            return tuple(fix(child) for child in node)
         return node
 
-    return fix(opt_state)
+    is_schedule = lambda node: isinstance(node, ResumableScheduleState)  # noqa: E731
+    return jax.tree_util.tree_map(fix, opt_state, is_leaf=is_schedule)
 
 
 def _decay_mask(params: Mapping[str, Any]) -> dict[str, bool]:
