@@ -6,7 +6,8 @@ Goodput and final loss come from the run's summary.json (the local runtime's def
 useful learner-seconds / total learner-seconds). The synchronous baseline that stops every unit
 while one is down is computed from the same run's event log: its goodput is at most the share of
 wall time in which no unit was down. The runs keep SPARES warm spare learners; one kill schedule
-is also run without any, so the table shows what a cold restart costs.
+is also run without any (restarts forked from the runtime's fork server), and once more with
+every learner exec'd from scratch (`--no-fork-server`), so the table shows what each costs.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from bench.live import local_run
 
 UNITS = 4
 # Warm spare learners (`diloco local run --spares`). Kills are Poisson, so they come in bursts,
-# and on a loaded 2-core machine a replacement spare needs ~20 s to import JAX and compile; two
-# spares cover a second kill inside that window.
+# and on a loaded 2-core machine a replacement spare forked from the fork server still needs ~6 s
+# to compile its step (exec'd: ~20 s, most of it importing JAX); two spares cover a second kill
+# inside that window.
 SPARES = 2
 
 
@@ -82,10 +84,11 @@ def down_share(events_path: Path, wall: float) -> float:
 
 
 def one_run(
-    tokens: int, kill_every: float | None, max_seconds: float, spares: int
+    tokens: int, kill_every: float | None, max_seconds: float, spares: int, fork: bool = True
 ) -> dict[str, Any]:
     doc, chaos = manifest(tokens, kill_every), kill_every is not None
-    with local_run(doc, max_seconds, spares, chaos) as (report, code):
+    extra = () if fork else ("--no-fork-server",)
+    with local_run(doc, max_seconds, spares, chaos, extra) as (report, code):
         summary: dict[str, Any] = json.loads((report / "summary.json").read_text())
         events = report / "events.jsonl"
         wall = float(summary.get("wallSeconds", 0.0))
@@ -97,24 +100,28 @@ def one_run(
 def run(ctx: BenchContext) -> Section:
     tokens = 600_000 if ctx.quick else 2_000_000
     max_seconds = 600 if ctx.quick else 1500
-    schedules: list[tuple[str, float | None, int]] = [
-        ("no chaos", None, SPARES),
-        ("1 kill / unit / min", 60 / UNITS, SPARES),
+    # (label, mean seconds between kills, warm spares, learners forked from the fork server)
+    schedules: list[tuple[str, float | None, int, bool]] = [
+        ("no chaos", None, SPARES, True),
+        ("1 kill / unit / min", 60 / UNITS, SPARES, True),
     ]
     if not ctx.quick:
         schedules += [
-            ("1 kill / unit / 2 min", 120 / UNITS, SPARES),
-            ("1 kill / unit / 5 min", 300 / UNITS, SPARES),
+            ("1 kill / unit / 2 min", 120 / UNITS, SPARES, True),
+            ("1 kill / unit / 5 min", 300 / UNITS, SPARES, True),
         ]
-    schedules.append(("1 kill / unit / min, cold restarts", 60 / UNITS, 0))
+    schedules += [
+        ("1 kill / unit / min, no spares", 60 / UNITS, 0, True),
+        ("1 kill / unit / min, no spares, exec'd learners", 60 / UNITS, 0, False),
+    ]
     results = []
-    for label, every, spares in schedules:
-        s = one_run(tokens, every, max_seconds, spares)
+    for label, every, spares, fork in schedules:
+        s = one_run(tokens, every, max_seconds, spares, fork)
         log(f"goodput_real {label}: goodput {s.get('goodput')} loss {s.get('finalEvalLoss')}")
-        results.append((label, every, spares, s))
-    base_loss = results[0][3].get("finalEvalLoss")
+        results.append((label, every, spares, fork, s))
+    base_loss = results[0][4].get("finalEvalLoss")
     rows = []
-    for label, every, spares, s in results:
+    for label, every, spares, fork, s in results:
         loss = s.get("finalEvalLoss")
         ratio = f"{loss / base_loss:.3f}" if loss and base_loss else "-"
         rows.append(
@@ -122,6 +129,7 @@ def run(ctx: BenchContext) -> Section:
                 label,
                 "-" if every is None else f"{every:g} s",
                 spares,
+                "fork" if fork else "exec",
                 f"{100 * s['goodput']:.1f}%",
                 f"{100 * (1 - s['downShare']):.1f}%",
                 "-" if loss is None else f"{loss:.4f}",
@@ -137,6 +145,7 @@ def run(ctx: BenchContext) -> Section:
             "schedule",
             "mean gap between kills",
             "warm spares",
+            "learner start",
             "goodput (DiLoCo)",
             "sync baseline bound",
             "final eval loss",
@@ -148,11 +157,13 @@ def run(ctx: BenchContext) -> Section:
         ],
         rows,
     )
-    chaos1 = results[1][3]
+    chaos1 = results[1][4]
     verdict = "met" if chaos1["goodput"] >= 0.90 else "NOT met"
     body = f"""
 {UNITS} units (`diloco local run`, real processes, SIGKILL), tiny model, {tokens:,} tokens,
-`--spares {SPARES}` unless the row says otherwise. "sync baseline bound" = share of wall time with
+`--spares {SPARES}` unless the row says otherwise. "learner start": "fork" = restarted learners
+and spares are forked from the runtime's fork server, which imported JAX once (the default);
+"exec" = each is a fresh `diloco-learner` process (`--no-fork-server`). "sync baseline bound" = share of wall time with
 no unit down in the same run: a synchronous run that stops everyone while one unit is down cannot
 do better (restart costs come on top).
 
@@ -168,8 +179,9 @@ attempt whose step advanced. Everything a kill costs counts against the run: the
 last heartbeat, the time to notice the death, the restart delay (0 for a unit that had run
 healthily; the crash-loop backoff, here 1 s, for one killed within 10 s of coming online), and
 the replacement's start until its first heartbeat. A warm spare (JAX imported, train step
-compiled) has only to join and pull, well under a second; a spare still warming up, or a cold
-process (last row), costs the rest of its import and compile: 10-20 s on this loaded CPU. The
+compiled) has only to join and pull, well under a second; a spare still warming up, or a
+restarted learner without a spare, costs the rest of its start: the compile (a few seconds on
+this loaded CPU) when forked, the import of JAX as well (10-20 s here) when exec'd. The
 spares' own seconds before they take a unit are not learner-seconds; their CPU is shared with
 the learners like everything else on the machine.
 
@@ -180,10 +192,11 @@ learning-rate schedule where the syncer counted it (join's `resumeStep`, after a
 most 20 steps: docs/design.md). On a 600,000-token budget the loss is still falling fast, so a
 few percent either way is within what different arrival patterns give.
 
-Goodput here depends on how loaded the machine is: a spare needs ~7 s to warm up on an idle
-machine and 20-24 s at load 8-10, while kills come every 15 s on average, sometimes in bursts; a
-kill that finds no ready spare costs a cold start. Kills are Poisson, so each run sees a
-different number of them: read goodput together with the kills and wall columns.
+Goodput here depends on how loaded the machine is: an exec'd spare needed ~7 s to warm up on an
+idle machine and 20-24 s at load 8-10 (most of it importing JAX), a forked one ~6 s at load 5,
+while kills come every 15 s on average, sometimes in bursts; a kill that finds no ready spare
+waits for the rest of a start. Kills are Poisson, so each run sees a different number of them:
+read goodput together with the kills and wall columns.
 """
     return Section(
         name="goodput_real",

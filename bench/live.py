@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,7 +145,11 @@ def recording() -> Iterator[ProgressRecorder]:
 
 @contextmanager
 def local_run(
-    doc: dict[str, Any], max_seconds: float, spares: int, chaos: bool = False
+    doc: dict[str, Any],
+    max_seconds: float,
+    spares: int,
+    chaos: bool = False,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[tuple[Path, int]]:
     """Run the manifest `doc` with `diloco local run` (no live display) in a temporary folder;
     yield its report folder and exit code while the folder still exists."""
@@ -155,7 +159,7 @@ def local_run(
         report = Path(tmp) / "report"
         cmd = [sys.executable, "-m", "diloco_operator.cli", "local", "run", str(path)]
         cmd += ["--report-dir", str(report), "--no-live", "--max-seconds", str(max_seconds)]
-        cmd += ["--spares", str(spares)] + (["--chaos"] if chaos else [])
+        cmd += ["--spares", str(spares)] + (["--chaos"] if chaos else []) + list(extra_args)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_seconds + 300)
         if not (report / "summary.json").exists():
             raise RuntimeError(f"local run failed ({proc.returncode}): {proc.stderr[-1500:]}")

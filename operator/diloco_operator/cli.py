@@ -1,6 +1,7 @@
 """The `diloco` command line.
 
     diloco local run FILE [--chaos] [--report-dir D] [--max-seconds S] [--seed N] [--spares N]
+                         [--no-fork-server]
     diloco simulate [--chips 150000,...] [--learners 1,2,...] [--plot FILE] [--json]
 
 Subcommands hang off argparse subparsers; each registers itself in `build_parser` with a
@@ -61,6 +62,12 @@ def _add_local(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=int,
         default=1,
         help="warm spare learners kept waiting to take over a recreated unit (0: none)",
+    )
+    run.add_argument(
+        "--no-fork-server",
+        action="store_true",
+        help="start every learner as a fresh process instead of forking it from one process "
+        "that imported JAX once (slower restarts; for comparison and debugging)",
     )
     run.add_argument(
         "--no-live", action="store_true", help="no live display (default when not a terminal)"
@@ -155,6 +162,7 @@ def _local_run(args: argparse.Namespace) -> int:
         live=live,
         checkpoint_dir=args.resume_from.resolve() if args.resume_from else None,
         spare_learners=max(0, args.spares),
+        fork_server=not args.no_fork_server,
     )
     console.print(
         f"run [bold]{run.name}[/]: {run.spec.total_units} units, chaos "

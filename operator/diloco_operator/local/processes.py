@@ -8,7 +8,6 @@ stops the children in order instead of having them die mid-write.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -18,11 +17,30 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 import psutil
+from diloco_trainer.forked import die_with_parent
 
 log = logging.getLogger(__name__)
+
+
+class Child(Protocol):
+    """What the table needs of a child: subprocess.Popen, or a learner forked by the fork
+    server (forkserver.ForkedChild)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdin(self) -> IO[bytes] | None: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 @dataclass
@@ -31,10 +49,10 @@ class ManagedProcess:
 
     key: str
     argv: list[str]
-    popen: subprocess.Popen[bytes]
+    popen: Child
     log_path: Path
     started_at: float
-    log_file: IO[bytes]
+    log_file: IO[bytes] | None  # None: the child opened its log itself
     paused: bool = False
     returncode: int | None = None
     # Every pid seen in this child's process tree, to prove afterwards that none survived.
@@ -87,24 +105,38 @@ class ProcessTable:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 close_fds=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                # SIGKILL the child when the supervisor dies, even by SIGKILL: no orphan.
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         except OSError:
             log_file.close()
             raise
+        return self.adopt(key, argv, popen, log_path, log_file)
+
+    def adopt(
+        self,
+        key: str,
+        argv: Sequence[str],
+        child: Child,
+        log_path: Path,
+        log_file: IO[bytes] | None = None,
+    ) -> ManagedProcess:
+        """Register a child started elsewhere (a fork server's) under `key`."""
+        if key in self._procs and self._procs[key].alive():
+            raise RuntimeError(f"process {key} is still running (pid {self._procs[key].pid})")
         proc = ManagedProcess(
             key=key,
             argv=list(argv),
-            popen=popen,
+            popen=child,
             log_path=log_path,
             started_at=time.monotonic(),
             log_file=log_file,
         )
-        proc.seen_pids.add(popen.pid)
+        proc.seen_pids.add(child.pid)
         if key in self._procs:
             self._finished.append(self._procs[key])
         self._procs[key] = proc
-        log.info("process=started key=%s pid=%d log=%s", key, popen.pid, log_path)
+        log.info("process=started key=%s pid=%d log=%s", key, child.pid, log_path)
         return proc
 
     def hand_over(self, key: str, new_key: str, line: bytes, log_path: Path) -> bool:
@@ -205,19 +237,8 @@ class ProcessTable:
             proc.seen_pids.update(child.pid for child in parent.children(recursive=True))
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL me when the supervisor dies, so even a SIGKILL of
-    the supervisor (which it cannot handle) leaves no orphan. Runs between fork and exec, so
-    it only makes one async-signal-safe system call."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
 def _close_files(proc: ManagedProcess) -> None:
-    if not proc.log_file.closed:
+    if proc.log_file is not None and not proc.log_file.closed:
         proc.log_file.close()
     if proc.popen.stdin is not None and not proc.popen.stdin.closed:
         with contextlib.suppress(OSError):

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 from diloco_operator.api import DilocoRunStatus
 from diloco_operator.local.chaos import ChaosScheduler, ChaosSettings, Fault
 from diloco_operator.local.display import UnitRow, View, render
+from diloco_operator.local.forkserver import ForkedChild, ForkServer
 from diloco_operator.local.manifest import LocalRun
 from diloco_operator.local.processes import ProcessTable
 from diloco_operator.local.recorder import Event, Recorder
@@ -56,6 +58,10 @@ SPARE_PREFIX = "spare:"
 MAX_SPARE_FAILURES = 3
 # Exit code of both programs for a config error (docs/contracts.md): restarting cannot help.
 CONFIG_ERROR_EXIT = 2
+# The fork server imports JAX once at the start (seconds; more while the syncer starts too).
+FORK_SERVER_START_TIMEOUT = 60.0
+# Once it is ready a fork takes milliseconds; this only bounds a broken server.
+FORK_TIMEOUT = 10.0
 # A learner busy in an XLA compile can take seconds to act on SIGTERM; then it gets SIGKILL.
 UNIT_STOP_GRACE = 5.0
 # How long a complete run waits for the syncer's final evaluation (finalLoss) before stopping it;
@@ -83,6 +89,9 @@ class Interrupted(Exception):
         self.signum = signum
 
 
+LEARNER_ARGV = (sys.executable, "-m", "diloco_trainer.learner_main")
+
+
 @dataclass(frozen=True)
 class RunOptions:
     report_dir: Path
@@ -96,9 +105,12 @@ class RunOptions:
     max_syncer_restarts: int = 50
     # Warm spare learners kept waiting (imported, compiled) to take over a recreated unit.
     spare_learners: int = 1
+    # Fork learners (units and spares) from a process that imported JAX once (forkserver.py)
+    # instead of exec'ing each; only for the default learner program, whose imports it knows.
+    fork_server: bool = True
     # Argv prefix of the two programs; default: this interpreter's modules (same venv).
     syncer_argv: tuple[str, ...] = (sys.executable, "-m", "diloco_trainer.syncer_main")
-    learner_argv: tuple[str, ...] = (sys.executable, "-m", "diloco_trainer.learner_main")
+    learner_argv: tuple[str, ...] = LEARNER_ARGV
 
 
 @dataclass
@@ -184,6 +196,9 @@ class LocalRuntime:
         self.signals: list[int] = []
         self.killed: set[str] = set()
         self.spares: list[str] = []  # keys of live spares, oldest first
+        self.fork_server: ForkServer | None = None
+        self.fork_broken = False
+        self.spare_forks: list[tuple[str, Future[ForkedChild]]] = []  # requested, not started
         self.spare_seq = 0
         self.spare_failures = 0
         self.requeue_after: float | None = None
@@ -243,8 +258,9 @@ class LocalRuntime:
                     "DILOCO_SLOWDOWN": f"{slowdown:g}",
                 }
             )
-            argv = [*self.opts.learner_argv, "--config", str(self.run.path.resolve())]
-            self.procs.spawn(action.name, argv, env, log_path)
+            args = ["--config", str(self.run.path.resolve())]
+            if not self._fork_unit(action.name, args, env, log_path):
+                self.procs.spawn(action.name, [*self.opts.learner_argv, *args], env, log_path)
         self.attempts[action.name] = action.attempt
         self.ready.discard(action.name)
         self.exit_codes.pop(action.name, None)
@@ -284,21 +300,81 @@ class LocalRuntime:
     def _top_up_spares(self, now: float) -> None:
         """Keep `spare_learners` spares waiting, from the first tick (a spare needs as long as a
         unit to warm up, and the first failure may come soon) until the run is over."""
+        self._adopt_forked_spares(now)
         if (
             self.status.phase in ("Succeeded", "Failed")
             or self.spare_failures >= MAX_SPARE_FAILURES
         ):
             return
         self.spares = [k for k in self.spares if (p := self.procs.get(k)) is not None and p.alive()]
-        while len(self.spares) < self.opts.spare_learners:
+        while len(self.spares) + len(self.spare_forks) < self.opts.spare_learners:
             key = f"{SPARE_PREFIX}{self.spare_seq}"
             self.spare_seq += 1
             env = self._learner_env()
             env["DILOCO_NUM_UNITS"] = str(self.run.spec.total_units)
-            argv = [*self.opts.learner_argv, "--config", str(self.run.path.resolve()), "--standby"]
+            args = ["--config", str(self.run.path.resolve()), "--standby"]
+            server = self._fork_server()
+            if server is not None:
+                self.spare_forks.append((key, server.fork(args, env, self.logs_dir / "spares.log")))
+                continue
+            argv = [*self.opts.learner_argv, *args]
             proc = self.procs.spawn(key, argv, env, self.logs_dir / "spares.log", stdin_pipe=True)
             self.spares.append(key)
-            self.recorder.event(now, "spare-started", None, f"warm spare pid {proc.pid}")
+            self.recorder.event(
+                now, "spare-started", None, f"warm spare pid {proc.pid}", pid=proc.pid
+            )
+
+    def _fork_unit(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> bool:
+        """Start a unit as a fork of the fork server when it is usable: skips the imports. The
+        very first units wait for the server (it imports once instead of each of them); later
+        ones only use it when it is ready. False: exec it instead."""
+        server = self._fork_server()
+        if server is None:
+            return False
+        first_start = not self.unit_started
+        if not (server.ready or (first_start and server.wait_ready(FORK_SERVER_START_TIMEOUT))):
+            return False
+        try:
+            child = server.fork(args, env, log_path).result(FORK_TIMEOUT)
+        except Exception:  # a broken fork server must not stop the run: exec from now on
+            log.exception("unit=fork-failed name=%s", name)
+            self.fork_broken = True
+            return False
+        if child.stdin is not None:
+            child.stdin.close()  # a unit reads nothing from the supervisor
+        self.procs.adopt(name, [*self.opts.learner_argv, *args, "(forked)"], child, log_path)
+        return True
+
+    def _fork_server(self) -> ForkServer | None:
+        if self.fork_broken:
+            return None
+        default_learner = tuple(self.opts.learner_argv) == LEARNER_ARGV
+        if self.fork_server is None and self.opts.fork_server and default_learner:
+            self.fork_server = ForkServer(self._learner_env())
+        return self.fork_server
+
+    def _adopt_forked_spares(self, now: float) -> None:
+        """Spares the fork server has started since the last tick join the process table."""
+        waiting = []
+        for key, future in self.spare_forks:
+            if not future.done():
+                waiting.append((key, future))
+                continue
+            try:
+                child = future.result()
+            except Exception as exc:  # the fork server failed: spares come exec'd from now on
+                log.exception("spare=fork-failed key=%s", key)
+                self.recorder.event(now, "spare-exited", None, f"fork failed: {exc}")
+                self.spare_failures += 1
+                self.fork_broken = True
+                continue
+            argv = [*self.opts.learner_argv, "--standby (forked)"]
+            self.procs.adopt(key, argv, child, self.logs_dir / "spares.log")
+            self.spares.append(key)
+            self.recorder.event(
+                now, "spare-started", None, f"warm spare pid {child.pid} (forked)", pid=child.pid
+            )
+        self.spare_forks = waiting
 
     def _spare_exited(self, key: str, code: int, now: float) -> None:
         if key in self.spares:
@@ -592,6 +668,7 @@ class LocalRuntime:
         reason = "unknown"
         aborted: RunAborted | None = None
         try:
+            self._fork_server()  # starts importing now, alongside the syncer's start
             with (
                 Live(
                     console=self.console, refresh_per_second=4, transient=False, auto_refresh=False
@@ -732,8 +809,13 @@ class LocalRuntime:
         for name in list(self.resume_at):
             self.procs.signal(name, signal.SIGCONT)
         self.resume_at.clear()
+        if self.fork_server is not None:
+            self.fork_server.finish_pending()
+            self._adopt_forked_spares(time.time())
         units = [s.name for s in self.slots] + self.spares  # spares die with the units
         self.procs.stop_all(grace_seconds=self.opts.stop_grace_seconds, batches=[units, [SYNCER]])
+        if self.fork_server is not None:
+            self.fork_server.close()
         left = self.procs.survivors()
         if left:
             log.error("shutdown=incomplete survivors=%s", left)
