@@ -627,7 +627,8 @@ def test_a_run_restored_complete_without_a_final_eval_evaluates_at_startup(
 
 
 def test_join_reply_carries_the_units_step_across_restarts(tmp_path: Path) -> None:
-    """resumeStep: 0 for a new unit; after a restart of the unit (attempt+1), the steps its
+    """resumeStep: 0 for the first unit; a unit new to a running run starts at the mean of the
+    known units' steps (where the run is); after a restart of the unit (attempt+1), the steps its
     earlier attempts reported; after a restart of the syncer, the same from its checkpoint
     (per-attempt counters are checkpointed, so the token total and the schedule agree)."""
     cfg = tiny_cfg(checkpoint={"path": str(tmp_path), "everySeconds": 3600}, totalSteps=10_000)
@@ -640,7 +641,12 @@ def test_join_reply_carries_the_units_step_across_restarts(tmp_path: Path) -> No
         restarted.heartbeat(30, 30 * 64, 1.0, 3.0)  # counts from 0 again within its attempt
         assert restarted.join().resume_step == 120  # its own attempt is not counted twice
         assert first.client("unit-0", attempt=2).join().resume_step == 150
-        assert first.client("unit-1").join().resume_step == 0  # other units are unaffected
+        # A unit new to the run starts where the run is: the mean position of the known units
+        # (unit-0 alone: 150), the same on every join of that attempt.
+        assert first.client("unit-1").join().resume_step == 150
+        assert first.client("unit-1").join().resume_step == 150
+        first.client("unit-1").heartbeat(10, 10 * 64, 1.0, 3.0)
+        assert first.client("unit-1", attempt=1).join().resume_step == 160
         assert first.client("observer").status()["learners"]["unit-0"]["tokens"] == 150 * 64
         first.run(first.syncer.save_checkpoint(force=True))
     finally:
@@ -649,8 +655,8 @@ def test_join_reply_carries_the_units_step_across_restarts(tmp_path: Path) -> No
     second = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
     try:
         assert second.client("unit-0", attempt=3).join().resume_step == 150
-        assert second.client("unit-1", attempt=1).join().resume_step == 0
-        assert second.client("observer").status()["tokens"] == 150 * 64
+        assert second.client("unit-1", attempt=2).join().resume_step == 160
+        assert second.client("observer").status()["tokens"] == 160 * 64
     finally:
         second.close()
 

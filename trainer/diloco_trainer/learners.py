@@ -19,6 +19,9 @@ class LearnerRecord:
     group: str = "default"
     attempt: int = 0
     attempts: dict[int, list[int]] = field(default_factory=dict)  # attempt -> [steps, tokens]
+    # Where the unit's LR schedule began: 0 for the run's first units, the run's progress for a
+    # unit that joined a running run (LearnerRegistry.get).
+    start_step: int = 0
     last_seen: float | None = None
     last_heartbeat: float | None = None
     tokens_per_sec: float = 0.0
@@ -34,6 +37,10 @@ class LearnerRecord:
     def tokens(self) -> int:
         return sum(t for _, t in self.attempts.values())
 
+    @property
+    def schedule_position(self) -> int:
+        return self.start_step + self.steps
+
 
 class LearnerRegistry:
     def __init__(self, ema: float = 0.2, offline_after: float = 10.0) -> None:
@@ -42,8 +49,14 @@ class LearnerRegistry:
         self.records: dict[str, LearnerRecord] = {}
 
     def get(self, unit: str) -> LearnerRecord:
+        """The unit's record; a unit new to the run starts its LR schedule where the run is,
+        the mean schedule position of the units known so far, instead of at step 0: at step 0
+        it would warm up and then train at peak LR while everyone else is deep into the decay,
+        and its deltas would be the largest in every merge."""
         if unit not in self.records:
-            self.records[unit] = LearnerRecord(unit, step_time=Ema(self.ema))
+            known = [r.schedule_position for r in self.records.values()]
+            start = int(sum(known) / len(known)) if known else 0
+            self.records[unit] = LearnerRecord(unit, start_step=start, step_time=Ema(self.ema))
         return self.records[unit]
 
     def seen(self, unit: str, attempt: int, group: str, now: float) -> LearnerRecord:
@@ -84,13 +97,11 @@ class LearnerRegistry:
         return rec
 
     def resume_step(self, unit: str, attempt: int) -> int:
-        """Where attempt `attempt` of `unit` continues its LR schedule: the steps its other
-        attempts reported (0 for a new unit). Steps an attempt did after its last heartbeat are
-        not known here (they are not counted as tokens either)."""
-        rec = self.records.get(unit)
-        if rec is None:
-            return 0
-        return sum(s for a, (s, _) in rec.attempts.items() if a != attempt)
+        """Where attempt `attempt` of `unit` continues its LR schedule: where the unit started
+        (`get`) plus the steps its other attempts reported. Steps an attempt did after its last
+        heartbeat are not known here (they are not counted as tokens either)."""
+        rec = self.get(unit)
+        return rec.start_step + sum(s for a, (s, _) in rec.attempts.items() if a != attempt)
 
     def online(self, now: float) -> list[str]:
         return sorted(
@@ -140,6 +151,7 @@ class LearnerRegistry:
                 "group": r.group,
                 "attempt": r.attempt,
                 "attempts": {str(a): c for a, c in r.attempts.items()},
+                "startStep": r.start_step,
                 "loss": r.loss,
             }
             for u, r in self.records.items()
@@ -156,4 +168,5 @@ class LearnerRegistry:
             rec.attempts = {
                 int(a): [int(c[0]), int(c[1])] for a, c in raw.get("attempts", {}).items()
             }
+            rec.start_step = int(raw.get("startStep", 0))  # absent before the field existed
             rec.loss = raw.get("loss")
