@@ -85,7 +85,7 @@ def test_counters_reset_only_the_received_fragment() -> None:
     c = FragmentCounters(3)
     for _ in range(5):
         c.add_step(100)
-    c.received(1)
+    c.reset(1)
     c.add_step(100)
     assert c.get(0) == (6, 600)
     assert c.get(1) == (1, 100)

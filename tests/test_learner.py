@@ -6,16 +6,25 @@ import io
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from diloco_trainer.client import PushReply, SyncerUnavailable
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.learner import learner_horizon
 from diloco_trainer.learner_main import build_parser, main
 from diloco_trainer.standby import IdentityError, take_identity, wait_for_identity
-from diloco_trainer.sync_link import Backoff, PendingPush, fragment_delta
+from diloco_trainer.sync_link import (
+    Backoff,
+    PendingPush,
+    Progress,
+    SyncLink,
+    combine,
+    fragment_delta,
+)
 
 
 def test_delta_is_base_minus_local_in_float32() -> None:
@@ -24,6 +33,86 @@ def test_delta_is_base_minus_local_in_float32() -> None:
     delta = fragment_delta(PendingPush(0, 3, base, theta, 4, 100, 4))
     assert delta["a"].dtype == np.float32
     np.testing.assert_allclose(delta["a"], [0.5, -1.0])
+
+
+def test_pushes_queued_in_a_row_telescope_to_one_delta() -> None:
+    """Each push carries the progress since the previous one (its base is the previous push's
+    theta), so two queued pushes fold into base0 - theta2 with both counters: nothing counted
+    twice, nothing lost, nothing computed on the training thread."""
+    base0 = {"a": np.array([1.0, 1.0], np.float32)}
+    theta1 = {"a": jnp.array([0.8, 1.1], jnp.float32)}
+    theta2 = {"a": jnp.array([0.5, 1.5], jnp.float32)}
+    first = PendingPush(0, 2, base0, theta1, 5, 50, 5)
+    second = PendingPush(0, 2, theta1, theta2, 5, 50, 10)
+    both = combine(first, second)
+    assert (both.c_steps, both.c_tokens, both.step, both.carry) == (10, 100, 10, None)
+    assert both.base is base0 and both.theta is theta2
+    sum_of_parts = fragment_delta(first)["a"] + fragment_delta(second)["a"]
+    np.testing.assert_allclose(fragment_delta(both)["a"], sum_of_parts, rtol=1e-6)
+
+
+def test_a_push_queued_across_an_install_is_carried_not_dropped() -> None:
+    """An install between two queued pushes breaks the chain: the older one's progress is
+    computed and carried in the newer, on top of what the newer measured from the install."""
+    base0 = {"a": np.array([1.0, 1.0], np.float32)}
+    theta1 = {"a": jnp.array([0.8, 1.1], jnp.float32)}
+    installed = {"a": np.array([2.0, 2.0], np.float32)}  # a new global version overwrote theta
+    theta2 = {"a": jnp.array([1.9, 2.5], jnp.float32)}
+    first = PendingPush(0, 2, base0, theta1, 5, 50, 5)
+    second = PendingPush(0, 3, installed, theta2, 3, 30, 8)
+    both = combine(first, second)
+    assert (both.base_version, both.c_steps, both.c_tokens, both.step) == (3, 8, 80, 8)
+    np.testing.assert_allclose(fragment_delta(both)["a"], [0.2 + 0.1, -0.1 - 0.5], atol=1e-6)
+    third = PendingPush(0, 3, theta2, {"a": jnp.array([1.0, 2.0], jnp.float32)}, 2, 20, 10)
+    # third continues from both (its base is both's theta): the carry stays, the rest telescopes
+    np.testing.assert_allclose(fragment_delta(combine(both, third))["a"], [1.2, -0.1], atol=1e-6)
+
+
+class FlakyClient:
+    """Records pushes; the first one fails as if the request timed out (unknown outcome)."""
+
+    def __init__(self) -> None:
+        self.pushes: list[tuple[int, int, int, list[float]]] = []
+
+    def push(self, fragment: int, base_version: int, delta: dict[str, np.ndarray],
+             c_steps: int, c_tokens: int, step: int = 0) -> PushReply:  # fmt: skip
+        self.pushes.append((fragment, step, c_steps, delta["a"].tolist()))
+        if len(self.pushes) == 1:
+            raise SyncerUnavailable("timed out")
+        return PushReply(True, False, 0, 8, 0.0)
+
+    def poll(self, fragment: int, after: int, wait: float) -> None:
+        time.sleep(0.05)
+
+    def heartbeat(self, *args: object) -> object:
+        raise SyncerUnavailable("not needed here")
+
+
+def test_a_failed_push_is_resent_exactly_before_the_newer_one() -> None:
+    """A push whose request failed may have been applied (a timeout after the syncer got it),
+    so it is resent unchanged (the syncer drops a repeat by its step) and never folded into the
+    newer push queued meanwhile, which follows it."""
+    client = FlakyClient()
+    link = SyncLink(client, [0], 60.0, Progress())  # type: ignore[arg-type]
+    base0 = {"a": np.array([1.0], np.float32)}
+    theta1 = {"a": jnp.array([0.5], jnp.float32)}
+    theta2 = {"a": jnp.array([0.25], jnp.float32)}
+    link.enqueue_push(PendingPush(0, 0, base0, theta1, 5, 50, 5))
+    link.enqueue_push(PendingPush(0, 0, theta1, theta2, 5, 50, 10))  # folds into the first
+    link.start()
+    deadline = time.monotonic() + 10
+    while len(client.pushes) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    theta3 = {"a": jnp.array([0.0], jnp.float32)}
+    link.enqueue_push(PendingPush(0, 0, theta2, theta3, 5, 50, 15))  # queued behind the retry
+    while len(client.pushes) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    link.stop()
+    assert client.pushes == [
+        (0, 10, 10, [0.75]),  # first and second, folded; its request fails
+        (0, 10, 10, [0.75]),  # resent exactly
+        (0, 15, 5, [0.25]),  # then the newer one, measured from where the resent one ended
+    ]
 
 
 def test_backoff_grows_is_capped_and_resets() -> None:

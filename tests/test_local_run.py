@@ -104,7 +104,11 @@ def test_killed_unit_rejoins_and_run_completes(tmp_path: Path) -> None:
     assert summary["restarts"] >= 1 and summary["rejoins"] >= 1
     # The final eval loss is the syncer's evaluation at the budget, not the last periodic one.
     assert summary["finalEvalLossSource"] == "final"
-    assert summary["finalEvalLoss"] > 0 and summary["lastPeriodicEvalLoss"] is not None
+    assert summary["lastPeriodicEvalLoss"] is not None
+    # It learned through the kill: below an untrained byte model's ln(256) = 5.55 by a margin
+    # (one learner alone reaches ~2.4 on this config; before pushes carried only new progress
+    # and the syncer compiled its outer step ahead, runs of this test ended at 7.5-9.9).
+    assert 0 < summary["finalEvalLoss"] < 4.0
     assert 0.0 < summary["goodput"] <= 1.0
 
     story = [(e["kind"], e["unit"], e["message"]) for e in events(report)]

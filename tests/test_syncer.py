@@ -327,7 +327,11 @@ def test_bad_json_endpoints_name_the_field(live: LiveSyncer) -> None:
 
 
 @pytest.mark.parametrize("live", [dict(quorum=2)], indirect=True)
-def test_duplicate_push_is_idempotent_and_newest_push_per_learner_wins(live: LiveSyncer) -> None:
+def test_duplicate_push_is_idempotent_and_unmerged_pushes_of_a_learner_add_up(
+    live: LiveSyncer,
+) -> None:
+    """A retry (same unit, attempt and step) is recognised and not applied twice; two different
+    pushes of one learner before a merge carry disjoint progress, so they are summed."""
     c = live.client()
     c.join()
     body = _valid_push(live)
@@ -335,10 +339,18 @@ def test_duplicate_push_is_idempotent_and_newest_push_per_learner_wins(live: Liv
     s2, r2 = live.raw("POST", "/v1/fragments/0/push", body)
     assert (s1, r1["duplicate"], s2, r2["duplicate"]) == (200, False, 200, True)
     assert len(live.syncer.frags[0].pending) == 1
-    newer = fragment_delta(live, 0, seed=42)
-    c.push(0, 0, newer, c_steps=6, c_tokens=192)  # same learner again before any merge
+    first = live.syncer.frags[0].pending["unit-0"].delta
+    later = fragment_delta(live, 0, seed=42)
+    assert not c.push(0, 0, later, c_steps=6, c_tokens=192, step=9).duplicate
+    assert c.push(0, 0, later, c_steps=6, c_tokens=192, step=9).duplicate  # its retry
     pending = live.syncer.frags[0].pending
-    assert list(pending) == ["unit-0"] and pending["unit-0"].header.c_steps == 6
+    assert list(pending) == ["unit-0"]
+    assert (pending["unit-0"].header.c_steps, pending["unit-0"].header.c_tokens) == (9, 288)
+    for name, value in pending["unit-0"].delta.items():
+        np.testing.assert_allclose(value, first[name] + later[name], rtol=1e-6)
+    # The same counters at a different step are a different push (no longer taken for a retry).
+    assert not c.push(0, 0, later, c_steps=6, c_tokens=192, step=12).duplicate
+    assert pending["unit-0"].header.c_steps == 15
     assert live.syncer.frags[0].version == 0  # one learner is not a quorum of 2
 
 

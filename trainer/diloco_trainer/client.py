@@ -212,9 +212,17 @@ class SyncerClient:
         delta: Mapping[str, np.ndarray],
         c_steps: int,
         c_tokens: int,
+        step: int = 0,
     ) -> PushReply:
         header = PushHeader(
-            fragment, base_version, c_steps, c_tokens, self.compression, self.unit, self.attempt
+            fragment,
+            base_version,
+            c_steps,
+            c_tokens,
+            self.compression,
+            self.unit,
+            self.attempt,
+            step=step,
         )
         body, quant_error = encode_push(header, delta, self.block_size)
         _, _, data = self._request(

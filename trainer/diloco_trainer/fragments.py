@@ -72,10 +72,12 @@ def _check_schedule(fragment: int, inner_steps: int, fragments: int) -> None:
 
 @dataclass
 class FragmentCounters:
-    """Per-fragment inner steps and tokens since the learner last *received* that fragment.
+    """Per-fragment inner steps and tokens since the learner last pushed or received that
+    fragment: what its next push carries.
 
     These are the c_steps / c_tokens sent with a push; the syncer weights contributions by
-    c_tokens^2 / c_steps. Receiving a new global version of fragment p resets p's counters.
+    c_tokens^2 / c_steps. Pushing fragment p, or installing a new global version of it, resets
+    p's counters.
     """
 
     fragments: int
@@ -96,8 +98,8 @@ class FragmentCounters:
             self.steps[p] += 1
             self.tokens[p] += tokens
 
-    def received(self, fragment: int) -> None:
-        """A new global version of `fragment` was installed locally."""
+    def reset(self, fragment: int) -> None:
+        """`fragment` was pushed, or a new global version of it installed locally."""
         self.steps[fragment] = 0
         self.tokens[fragment] = 0
 

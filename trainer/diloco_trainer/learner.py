@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,7 +196,9 @@ def run_learner(
     batches = train_batches(
         cfg, opts.unit, opts.num_units, opts.attempt, jax.process_index(), batch_size=rows
     )
-    base = {p: startup[p][1] for p in startup}  # host copy of the global version last received
+    # Per fragment, where the next push's delta is measured from: the fragment at the last push
+    # (device) or install (host), whichever came later.
+    base: dict[int, Mapping[str, np.ndarray | jax.Array]] = {p: startup[p][1] for p in startup}
     counters = FragmentCounters(len(layout))
     tokens_per_step = cfg.tokens_per_step
     schedule = learning_rate_schedule(cfg.inner_optimizer, learner_horizon(cfg, opts.num_units))
@@ -224,6 +227,9 @@ def run_learner(
                     link.enqueue_push(
                         PendingPush(p, versions[p], base[p], theta, c_steps, c_tokens, step)
                     )
+                    # The next push of p carries only what comes after this one.
+                    base[p] = theta
+                    counters.reset(p)
             if prev_loss is not None:
                 prev_loss.block_until_ready()  # keep one step in flight, no more
             prev_loss = loss
@@ -251,7 +257,7 @@ def run_learner(
                 for name, value in tensors.items():
                     params[name] = jax.device_put(value, sharding)
                 base[p], versions[p] = tensors, version
-                counters.received(p)
+                counters.reset(p)
 
             window_steps += 1
             progress.step, progress.tokens, progress.loss = step, step * tokens_per_step, loss

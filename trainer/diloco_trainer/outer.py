@@ -7,6 +7,7 @@ because fragments step at different times.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -64,26 +65,39 @@ def round_nesterov(learning_rate: float, momentum: float) -> optax.GradientTrans
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+Step = Callable[[Any, Any, Any, jax.Array], tuple[Any, Any]]
+
+
+@functools.lru_cache(maxsize=16)
+def _transformation(
+    lr: float, momentum: float, nesterov: bool, per_round: bool
+) -> tuple[optax.GradientTransformation, Step]:
+    """The optax transformation and its jitted step, one per setting and process: every
+    optimizer (one per syncer, several per test session) with the same setting shares the
+    compiled programs."""
+    tx: optax.GradientTransformation = (
+        round_nesterov(lr, momentum)
+        if per_round
+        else optax.sgd(learning_rate=lr, momentum=momentum or None, nesterov=nesterov)
+    )
+
+    def step(params: Any, state: Any, grads: Any, share: jax.Array) -> tuple[Any, Any]:
+        if per_round:
+            updates, new_state = tx.update(grads, state, params, share=share)
+        else:
+            updates, new_state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), new_state
+
+    return tx, jax.jit(step)
+
+
 class OuterOptimizer:
     """The outer optimizer with one state per fragment and a jitted update: optax Nesterov SGD,
     or `round_nesterov` (momentum once per round of contributions) when `per_round`."""
 
     def __init__(self, lr: float, momentum: float, nesterov: bool, per_round: bool = False) -> None:
         self.per_round = per_round and nesterov and momentum > 0
-        self.tx: optax.GradientTransformation = (
-            round_nesterov(lr, momentum)
-            if self.per_round
-            else optax.sgd(learning_rate=lr, momentum=momentum or None, nesterov=nesterov)
-        )
-
-        def _step(params: Any, state: Any, grads: Any, share: jax.Array) -> tuple[Any, Any]:
-            if self.per_round:
-                updates, new_state = self.tx.update(grads, state, params, share=share)
-            else:
-                updates, new_state = self.tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), new_state
-
-        self._step: Callable[[Any, Any, Any, jax.Array], tuple[Any, Any]] = jax.jit(_step)
+        self.tx, self._step = _transformation(lr, momentum, nesterov, self.per_round)
 
     def init(self, fragment_params: Mapping[str, np.ndarray]) -> Any:
         return self.tx.init({k: jnp.asarray(v) for k, v in fragment_params.items()})

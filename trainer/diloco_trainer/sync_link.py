@@ -3,10 +3,12 @@
 The training loop never waits on the network. It hands work over through two non-blocking
 calls and reads shared state:
 
-- `enqueue_push(...)`: a fragment is due. Only the newest pending push per fragment is kept
-  (an older one that could not be sent yet is stale and dropped). The SENDER thread reads the
-  fragment's parameters to host (the device->host copy happens here, off the hot path),
-  computes ``delta = base - theta`` and pushes it.
+- `enqueue_push(...)`: a fragment is due. A push carries the progress since the learner's
+  previous push or install of that fragment (``delta = base - theta``, where `base` is the
+  fragment's value at that moment), so no progress is ever sent twice. A push that could not be
+  sent yet is folded into the next one of its fragment (`combine`): one request per fragment
+  in flight, and nothing lost. The SENDER thread reads the fragment's parameters to host (the
+  device->host copy happens here, off the hot path), computes the delta and pushes it.
 - `drain()`: new global fragment versions that the POLLER threads (one long-poll per fragment)
   received since the last call.
 - the HEARTBEAT thread reports step/tokens/throughput/loss every heartbeat period and sets
@@ -41,12 +43,36 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class PendingPush:
     fragment: int
-    base_version: int
-    base: Mapping[str, np.ndarray]  # the global version the learner last received (host)
+    base_version: int  # the global version the learner last received (for the staleness bound)
+    # The fragment at the previous push (device) or install (host): the delta is base - theta.
+    base: Mapping[str, np.ndarray | jax.Array]
     theta: Mapping[str, jax.Array]  # the learner's current leaves (still on device)
     c_steps: int
     c_tokens: int
     step: int
+    carry: Mapping[str, np.ndarray] | None = None  # unsent progress of an earlier push (host)
+
+
+def combine(older: PendingPush, newer: PendingPush) -> PendingPush:
+    """One push with the progress of both, the newer one's version and step.
+
+    If `newer` continues from `older` (its base is `older`'s theta: no install in between), the
+    two deltas telescope to older.base - newer.theta and nothing is computed here. Otherwise an
+    install overwrote the fragment in between, and `older`'s delta is computed now (host) and
+    carried, so neither progress is lost nor device memory held for it.
+    """
+    counters = (older.c_steps + newer.c_steps, older.c_tokens + newer.c_tokens)
+    if newer.base is older.theta:
+        return PendingPush(
+            newer.fragment, newer.base_version, older.base, newer.theta, *counters,
+            newer.step, older.carry,
+        )  # fmt: skip
+    carry = fragment_delta(older)
+    if newer.carry is not None:
+        carry = {k: v + newer.carry[k] for k, v in carry.items()}
+    return PendingPush(
+        newer.fragment, newer.base_version, newer.base, newer.theta, *counters, newer.step, carry
+    )
 
 
 @dataclass(frozen=True)
@@ -85,12 +111,20 @@ def host_copy(leaf: jax.Array) -> np.ndarray:
     return np.asarray(leaf.addressable_data(0))
 
 
+def _host(value: np.ndarray | jax.Array) -> np.ndarray:
+    return host_copy(value) if isinstance(value, jax.Array) else np.asarray(value)
+
+
 def fragment_delta(push: PendingPush) -> dict[str, np.ndarray]:
-    """Delta_p = Theta_p(base) - theta_p, float32, per leaf of the fragment."""
-    return {
-        name: np.asarray(push.base[name], np.float32) - host_copy(theta)
+    """base_p - theta_p (+ carried unsent progress), float32, per leaf of the fragment."""
+    delta = {
+        name: np.asarray(_host(push.base[name]), np.float32) - host_copy(theta)
         for name, theta in push.theta.items()
     }
+    if push.carry is not None:
+        for name, value in push.carry.items():
+            delta[name] += value
+    return delta
 
 
 class SyncLink:
@@ -106,10 +140,15 @@ class SyncLink:
         self.heartbeat_seconds = heartbeat_seconds
         self.complete = threading.Event()
         self.stopping = threading.Event()
-        self.stats = {"pushes": 0, "push_failures": 0, "push_dropped": 0, "rejected": 0}
+        self.stats = {"pushes": 0, "push_failures": 0, "push_combined": 0, "rejected": 0}
         self.last_quant_error = 0.0
         self._known = list(versions)  # newest version seen per fragment (pollers' cursor)
         self._outbox: dict[int, PendingPush] = {}
+        # Pushes whose request failed. The syncer may have applied one anyway (a timeout after
+        # it was received), so it is resent exactly as it was (the syncer drops a repeat by
+        # unit, attempt and step), never folded into a newer push, and goes before its
+        # fragment's queued one.
+        self._retry: dict[int, PendingPush] = {}
         self._outbox_cv = threading.Condition()
         self._inbox: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
         self._threads = [
@@ -138,8 +177,10 @@ class SyncLink:
     # ------------------------------------------------------------------ training-loop side
     def enqueue_push(self, push: PendingPush) -> None:
         with self._outbox_cv:
-            if push.fragment in self._outbox:
-                self.stats["push_dropped"] += 1
+            queued = self._outbox.get(push.fragment)
+            if queued is not None:
+                self.stats["push_combined"] += 1
+                push = combine(queued, push)
             self._outbox[push.fragment] = push
             self._outbox_cv.notify()
 
@@ -153,7 +194,7 @@ class SyncLink:
 
     def pending_pushes(self) -> int:
         with self._outbox_cv:
-            return len(self._outbox)
+            return len(self._outbox) + len(self._retry)
 
     # ------------------------------------------------------------------ threads
     def _wait(self, seconds: float) -> bool:
@@ -164,13 +205,15 @@ class SyncLink:
         backoff = Backoff()
         while not self.stopping.is_set():
             with self._outbox_cv:
-                while not self._outbox and not self.stopping.is_set():
+                while not (self._outbox or self._retry) and not self.stopping.is_set():
                     self._outbox_cv.wait()
                 if self.stopping.is_set():
                     return
-                # Oldest due step first, so fragments keep their staggered order.
-                fragment = min(self._outbox, key=lambda p: self._outbox[p].step)
-                push = self._outbox.pop(fragment)
+                # Retries first; then the oldest due step, so fragments keep their staggered
+                # order.
+                source = self._retry or self._outbox
+                fragment = min(source, key=lambda p: source[p].step)
+                push = source.pop(fragment)
             try:
                 reply = self.client.push(
                     push.fragment,
@@ -178,11 +221,12 @@ class SyncLink:
                     fragment_delta(push),
                     push.c_steps,
                     push.c_tokens,
+                    push.step,
                 )
             except SyncerUnavailable as exc:
                 self.stats["push_failures"] += 1
                 with self._outbox_cv:
-                    self._outbox.setdefault(push.fragment, push)  # unless a newer one is queued
+                    self._retry[push.fragment] = push
                 delay = backoff.next_delay()
                 log.warning(
                     "event=push_retry fragment=%d delay=%.2f error=%s", push.fragment, delay, exc

@@ -230,8 +230,13 @@ class Syncer:
             raise Reject(400, "malformed", str(exc)) from exc
         finally:
             self._decoding -= 1
-        # A retry repeats the same push exactly; a later push on the same base has more c_steps.
-        key = (header.unit, header.attempt, header.base_version, header.c_steps)
+        # A retry repeats the same push exactly: the learner's step names it. (A learner that
+        # predates the field sends step 0; then a later push on the same base has more c_steps.)
+        key = (
+            (header.unit, header.attempt, -1, header.step)  # -1: no base version is negative
+            if header.step > 0
+            else (header.unit, header.attempt, header.base_version, header.c_steps)
+        )
         if key in f.seen and header.fragment == f.index:
             return {
                 "accepted": True,
@@ -247,7 +252,11 @@ class Syncer:
         self.learners.seen(header.unit, header.attempt, self.learners.get(header.unit).group, now)
         if not f.pending:
             f.first_arrival, f.first_unit = now, header.unit
-        f.pending[header.unit] = Pending(header, delta, now)  # newest push of a learner wins
+        pending = Pending(header, delta, now)
+        earlier = f.pending.get(header.unit)
+        if earlier is not None and earlier.header.attempt == header.attempt:
+            pending = earlier.plus(pending)  # two unmerged pushes of one learner add up
+        f.pending[header.unit] = pending
         f.last_push[header.unit] = now
         if header.quant_error is not None:
             self.metrics.quant_error.observe(header.quant_error)
@@ -465,7 +474,19 @@ class Syncer:
         )  # fmt: skip
         await self.save_checkpoint(force=True)
 
+    def warm_up(self) -> None:
+        """Compile each fragment's outer step before the first push can arrive. Compiled on
+        the first merge instead (seconds per fragment), the learners' progress piled up
+        meanwhile would reach the global parameters as one outsized outer gradient, which the
+        outer momentum then carries several times over."""
+        for f in self.frags:
+            zero = {name: np.zeros_like(value) for name, value in f.params.items()}
+            self._merge_compute(f.params, f.opt_state, [Contribution(zero, 1, 1)], 1.0)
+
     async def start_background(self, app: web.Application) -> None:
+        started = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(self._merge_pool, self.warm_up)
+        log.info("event=warmed_up seconds=%.2f", time.perf_counter() - started)
         if self.store is not None:
             await self.save_checkpoint()  # a fresh run has a checkpoint from its first second
             self._background.append(

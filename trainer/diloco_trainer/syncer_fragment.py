@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,18 @@ class Pending:
     header: PushHeader
     delta: dict[str, np.ndarray]
     arrived: float
+
+    def plus(self, later: Pending) -> Pending:
+        """Both pushes of one learner as one contribution. A push carries only the progress
+        since the learner's previous push of the fragment, so two unmerged ones add up (the
+        later header, with the counters of both)."""
+        header = replace(
+            later.header,
+            c_steps=self.header.c_steps + later.header.c_steps,
+            c_tokens=self.header.c_tokens + later.header.c_tokens,
+        )
+        delta = {name: value + later.delta[name] for name, value in self.delta.items()}
+        return Pending(header, delta, self.arrived)
 
 
 @dataclass

@@ -48,6 +48,9 @@ class PushHeader:
     attempt: int
     block_size: int = 0
     quant_error: float | None = None  # relative L2 error the sender measured (quantized only)
+    # The learner's step (within its attempt) at the push: with unit and attempt it names one
+    # push, so a retry is recognised. 0 from a learner that predates the field.
+    step: int = 0
 
 
 def encode_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
@@ -120,6 +123,7 @@ def encode_push(
         "scheme": header.scheme,
         "unit": header.unit,
         "attempt": str(header.attempt),
+        "step": str(header.step),
     }
     if header.scheme == "none":
         tensors = {k: np.asarray(v, dtype=np.float32) for k, v in delta.items()}
@@ -166,6 +170,7 @@ def decode_push(payload: bytes) -> tuple[PushHeader, dict[str, np.ndarray]]:
         attempt=_int_field(meta, "attempt"),
         block_size=block_size,
         quant_error=_float_field(meta, "quantError"),
+        step=_int_field(meta, "step") if "step" in meta else 0,
     )
     if scheme == "none":
         for name, arr in tensors.items():
