@@ -176,8 +176,8 @@ def simulate(
                     theta = host(m, frag)
                     delta = roundtrip({n: ref[m][p][n] - theta[n] for n in frag}, s.scheme)
                     pending[p].append((tick, m, delta, int(counts[m, p])))
-                    if s.install == "keep-unsent":
-                        ref[m][p], counts[m, p] = theta, 0
+                    # As the product's learner does: the next push carries only later progress.
+                    ref[m][p], counts[m, p] = theta, 0
         online = sum(alive)
         for p, frag in enumerate(layout):
             if not pending[p] or tick - pending[p][0][0] < s.grace:

@@ -45,8 +45,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Self
 
 HERE = Path(__file__).resolve().parent
 STATE_MARKER = ".diloco-e2e-state"
@@ -297,7 +298,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(argv: list[str], **kw) -> subprocess.CompletedProcess:
+def _run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     r = subprocess.run(argv, capture_output=True, text=True, **kw)
     if r.returncode != 0:
         raise ClusterError(
@@ -497,7 +498,7 @@ class _ClusterBase:
 
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
-    ) -> subprocess.CompletedProcess:
+    ) -> subprocess.CompletedProcess[str]:
         """Run kubectl against this cluster; returns the CompletedProcess (text)."""
         argv = [self.kubectl_path, "--kubeconfig", str(self.kubeconfig), *args]
         r = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
@@ -513,10 +514,10 @@ class _ClusterBase:
     def stop(self) -> None:  # pragma: no cover - overridden
         pass
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -949,7 +950,9 @@ class LocalCluster(_ClusterBase):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
 
-    def _wait(self, name: str, check, deadline: float, what: str | None = None) -> None:
+    def _wait(
+        self, name: str, check: Callable[[], object], deadline: float, what: str | None = None
+    ) -> None:
         what = what or f"{name} ready"
         last_err: Exception | None = None
         while True:

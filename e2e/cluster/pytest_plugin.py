@@ -47,5 +47,5 @@ def k8s_cluster() -> Iterator[harness._ClusterBase]:
 
 
 @pytest.fixture(scope="session")
-def kubeconfig(k8s_cluster) -> str:
+def kubeconfig(k8s_cluster: harness._ClusterBase) -> str:
     return str(k8s_cluster.kubeconfig)

@@ -15,13 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness
 
+Cluster = harness._ClusterBase
+T = TypeVar("T")
 NS = "smoke"
 T0 = time.monotonic()
 
@@ -30,10 +35,10 @@ def say(msg: str) -> None:
     print(f"[smoke +{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
 
 
-def wait(what: str, fn, timeout: float = 90, every: float = 0.5):
+def wait(what: str, fn: Callable[[], T | None], timeout: float = 90, every: float = 0.5) -> T:
     end = time.monotonic() + timeout
     t = time.monotonic()
-    last = None
+    last: T | None = None
     while time.monotonic() < end:
         last = fn()
         if last:
@@ -43,11 +48,11 @@ def wait(what: str, fn, timeout: float = 90, every: float = 0.5):
     raise AssertionError(f"timed out ({timeout}s) waiting for {what}; last: {last!r}")
 
 
-def pods(c, selector: str) -> list[dict]:
+def pods(c: Cluster, selector: str) -> list[dict[str, Any]]:
     return c.kubectl_json("get", "pods", "-n", NS, "-l", selector)["items"]
 
 
-def node(c, name: str) -> dict:
+def node(c: Cluster, name: str) -> dict[str, Any]:
     return c.kubectl_json("get", "node", name)
 
 
@@ -95,7 +100,7 @@ def indexed_job(name: str, backoff: int) -> dict:
     }
 
 
-def run_checks(c) -> None:
+def run_checks(c: Cluster) -> None:
     k = c.kubectl
     # nodes
     nodes = c.kubectl_json("get", "nodes")["items"]
@@ -297,9 +302,8 @@ def run_checks(c) -> None:
     say("ok: namespace deleted (pods finalized by kwok, garbage collector)")
 
 
-def _as_token(c, token: str, *args: str):
+def _as_token(c: Cluster, token: str, *args: str) -> subprocess.CompletedProcess[str]:
     """kubectl with only a bearer token (no client certificate) against c's API server."""
-    import subprocess
     import tempfile
 
     cfg = json.loads(Path(c.kubeconfig).read_text())
