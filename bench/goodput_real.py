@@ -189,8 +189,10 @@ The final eval loss is the syncer's evaluation of the global parameters once the
 reached (`finalLoss`, docs/protocol.md), the same held-out batches in every row; issue 4 asks
 chaos vs no chaos to stay within 3%. A restarted learner continues its unit's inner
 learning-rate schedule where the syncer counted it (join's `resumeStep`, after a re-warmup of at
-most 20 steps: docs/design.md). On a 600,000-token budget the loss is still falling fast, so a
-few percent either way is within what different arrival patterns give.
+most 20 steps: docs/design.md). One run per row says little about the loss: two runs of the same
+manifest without faults can end 20% apart (the arrival pattern of processes sharing two cores
+differs each time, and quorum-1 merges follow it), so the loss comparison is made over repeated
+runs in its own section, chaos_loss.
 
 Goodput here depends on how loaded the machine is: an exec'd spare needed ~7 s to warm up on an
 idle machine and 20-24 s at load 8-10 (most of it importing JAX), a forked one ~6 s at load 5,

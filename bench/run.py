@@ -23,6 +23,7 @@ BENCHES: list[tuple[str, str]] = [
     ("parity", "bench.parity_bench"),
     ("ablations", "bench.ablation_bench"),
     ("goodput_real", "bench.goodput_real"),
+    ("chaos_loss", "bench.chaos_loss"),
     ("mixed_speed", "bench.mixed_speed"),
     ("gpu", "bench.gpu_bench"),
     ("operator", "bench.operator_bench"),
@@ -39,6 +40,7 @@ the same machine; absolute times are context only. Sections: {names}.
 | decoupled M=4 loss / data-parallel loss at equal tokens <= 1.02 (<= 1.03 under chaos) | parity, ablations |
 | bytes per token >= 400x below data-parallel with int4 | communication |
 | goodput >= 90% at one kill per unit per minute | goodput_real |
+| chaos vs no chaos: final loss within 3% | chaos_loss |
 | simulator within 3 points of each published goodput figure | simulator |
 | learner overhead <= 3% | overhead |
 | syncer >= 30% of memory-copy bandwidth | syncer |
