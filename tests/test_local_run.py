@@ -175,12 +175,20 @@ def test_sigterm_stops_everything_without_orphans(tmp_path: Path) -> None:
         if sup.poll() is None:
             os.killpg(sup.pid, signal.SIGKILL)
     assert sup.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
-    assert not [pid for pid in pids if psutil.pid_exists(pid) and _not_zombie(pid)]
+    left = [pid for pid in pids if psutil.pid_exists(pid) and _not_zombie(pid)]
+    assert not left, [_cmdline(pid) for pid in left]
     assert processes_of(path) == []
     summary = json.loads((report / "summary.json").read_text())
     assert summary["exitReason"] == "interrupted by SIGTERM"
     assert summary["complete"] is False
     assert [e["kind"] for e in events(report)][-1] == "stopped"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())[:200]
+    except psutil.Error:
+        return f"{pid} (gone)"
 
 
 def _not_zombie(pid: int) -> bool:

@@ -24,6 +24,7 @@ import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing import resource_tracker
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import IO
@@ -157,3 +158,29 @@ class ForkServer:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             getattr(server, "_stop")()  # noqa: B009 (private, see above)
+        _stop_resource_tracker()
+
+
+def _stop_resource_tracker(timeout: float = 5.0) -> None:
+    """The fork server started multiprocessing's resource tracker too; it exits once every
+    holder of its pipe has closed it (forked learners close their copy at start). Close ours and
+    reap it, so it does not outlive the run; SIGKILL it if something still holds the pipe."""
+    tracker = resource_tracker._resource_tracker
+    fd, pid = getattr(tracker, "_fd", None), getattr(tracker, "_pid", None)
+    if fd is None or pid is None:
+        return
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    tracker._fd = tracker._pid = None  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] != 0:
+                return
+            time.sleep(0.02)
+            continue
+        return  # not our child (any more)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
