@@ -107,7 +107,13 @@ def test_a_failed_push_is_resent_exactly_before_the_newer_one() -> None:
     link.enqueue_push(PendingPush(0, 0, theta2, theta3, 5, 50, 15))  # queued behind the retry
     while len(client.pushes) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
+    time.sleep(0.1)  # the sender records the sent push right after the request returns
     link.stop()
+    # The reference for the next push moves to the host copy the sender made of the last sent
+    # theta (its device memory can go), once; any other reference is left as it is.
+    settled = link.settled(0, theta3)
+    assert isinstance(settled["a"], np.ndarray) and settled["a"].tolist() == [0.0]
+    assert link.settled(0, theta3) is theta3
     assert client.pushes == [
         (0, 10, 10, [0.75]),  # first and second, folded; its request fails
         (0, 10, 10, [0.75]),  # resent exactly

@@ -249,6 +249,9 @@ def run_learner(
                 done = done or link.complete.is_set()
                 for arrival in link.drain():
                     newest[arrival.fragment] = (arrival.version, arrival.tensors)
+            if link is not None:  # references of sent pushes move to host (device memory back)
+                for p in range(len(layout)):
+                    base[p] = link.settled(p, base[p])
             newest, done = exchange_arrivals(newest, layout, shapes, done)
             for p, (version, tensors) in sorted(newest.items()):
                 if version <= versions[p]:

@@ -11,6 +11,7 @@ config/usage error (the message names the field), 143 after SIGTERM/SIGINT (stop
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from diloco_trainer.config import ConfigError, TrainingConfig, load_training_config, resolve_token
 
@@ -209,5 +210,24 @@ def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | N
     return 0
 
 
+def run() -> NoReturn:
+    """The console script: `main`, then leave without interpreter finalization.
+
+    The sync link's long-poll threads are daemons that may still be inside a request when the
+    learner is done. Finalizing the interpreter around them force-unwinds those threads, and a
+    thread inside native code (XLA's, via a host copy) then aborts the process with SIGABRT
+    ("FATAL: exception not rethrown", seen once in the three-learner test), turning a finished
+    learner's exit 0 into a crash. Nothing is left to clean up by then, so flush and exit."""
+    code = main()
+    jax = sys.modules.get("jax")
+    if jax is not None:  # what JAX's own atexit hook would do for a multi-host unit
+        with contextlib.suppress(Exception):
+            jax.distributed.shutdown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -115,12 +115,16 @@ def _host(value: np.ndarray | jax.Array) -> np.ndarray:
     return host_copy(value) if isinstance(value, jax.Array) else np.asarray(value)
 
 
-def fragment_delta(push: PendingPush) -> dict[str, np.ndarray]:
-    """base_p - theta_p (+ carried unsent progress), float32, per leaf of the fragment."""
-    delta = {
-        name: np.asarray(_host(push.base[name]), np.float32) - host_copy(theta)
-        for name, theta in push.theta.items()
-    }
+def fragment_delta(
+    push: PendingPush, theta_host: dict[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
+    """base_p - theta_p (+ carried unsent progress), float32, per leaf of the fragment. If
+    `theta_host` is given, it receives the host copy of theta made on the way."""
+    theta_host = {} if theta_host is None else theta_host
+    delta = {}
+    for name, theta in push.theta.items():
+        theta_host[name] = host_copy(theta)
+        delta[name] = np.asarray(_host(push.base[name]), np.float32) - theta_host[name]
     if push.carry is not None:
         for name, value in push.carry.items():
             delta[name] += value
@@ -149,6 +153,8 @@ class SyncLink:
         # unit, attempt and step), never folded into a newer push, and goes before its
         # fragment's queued one.
         self._retry: dict[int, PendingPush] = {}
+        # fragment -> (theta of its last sent push, that theta's host copy): see `settled`.
+        self._sent_theta: dict[int, tuple[Mapping[str, jax.Array], dict[str, np.ndarray]]] = {}
         self._outbox_cv = threading.Condition()
         self._inbox: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
         self._threads = [
@@ -192,6 +198,20 @@ class SyncLink:
             except queue.Empty:
                 return arrivals
 
+    def settled(
+        self, fragment: int, base: Mapping[str, np.ndarray | jax.Array]
+    ) -> Mapping[str, np.ndarray | jax.Array]:
+        """`base` itself, or its host copy once the sender has pushed it as a push's theta.
+
+        The learner measures its next push of a fragment from the previous push's theta, held
+        on the device until then; swapping in the copy the sender made anyway gives the device
+        memory back as soon as the push is out."""
+        with self._outbox_cv:
+            sent = self._sent_theta.pop(fragment, None)
+        # Not `base`: the learner has moved on (an install, or a later push), and the entry is
+        # of no further use; dropping it drops its device reference too.
+        return sent[1] if sent is not None and sent[0] is base else base
+
     def pending_pushes(self) -> int:
         with self._outbox_cv:
             return len(self._outbox) + len(self._retry)
@@ -214,11 +234,12 @@ class SyncLink:
                 source = self._retry or self._outbox
                 fragment = min(source, key=lambda p: source[p].step)
                 push = source.pop(fragment)
+            theta_host: dict[str, np.ndarray] = {}
             try:
                 reply = self.client.push(
                     push.fragment,
                     push.base_version,
-                    fragment_delta(push),
+                    fragment_delta(push, theta_host),
                     push.c_steps,
                     push.c_tokens,
                     push.step,
@@ -238,6 +259,8 @@ class SyncLink:
                 log.warning("event=push_rejected fragment=%d error=%s", push.fragment, exc)
                 continue
             backoff.reset()
+            with self._outbox_cv:
+                self._sent_theta[push.fragment] = (push.theta, theta_host)
             self.stats["pushes"] += 1
             self.last_quant_error = reply.quant_error
             log.debug(
