@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from diloco_operator.local.forkserver import ForkServer
+from diloco_operator.local.forkserver import ForkedChild, ForkServer
 from diloco_operator.local.runtime import child_env
 
 CONFIG = (
@@ -18,12 +18,12 @@ CONFIG = (
 )
 
 
-def wait_exit(child: object, timeout: float) -> int | None:
+def wait_exit(child: ForkedChild, timeout: float) -> int | None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        code = child.poll()  # type: ignore[attr-defined]
+        code = child.poll()
         if code is not None:
-            return int(code)
+            return code
         time.sleep(0.1)
     return None
 

@@ -15,7 +15,6 @@ pid, stdin pipe, poll, wait, with the same exit code convention (negative: kille
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -30,8 +29,6 @@ from pathlib import Path
 from typing import IO
 
 from diloco_trainer.forked import PRELOAD, probe, run_forked_learner
-
-log = logging.getLogger(__name__)
 
 # A forked child calls setsid() first thing; a signal to its group before that would miss it.
 SESSION_WAIT_SECONDS = 5.0
@@ -174,12 +171,12 @@ def _stop_resource_tracker(timeout: float = 5.0) -> None:
     tracker._fd = tracker._pid = None  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
+        try:
             if os.waitpid(pid, os.WNOHANG)[0] != 0:
                 return
-            time.sleep(0.02)
-            continue
-        return  # not our child (any more)
+        except ChildProcessError:
+            return  # not our child (any more)
+        time.sleep(0.02)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):

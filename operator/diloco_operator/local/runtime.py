@@ -198,7 +198,8 @@ class LocalRuntime:
         self.spares: list[str] = []  # keys of live spares, oldest first
         self.fork_server: ForkServer | None = None
         self.fork_broken = False
-        self.spare_forks: list[tuple[str, Future[ForkedChild]]] = []  # requested, not started
+        # Spares requested from the fork server and not started yet: key, learner args, future.
+        self.spare_forks: list[tuple[str, list[str], Future[ForkedChild]]] = []
         self.spare_seq = 0
         self.spare_failures = 0
         self.requeue_after: float | None = None
@@ -315,7 +316,8 @@ class LocalRuntime:
             args = ["--config", str(self.run.path.resolve()), "--standby"]
             server = self._fork_server()
             if server is not None:
-                self.spare_forks.append((key, server.fork(args, env, self.logs_dir / "spares.log")))
+                future = server.fork(args, env, self.logs_dir / "spares.log")
+                self.spare_forks.append((key, args, future))
                 continue
             argv = [*self.opts.learner_argv, *args]
             proc = self.procs.spawn(key, argv, env, self.logs_dir / "spares.log", stdin_pipe=True)
@@ -356,9 +358,9 @@ class LocalRuntime:
     def _adopt_forked_spares(self, now: float) -> None:
         """Spares the fork server has started since the last tick join the process table."""
         waiting = []
-        for key, future in self.spare_forks:
+        for key, args, future in self.spare_forks:
             if not future.done():
-                waiting.append((key, future))
+                waiting.append((key, args, future))
                 continue
             try:
                 child = future.result()
@@ -368,7 +370,7 @@ class LocalRuntime:
                 self.spare_failures += 1
                 self.fork_broken = True
                 continue
-            argv = [*self.opts.learner_argv, "--standby (forked)"]
+            argv = [*self.opts.learner_argv, *args, "(forked)"]
             self.procs.adopt(key, argv, child, self.logs_dir / "spares.log")
             self.spares.append(key)
             self.recorder.event(
