@@ -354,6 +354,26 @@ def test_duplicate_push_is_idempotent_and_unmerged_pushes_of_a_learner_add_up(
     assert live.syncer.frags[0].version == 0  # one learner is not a quorum of 2
 
 
+@pytest.mark.parametrize("live", [dict(quorum=2)], indirect=True)
+def test_a_dead_attempts_unmerged_push_adds_to_its_successors(live: LiveSyncer) -> None:
+    """A restarted unit (attempt+1) started from global parameters without its dead attempt's
+    unmerged push, so the two carry disjoint progress: both count, in either arrival order,
+    under the newest attempt's header."""
+    dead, successor = live.client("unit-0", attempt=0), live.client("unit-0", attempt=1)
+    d_dead, d_new = fragment_delta(live, 0, seed=7), fragment_delta(live, 0, seed=8)
+    dead.push(0, 0, d_dead, c_steps=5, c_tokens=320, step=5)
+    successor.push(0, 0, d_new, c_steps=3, c_tokens=192, step=3)
+    late = fragment_delta(live, 0, seed=9)  # a zombie retry of the old attempt, arriving last
+    dead.push(0, 0, late, c_steps=2, c_tokens=128, step=7)
+    pending = live.syncer.frags[0].pending["unit-0"]
+    assert (pending.header.attempt, pending.header.c_steps, pending.header.c_tokens) == (
+        1, 10, 640,
+    )  # fmt: skip
+    for name, value in pending.delta.items():
+        np.testing.assert_allclose(value, d_dead[name] + d_new[name] + late[name], rtol=1e-6)
+    assert live.syncer.frags[0].version == 0  # still one unit: below the quorum of 2
+
+
 @pytest.mark.parametrize(
     "live", [dict(quorum=2, grace={"mode": "fixed", "maxSeconds": 20.0})], indirect=True
 )

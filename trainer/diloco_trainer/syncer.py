@@ -254,8 +254,8 @@ class Syncer:
             f.first_arrival, f.first_unit = now, header.unit
         pending = Pending(header, delta, now)
         earlier = f.pending.get(header.unit)
-        if earlier is not None and earlier.header.attempt == header.attempt:
-            pending = earlier.plus(pending)  # two unmerged pushes of one learner add up
+        if earlier is not None:
+            pending = earlier.plus(pending)  # unmerged pushes of one unit add up
         f.pending[header.unit] = pending
         f.last_push[header.unit] = now
         if header.quant_error is not None:

@@ -46,11 +46,14 @@ class Pending:
     arrived: float
 
     def plus(self, later: Pending) -> Pending:
-        """Both pushes of one learner as one contribution. A push carries only the progress
-        since the learner's previous push of the fragment, so two unmerged ones add up (the
-        later header, with the counters of both)."""
+        """Two unmerged pushes of one unit as one contribution. A push carries only the progress
+        since the learner's previous push of the fragment, so two of one attempt add up. So do
+        a dead attempt's last push and its successor's: the new attempt started from global
+        parameters that did not contain the unmerged push, so their progress is disjoint. The
+        header is the newer attempt's (the later one's on a tie), with the counters of both."""
+        newest = later if later.header.attempt >= self.header.attempt else self
         header = replace(
-            later.header,
+            newest.header,
             c_steps=self.header.c_steps + later.header.c_steps,
             c_tokens=self.header.c_tokens + later.header.c_tokens,
         )
