@@ -8,6 +8,7 @@ import math
 import pytest
 from diloco_trainer.fragments import (
     FragmentCounters,
+    PushClock,
     first_due_step,
     fragment_sizes,
     is_due,
@@ -90,3 +91,53 @@ def test_counters_reset_only_the_received_fragment() -> None:
     assert c.get(0) == (6, 600)
     assert c.get(1) == (1, 100)
     assert c.get(2) == (6, 600)
+
+
+def test_push_clock_unlocked_is_the_staggered_schedule_and_ignores_installs() -> None:
+    h, p = 10, 4
+    clock = PushClock(h, p)
+    pushes: dict[int, list[int]] = {f: [] for f in range(p)}
+    for step in range(1, 5 * h + 1):
+        for f in range(p):
+            if clock.due(step, f):
+                clock.pushed(step, f)
+                pushes[f].append(step)
+            if step % 7 == 0:
+                clock.installed(step, f)
+    assert pushes == {f: [s for s in range(1, 5 * h + 1) if is_due(s, f, h, p)] for f in range(p)}
+
+
+def _push_steps(clock: PushClock, fragment: int, steps: range, installs: set[int]) -> list[int]:
+    out = []
+    for step in steps:
+        if clock.due(step, fragment):
+            clock.pushed(step, fragment)
+            out.append(step)
+        if step in installs:
+            clock.installed(step, fragment)
+    return out
+
+
+def test_push_clock_locked_lines_up_learners_after_a_shared_install() -> None:
+    """Two learners 7 steps apart in their schedules (a late start): both install the version
+    the first one's push produced, at the same moment, and push together from then on."""
+    h = 10
+    early, late = PushClock(h, 1, lock=True), PushClock(h, 1, lock=True)
+    # The same wall-clock ticks; the late learner's step count lags by 7.
+    early_steps = _push_steps(early, 0, range(1, 41), installs={11})
+    late_steps = _push_steps(late, 0, range(-6, 34), installs={4})  # its step 4 = tick 11
+    assert early_steps == [10, 21, 31]
+    assert late_steps == [14, 24]
+    # In ticks: early pushes at 10, 21, 31; late at 17 (its step 10 would have been), then 21, 31.
+    assert [s + 7 for s in late_steps] == early_steps[1:]
+    unlocked = _push_steps(PushClock(h, 1), 0, range(-6, 34), installs={4})
+    assert [s + 7 for s in unlocked] != early_steps[1:]  # without the lock they stay apart
+
+
+def test_push_clock_locked_slow_learner_still_pushes() -> None:
+    """Installs every 5 steps (faster peers) never let the countdown reach H; the learner
+    still pushes 2H steps after its previous push (or the start)."""
+    h = 10
+    clock = PushClock(h, 1, lock=True)
+    steps = _push_steps(clock, 0, range(1, 61), installs=set(range(5, 61, 5)))
+    assert steps == [20, 40, 60]

@@ -566,6 +566,32 @@ def test_adaptive_grace_waits_for_unknown_learners_but_not_the_whole_window_for_
     assert merged_contributions() == 3.0
 
 
+def _locked(lock: bool) -> dict[str, object]:
+    grace = {"mode": "adaptive", "maxSeconds": 10.0}
+    return dict(quorum=1, overlap=1, phaseLock=lock, grace=grace)
+
+
+@pytest.mark.parametrize(
+    ("live", "locked"), [(_locked(lock), lock) for lock in (False, True)], indirect=["live"]
+)
+def test_phase_locked_grace_waits_beyond_the_overlap_slack(live: LiveSyncer, locked: bool) -> None:
+    """With an overlap of one ~10 ms step the slack is gone at once and a straggler misses the
+    merge; phase-locked learners push together, so the syncer waits up to maxSeconds for one
+    it has no expectation for."""
+    a, b = live.client("unit-0"), live.client("unit-1")
+    for c in (a, b):
+        c.heartbeat(0, 0, 100.0, None)
+    time.sleep(0.1)
+    for c in (a, b):
+        c.heartbeat(10, 640, 100.0, None)  # ~10 ms steps
+    b.push(0, 0, fragment_delta(live, 0, seed=1), 10, 640)
+    time.sleep(0.8)
+    a.push(0, 0, fragment_delta(live, 0, seed=2), 10, 640)
+    wait_until(lambda: not live.syncer.frags[0].pending and live.syncer.frags[0].merge_task is None)
+    # Locked: one merge of both (long before the 10 s bound). Not locked: one merge each.
+    assert live.syncer.frags[0].version == (1 if locked else 2)
+
+
 def test_validate_push_is_pure_and_ordered_by_severity() -> None:
     from diloco_trainer.syncer_fragment import FragmentState, Reject, validate_push
 

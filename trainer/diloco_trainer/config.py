@@ -207,6 +207,11 @@ class TrainingConfig(Strict):
         4, ge=1, le=4096, description="P: parameter fragments, synced staggered."
     )
     overlap: int = Field(2, ge=0, le=1_000_000, description="tau: inner steps a sync may overlap.")
+    phase_lock: bool = Field(
+        False,
+        description="Restart a fragment's H-step push countdown when a new version of it is "
+        "installed, so learners push it together and merges hold several deltas.",
+    )
     quorum: int = Field(1, ge=1, le=100_000, description="K: minimum contributions before a merge.")
     max_staleness: int = Field(
         8, ge=1, le=1_000_000, description="Reject pushes whose base is this many versions old."

@@ -61,6 +61,53 @@ def is_due(step: int, fragment: int, inner_steps: int, fragments: int) -> bool:
     return step >= first and (step - first) % inner_steps == 0
 
 
+@dataclass
+class PushClock:
+    """When each fragment's next push is due: every H steps from the staggered `first_due_step`,
+    or, phase-locked, H steps after the learner's latest install of the fragment.
+
+    Why lock: the syncer can only merge learners' deltas together if they arrive together.
+    Learners that start at different moments, or drift apart in speed, push a fixed schedule at
+    scattered times, and with quorum 1 nearly every merge then holds one delta. Every learner
+    installs a new version of p at about the same moment, so restarting p's countdown there
+    lines the learners' next pushes of p up, whatever their step counts. The countdown never
+    runs past `max_period` steps after the learner's previous push of p, so a learner that
+    keeps receiving p from faster peers still contributes.
+    """
+
+    inner_steps: int
+    fragments: int
+    lock: bool = False
+    next_due: list[int] = field(default_factory=list)
+    last_push: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        firsts = [
+            first_due_step(p, self.inner_steps, self.fragments) for p in range(self.fragments)
+        ]
+        self.next_due = self.next_due or firsts
+        self.last_push = self.last_push or [0] * self.fragments
+
+    @property
+    def max_period(self) -> int:
+        return 2 * self.inner_steps
+
+    def due(self, step: int, fragment: int) -> bool:
+        """Whether `fragment` is pushed after the `step`-th completed inner step."""
+        return step >= self.next_due[fragment]
+
+    def pushed(self, step: int, fragment: int) -> None:
+        self.last_push[fragment] = step
+        self.next_due[fragment] = step + self.inner_steps
+
+    def installed(self, step: int, fragment: int) -> None:
+        """A new global version of `fragment` was installed after the `step`-th step."""
+        if self.lock:
+            self.next_due[fragment] = min(
+                step + self.inner_steps, self.last_push[fragment] + self.max_period
+            )
+
+
 def _check_schedule(fragment: int, inner_steps: int, fragments: int) -> None:
     if inner_steps < 1:
         raise ValueError(f"innerSteps: must be >= 1, got {inner_steps}")

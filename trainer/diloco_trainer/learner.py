@@ -31,7 +31,7 @@ from diloco_trainer.client import SyncerClient
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data import train_batches
 from diloco_trainer.distributed import broadcast_int, exchange_arrivals, is_leader
-from diloco_trainer.fragments import FragmentCounters, is_due, pack_fragments
+from diloco_trainer.fragments import FragmentCounters, PushClock, pack_fragments
 from diloco_trainer.model import init_params, param_shapes
 from diloco_trainer.sync_link import PendingPush, Progress, SyncLink, retry_until
 from diloco_trainer.train import (
@@ -200,6 +200,7 @@ def run_learner(
     # (device) or install (host), whichever came later.
     base: dict[int, Mapping[str, np.ndarray | jax.Array]] = {p: startup[p][1] for p in startup}
     counters = FragmentCounters(len(layout))
+    clock = PushClock(cfg.inner_steps, len(layout), cfg.phase_lock)
     tokens_per_step = cfg.tokens_per_step
     schedule = learning_rate_schedule(cfg.inner_optimizer, learner_horizon(cfg, opts.num_units))
     ramp = rewarmup_steps(cfg.inner_optimizer)
@@ -221,7 +222,10 @@ def run_learner(
             step += 1
             counters.add_step(tokens_per_step)
             for p in range(len(layout)):
-                if link is not None and is_due(step, p, cfg.inner_steps, len(layout)):
+                if not clock.due(step, p):
+                    continue
+                clock.pushed(step, p)
+                if link is not None:
                     c_steps, c_tokens = counters.get(p)
                     theta = {n: params[n] for n in layout[p]}
                     link.enqueue_push(
@@ -261,6 +265,7 @@ def run_learner(
                     params[name] = jax.device_put(value, sharding)
                 base[p], versions[p] = tensors, version
                 counters.reset(p)
+                clock.installed(step, p)
 
             window_steps += 1
             progress.step, progress.tokens, progress.loss = step, step * tokens_per_step, loss

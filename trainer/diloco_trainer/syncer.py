@@ -284,12 +284,19 @@ class Syncer:
             return
         f.quorum_time = now
         first = self.learners.get(f.first_unit) if f.first_unit else None
-        slack = slack_seconds(
-            self.cfg.overlap,
-            first.step_time.value if first else None,
-            now - (f.first_arrival or now),
-            self.sync_time.value or 0.0,
-            self.cfg.grace.max_seconds,
+        # Phase-locked learners push p together. One that misses the merge sends a delta from
+        # the old version into the next one (stale), which costs more than the few steps the
+        # others drop while the merge waits: the bound is maxSeconds, not the overlap slack.
+        slack = (
+            self.cfg.grace.max_seconds
+            if self.cfg.phase_lock
+            else slack_seconds(
+                self.cfg.overlap,
+                first.step_time.value if first else None,
+                now - (f.first_arrival or now),
+                self.sync_time.value or 0.0,
+                self.cfg.grace.max_seconds,
+            )
         )
         lateness = [
             expected_arrival(
