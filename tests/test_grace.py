@@ -30,6 +30,9 @@ def test_adaptive_waits_for_expected_stragglers_only() -> None:
     assert grace_window("adaptive", 5.0, [0.9], slack=1.0) == pytest.approx(1.0)  # capped at slack
     assert grace_window("adaptive", 5.0, [None, 0.1], slack=1.0) == 1.0  # unknown: whole slack
     assert grace_window("adaptive", 5.0, [0.1], slack=0.0) == 0.0
+    # Phase-locked: anyone expected within the slack gets all of it; later ones still do not.
+    assert grace_window("adaptive", 5.0, [0.2, 3.0], slack=1.0, whole_slack=True) == 1.0
+    assert grace_window("adaptive", 5.0, [3.0], slack=1.0, whole_slack=True) == 0.0
 
 
 def test_ema() -> None:

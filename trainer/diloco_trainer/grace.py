@@ -57,11 +57,15 @@ def grace_window(
     missing_lateness: Sequence[float | None],
     slack: float,
     margin: float = 1.25,
+    whole_slack: bool = False,
 ) -> float:
     """Seconds to wait after the quorum for the learners that have not pushed yet.
 
     `missing_lateness`: per online learner that has not contributed, seconds until it is expected
     to push (None = unknown or overdue). No missing learners means nobody to wait for.
+    `whole_slack`: wait the whole slack if any missing learner fits in it (phase-locked
+    learners push H steps after an install, later than the estimate from their last push; the
+    wait ends anyway as soon as everyone is in).
     """
     if mode == "none" or not missing_lateness:
         return 0.0
@@ -72,6 +76,6 @@ def grace_window(
     fitting = [lat for lat in missing_lateness if lat is None or lat <= slack]
     if not fitting:
         return 0.0
-    if any(lat is None for lat in fitting):
+    if whole_slack or any(lat is None for lat in fitting):
         return slack
     return min(slack, margin * max(lat for lat in fitting if lat is not None))

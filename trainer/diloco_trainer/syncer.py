@@ -304,7 +304,10 @@ class Syncer:
             )
             for u in missing
         ]
-        grace = grace_window(self.cfg.grace.mode, self.cfg.grace.max_seconds, lateness, slack)
+        grace = grace_window(
+            self.cfg.grace.mode, self.cfg.grace.max_seconds, lateness, slack,
+            whole_slack=self.cfg.phase_lock,
+        )  # fmt: skip
         self.metrics.grace_seconds.observe(grace)
         f.all_in = asyncio.Event()
         f.merge_task = asyncio.get_running_loop().create_task(self._merge_after(f, grace))
