@@ -312,9 +312,9 @@ synchronous DiLoCo, the fixed schedule {unlocked.loss / sync.loss:.3f}. On the f
 learners' pushes scatter in time, so nearly every merge holds one learner's delta (see the
 fragment versions: about one merge per push) and each learner's progress on a fragment since
 the previous merge is overwritten by the next. Phase-locked, the learners push each fragment
-together, merges hold all of them (about a quarter as many versions), and a learner keeps the
-steps it made after its own push when that push's merge arrives. Single runs of the real
-processes vary by about 1% here (docs/design.md lists repeats).
+together and merges hold all of them (about a quarter as many versions): the decoupled run then
+trains like synchronous DiLoCo, and what remains is DiLoCo's own gap at this model size. Single
+runs of the real processes vary by about 1% here (docs/design.md lists repeats).
 """
     return Section(
         name="parity",
