@@ -78,15 +78,14 @@ class PushClock:
     inner_steps: int
     fragments: int
     lock: bool = False
-    next_due: list[int] = field(default_factory=list)
-    last_push: list[int] = field(default_factory=list)
+    next_due: list[int] = field(init=False)
+    last_push: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        firsts = [
+        self.next_due = [
             first_due_step(p, self.inner_steps, self.fragments) for p in range(self.fragments)
         ]
-        self.next_due = self.next_due or firsts
-        self.last_push = self.last_push or [0] * self.fragments
+        self.last_push = [0] * self.fragments
 
     @property
     def max_period(self) -> int:
