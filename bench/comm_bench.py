@@ -44,13 +44,14 @@ def diloco_bytes_per_token(params: int, tokens_per_step: int, h: int, b: float) 
 
 
 def measure(cfg: TrainingConfig, steps: int) -> tuple[int, int, int, float, dict[str, int]]:
-    """(bytes sent, bytes received, tokens, seconds, link stats) of one real learner run."""
+    """(bytes sent, bytes received after the join's full pull, tokens, seconds, link stats) of
+    one real learner run."""
     with syncer(cfg) as sy:
         opts = LearnerOptions(
             syncer=sy.url, token=TOKEN, unit=0, num_units=1, log_every=10_000, max_steps=steps
         )
         r = run_learner(cfg, opts)
-    return r.bytes_sent, r.bytes_received, r.tokens, r.seconds, r.link_stats
+    return r.bytes_sent, r.bytes_received - r.bytes_joined, r.tokens, r.seconds, r.link_stats
 
 
 def run(ctx: BenchContext) -> Section:
@@ -78,8 +79,12 @@ def run(ctx: BenchContext) -> Section:
     steps = 150 if ctx.quick else 400
     measured_rows = []
     int4_ratio = 0.0
-    for s in SCHEMES:
+    # (push scheme, downlink scheme): the downlink sends new versions as quantized steps
+    for s, down in (("none", "none"), ("int8", "int8"), ("int4", "none"), ("int4", "int4")):
         cfg = bench_config(scheme=s, inner_steps=h)
+        cfg = cfg.model_copy(
+            update={"compression": cfg.compression.model_copy(update={"downlink": down})}
+        )
         n = n_params(cfg.model)
         sent, received, tokens, seconds, stats = measure(cfg, steps)
         dp = dp_bytes_per_token(n, cfg.tokens_per_step)
@@ -88,31 +93,35 @@ def run(ctx: BenchContext) -> Section:
         if s == "int4":
             int4_ratio = ratio
         fragment_payload = n * bytes_per_param(s, block) / cfg.fragments
-        log(f"comm {s}: sent {sent} B for {tokens} tokens ({ratio:.0f}x below DP), {stats}")
+        log(f"comm {s}/{down}: sent {sent} B, received {received} B for {tokens} tokens, {stats}")
         measured_rows.append(
             (
-                s,
+                f"{s} / {down}",
                 steps,
                 stats.get("pushes", 0),
                 fmt_bytes(sent),
-                fmt_bytes(received),
                 f"{per_token:.3g} B",
-                f"{dp:.3g} B",
                 f"**{ratio:,.0f}x**",
+                fmt_bytes(received),
+                f"{received / tokens:.3g} B",
+                f"{dp / (received / tokens):,.0f}x",
+                f"{dp:.3g} B",
                 fmt_bytes(fragment_payload),
                 f"{sent / seconds / 1e3:.1f} kB/s",
             )
         )
     measured = md_table(
         [
-            "compression",
+            "compression (push / downlink)",
             "inner steps",
             "pushes",
             "bytes sent",
-            "bytes received",
             "sent / token",
-            "DP sent / token",
-            "DP / DiLoCo",
+            "DP / DiLoCo, sent",
+            "bytes received after the join",
+            "received / token",
+            "DP / DiLoCo, received",
+            "DP sent (= received) / token",
             "largest burst (one fragment push, tensors)",
             "mean send rate",
         ],
@@ -132,9 +141,14 @@ Analytic, per learner (or DP worker), bytes sent per token:
 
 **Measured** (one real learner against a real `diloco-syncer` on loopback, tiny model, batch 16,
 H={h}, P=4, counting every request body the client sent: pushes, joins, heartbeats, polls;
-HTTP headers not counted). A short run starts with a full-model pull (bytes received), and its
-first pushes come before a full period of H steps, so the measured ratio is a little under the
-analytic one.
+HTTP headers not counted; bytes received: every response body after the join's one full pull of
+the parameters, which a learner pays once per attempt). Its first pushes come before a full
+period of H steps, so the measured ratio is a little under the analytic one. A ring all-reduce
+receives as much as it sends, so data-parallel's received bytes per token equal its sent bytes.
+With a float32 downlink each new fragment version comes back whole (4 bytes per parameter), so
+the received side, not the sent side, limits a symmetric link; the quantized downlink
+(docs/protocol.md, "Compressed downlink") sends each version as an int4 step from the previous
+one.
 
 {measured}
 

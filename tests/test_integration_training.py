@@ -41,11 +41,15 @@ def _bin(name: str) -> str:
 
 
 def _status(port: int) -> dict[str, Any]:
+    return dict(json.loads(_get(port, "/v1/status")))
+
+
+def _get(port: int, path: str) -> bytes:
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}
+        f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {TOKEN}"}
     )
     with urllib.request.urlopen(request, timeout=5) as response:
-        return dict(json.loads(response.read()))
+        return bytes(response.read())
 
 
 def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
@@ -72,6 +76,8 @@ def test_syncer_and_three_learners_train_together(tmp_path: Path) -> None:
         "innerSteps": 8,
         "fragments": 2,
         "quorum": 1,
+        # Both directions quantized: the learners rebuild each new version from int4 steps.
+        "compression": {"scheme": "int8", "downlink": "int4"},
         "outerOptimizer": {"lr": 0.5, "momentum": 0.5},
         "innerOptimizer": {"lr": 0.003, "warmupSteps": 5},
         "totalSteps": UNITS * STEPS_PER_UNIT,
@@ -124,6 +130,7 @@ def test_syncer_and_three_learners_train_together(tmp_path: Path) -> None:
         logs = {u: (tmp_path / f"learner-{u}.log").read_text() for u in range(UNITS)}
         assert codes == [0] * UNITS, logs
         status = _status(port)
+        metrics = _get(port, "/metrics").decode()
         # One more eval of the final global model before judging the loss curve.
         time.sleep(1.5)
     finally:
@@ -148,6 +155,10 @@ def test_syncer_and_three_learners_train_together(tmp_path: Path) -> None:
         assert exit_line, logs[u][-2000:]
         received += sum(int(v) for v in exit_line.group(1).split(","))
     assert received > 0, "no learner installed a new global fragment"
+    steps_sent = re.search(
+        r'diloco_syncer_fragment_downloads_total\{kind="step"\} ([0-9.]+)', metrics
+    )
+    assert steps_sent and float(steps_sent.group(1)) > 0, metrics
     losses = _eval_losses(text)
     assert len(losses) >= 2, text[-3000:]
     assert losses[-1] < losses[0] - 0.5, losses

@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 from aiohttp import web
 from diloco_trainer.checkpoint import CheckpointStore
-from diloco_trainer.client import SyncerClient, SyncerRejected
+from diloco_trainer.client import SyncerClient, SyncerRejected, SyncerUnavailable
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.merge import Contribution, merge_fragment
 from diloco_trainer.model import init_params
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer import Syncer
-from diloco_trainer.wire import PushHeader, encode_push, encode_tensors
+from diloco_trainer.wire import PushHeader, decode_download, encode_push, encode_tensors
 
 T = TypeVar("T")
 TOKEN = "test-token"
@@ -746,3 +746,49 @@ def test_a_restarted_learner_continues_its_lr_schedule_and_counts_its_own_steps(
     wait_until(lambda: live.syncer.learners.get("unit-0").steps > 120)
     counted = live.syncer.learners.get("unit-0").steps
     assert counted <= 160 and live.syncer.learners.resume_step("unit-0", 2) == counted
+
+
+@pytest.mark.parametrize("live", [{"compression": {"downlink": "int4"}}], indirect=True)
+def test_compressed_downlink_sends_a_step_to_a_learner_holding_the_previous_version(
+    live: LiveSyncer,
+) -> None:
+    follower, newcomer = live.client("unit-0"), live.client("unit-1")
+    for c in (follower, newcomer):
+        c.join()
+    follower.pull_all()  # holds version 0 of every fragment
+    follower.push(1, 0, fragment_delta(live, 1), c_steps=5, c_tokens=320)
+    received = follower.bytes_received
+    got = follower.poll(1, 0, wait=5)
+    step_bytes = follower.bytes_received - received
+    fresh = newcomer.poll(1, -1, wait=5)  # holds nothing: gets the values
+    values_bytes = newcomer.bytes_received
+    assert got is not None and fresh is not None and got[0] == fresh[0] == 1
+    frag = live.syncer.frags[1]
+    for name in frag.names:
+        np.testing.assert_array_equal(got[1][name], frag.published()[name])
+        np.testing.assert_array_equal(fresh[1][name], frag.published()[name])
+        # The published copy is the global fragment up to int4 rounding of one outer update.
+        np.testing.assert_allclose(got[1][name], frag.params[name], atol=2e-3)
+    assert step_bytes < values_bytes / 4, (step_bytes, values_bytes)
+    # A copy from another syncer process (or none at all) never gets a step: values.
+    status, body = live.raw("GET", "/v1/fragments/1?after=0&epoch=elsewhere")
+    assert status == 200 and not decode_download(body["raw"]).step
+    metrics = live.raw("GET", "/metrics")[1]["raw"].decode()
+    assert 'diloco_syncer_fragment_downloads_total{kind="step"} 1.0' in metrics
+    assert 'diloco_syncer_fragment_downloads_total{kind="values"} 2.0' in metrics
+
+
+@pytest.mark.parametrize("live", [{"compression": {"downlink": "int8"}}], indirect=True)
+def test_a_copy_that_a_step_does_not_rebuild_is_refetched_as_values(live: LiveSyncer) -> None:
+    c = live.client()
+    c.join()
+    params, _ = c.pull_all()
+    name = live.syncer.frags[0].names[0]
+    params[name].flat[0] += 1.0  # the client's copy of version 0 no longer matches the syncer's
+    c.push(0, 0, fragment_delta(live, 0), c_steps=5, c_tokens=320)
+    with pytest.raises(SyncerUnavailable, match="checksum"):
+        c.poll(0, 0, wait=5)
+    got = c.poll(0, 0, wait=5)  # the bad copy was dropped: this answer is the values
+    assert got is not None and got[0] == 1
+    for n, value in got[1].items():
+        np.testing.assert_array_equal(value, live.syncer.frags[0].published()[n])

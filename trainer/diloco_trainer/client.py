@@ -18,8 +18,9 @@ from typing import Any, cast
 
 import numpy as np
 
+from diloco_trainer.downlink import apply_step, checksum
 from diloco_trainer.quantize import Scheme
-from diloco_trainer.wire import PushHeader, WireError, decode_params, encode_push
+from diloco_trainer.wire import PushHeader, WireError, decode_download, encode_push
 
 
 class SyncerError(Exception):
@@ -100,6 +101,11 @@ class SyncerClient:
         self.bytes_received = 0
         self._lock = threading.Lock()
         self._local = threading.local()
+        # The downlink (downlink.py): per fragment, the syncer process (epoch) that published
+        # the copy this client holds, its version and values, so that the syncer can send the
+        # next version as a quantized step. One poller thread per fragment touches its entry.
+        self._layout: list[list[str]] = []
+        self._held: dict[int, tuple[str, int, dict[str, np.ndarray]]] = {}
 
     # ---------------------------------------------------------------- transport
     def _conn(self, timeout: float) -> http.client.HTTPConnection:
@@ -181,6 +187,7 @@ class SyncerClient:
         comp = r.get("compression", {})
         self.compression = cast(Scheme, comp.get("scheme", "none"))
         self.block_size = int(comp.get("blockSize", 128))
+        self._layout = [list(names) for names in r["layout"]]
         return JoinReply(
             run=r["run"],
             layout=r["layout"],
@@ -200,10 +207,17 @@ class SyncerClient:
     def pull_all(self) -> tuple[dict[str, np.ndarray], list[int]]:
         _, _, data = self._request("GET", "/v1/params", timeout=max(self.timeout, 60.0))
         try:
-            tensors, versions, _ = decode_params(data)
+            got = decode_download(data)
+            if got.step:
+                raise WireError("expected parameters, got a step")
         except WireError as exc:
             raise SyncerUnavailable(f"GET /v1/params: bad payload: {exc}") from exc
-        return tensors, versions
+        self._held = {
+            p: (got.epoch, got.versions[p], {n: got.tensors[n] for n in names})
+            for p, names in enumerate(self._layout)
+            if p < len(got.versions) and all(n in got.tensors for n in names)
+        }
+        return got.tensors, got.versions
 
     def push(
         self,
@@ -240,18 +254,33 @@ class SyncerClient:
     def poll(
         self, fragment: int, after_version: int, wait: float
     ) -> tuple[int, dict[str, np.ndarray]] | None:
+        """The fragment's next version after `after_version` (None when none came within
+        `wait`). When this client holds `after_version`, the syncer may answer with a quantized
+        step from it instead of the values; either way the values are returned."""
+        query = f"after={after_version}&wait={wait:g}"
+        held = self._held.get(fragment)
+        if held is not None and held[1] == after_version and held[0]:
+            query += f"&epoch={held[0]}"
         status, _, data = self._request(
-            "GET",
-            f"/v1/fragments/{fragment}?after={after_version}&wait={wait:g}",
-            timeout=wait + self.timeout,
+            "GET", f"/v1/fragments/{fragment}?{query}", timeout=wait + self.timeout
         )
         if status == 204:
             return None
         try:
-            tensors, versions, _ = decode_params(data)
-        except WireError as exc:
+            got = decode_download(data)
+            if got.step:
+                if held is None or (got.epoch, got.from_version) != held[:2]:
+                    raise WireError(f"step from version {got.from_version} does not apply here")
+                tensors = apply_step(held[2], got.tensors)
+                if checksum(tensors) != got.checksum:
+                    raise WireError("fragment rebuilt from a step fails its checksum")
+            else:
+                tensors = got.tensors
+        except (WireError, KeyError) as exc:
+            self._held.pop(fragment, None)  # the next poll asks for the values
             raise SyncerUnavailable(f"GET fragment {fragment}: bad payload: {exc}") from exc
-        return versions[0], tensors
+        self._held[fragment] = (got.epoch, got.versions[0], tensors)
+        return got.versions[0], tensors
 
     def heartbeat(
         self, step: int, tokens: int, tokens_per_sec: float, loss: float | None

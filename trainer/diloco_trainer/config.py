@@ -178,6 +178,12 @@ class MergeConfig(Strict):
 class CompressionConfig(Strict):
     scheme: Literal["none", "int8", "int4"] = Field("none", description="Quantization of deltas.")
     block_size: int = Field(128, ge=8, le=1 << 16, description="Values per quantization scale.")
+    downlink: Literal["none", "int8", "int4"] = Field(
+        "none",
+        description="Quantization of the new global fragment versions the syncer sends: each "
+        "goes out as a quantized step from the previous version, with error feedback "
+        "(docs/protocol.md, 'Compressed downlink'); none sends float32 values.",
+    )
 
 
 class CheckpointConfig(Strict):

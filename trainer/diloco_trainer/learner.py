@@ -82,6 +82,7 @@ class LearnerResult:
     link_stats: dict[str, int] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_joined: int = 0  # of bytes_received: the join and the full pull of the parameters
     # Where the loop's time went after its first (compiling) step: "train" = dispatching the step
     # and waiting for the previous one; "slowdown" = the --slowdown sleep; "other" = the rest of
     # the loop (installing arrivals, queueing pushes' references, logging). Nothing in the loop
@@ -163,6 +164,7 @@ def run_learner(
     global_params: dict[str, np.ndarray] = init_params(cfg.model, cfg.seed)
     versions = [0] * len(layout)
     resume_step = 0  # where this unit's LR schedule continues (its steps in earlier attempts)
+    bytes_joined = 0
     if leader:
         joined = join_and_pull(client, stop)
         if joined is None:  # stopped while waiting for the syncer
@@ -171,6 +173,7 @@ def run_learner(
             log.info("event=already_complete unit=%s", opts.name)
             return LearnerResult(0, 0, time.monotonic() - started, True, None, joined.versions)
         layout, versions, resume_step = joined.layout, joined.versions, joined.resume_step
+        bytes_joined = client.bytes_received
         global_params.update(joined.params)
         log.info(
             "event=joined unit=%s attempt=%d versions=%s resume_step=%d",
@@ -298,6 +301,7 @@ def run_learner(
         link_stats=dict(link.stats) if link is not None else {},
         bytes_sent=client.bytes_sent,
         bytes_received=client.bytes_received,
+        bytes_joined=bytes_joined,
         loop_seconds=loop_seconds,
     )
 

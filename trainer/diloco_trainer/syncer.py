@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import math
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -23,6 +25,7 @@ from aiohttp import web
 from diloco_trainer import syncer_persist
 from diloco_trainer.checkpoint import CheckpointStore, Snapshot
 from diloco_trainer.config import TrainingConfig
+from diloco_trainer.downlink import Publication
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.grace import Ema, grace_window, slack_seconds
 from diloco_trainer.learners import LearnerRegistry
@@ -41,7 +44,13 @@ from diloco_trainer.syncer_fragment import (
     validate_push,
 )
 from diloco_trainer.syncer_metrics import SyncerMetrics
-from diloco_trainer.wire import PayloadMismatch, WireError, decode_push, encode_params
+from diloco_trainer.wire import (
+    PayloadMismatch,
+    WireError,
+    decode_push,
+    encode_params,
+    encode_step,
+)
 
 log = logging.getLogger("diloco.syncer")
 
@@ -109,6 +118,12 @@ class Syncer:
             self.final_eval = "off"
         self._journal_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="journal")
         self._published = syncer_persist.resume_numbering(self)
+        # Names this process's downlink steps: a learner's copy from another process (before a
+        # restart) never gets a step, only values.
+        self.epoch = secrets.token_hex(8)
+        if cfg.compression.downlink != "none":
+            for f in self.frags:
+                f.publication = Publication(f.version, dict(f.params))
         self._publish_gauges()
 
     def _new_fragment(
@@ -346,8 +361,15 @@ class Syncer:
             await asyncio.get_running_loop().run_in_executor(
                 self._journal_pool, self.store.record_versions, list(self._published)
             )
+        publication = f.publication
+        if publication is not None:
+            comp = self.cfg.compression
+            publication = await asyncio.get_running_loop().run_in_executor(
+                self._merge_pool,
+                publication.advance, new_params, new_version, comp.downlink, comp.block_size,
+            )  # fmt: skip
         elapsed = time.perf_counter() - started
-        f.params, f.opt_state = new_params, new_state
+        f.params, f.opt_state, f.publication = new_params, new_state, publication
         f.version = new_version
         f.last_merge = time.time()
         self.sync_time.update(elapsed)
@@ -377,16 +399,32 @@ class Syncer:
         return self.outer.step(params, state, merged, share)
 
     # ---------------------------------------------------------------- downloads
-    async def fragment_payload(self, f: FragmentState) -> bytes:
-        """The encoded fragment at its current version; encoded once (off the loop) however many
-        long-pollers wake up for it."""
-        version = f.version
-        if f.encoded is None or f.encoded[0] != version:
-            future = asyncio.get_running_loop().run_in_executor(
-                self._decode_pool, encode_params, f.params, [version], f.index
-            )
-            f.encoded = (version, asyncio.ensure_future(future))
-        return await f.encoded[1]
+    async def fragment_payload(self, f: FragmentState, after: int = -1, epoch: str = "") -> bytes:
+        """The fragment at its current version for a learner that holds version `after`
+        published by `epoch`: the quantized step from there when the downlink has one, else the
+        published values. Encoded once (off the loop) however many long-pollers wake up for it."""
+        version, pub = f.version, f.publication
+        step = (
+            pub is not None
+            and pub.step is not None
+            and pub.version == version
+            and after == version - 1
+            and epoch == self.epoch
+        )
+        if f.encoded is None or f.encoded[:2] != (version, step):
+            if step:
+                assert pub is not None and pub.step is not None
+                job = functools.partial(
+                    encode_step, pub.step, f.index, after, version, self.epoch, pub.checksum
+                )
+            else:
+                job = functools.partial(
+                    encode_params, f.published(), [version], f.index, self.epoch
+                )
+            future = asyncio.get_running_loop().run_in_executor(self._decode_pool, job)
+            f.encoded = (version, step, asyncio.ensure_future(future))
+        self.metrics.downloads.labels("step" if step else "values").inc()
+        return await f.encoded[2]
 
     async def wait_for_change(self, f: FragmentState, after: int, wait: float) -> bool:
         """True once f.version != after (newer, or older after a restore); False on timeout or

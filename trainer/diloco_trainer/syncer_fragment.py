@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from diloco_trainer.config import ModelConfig, TrainingConfig
+from diloco_trainer.downlink import Publication
 from diloco_trainer.wire import PushHeader
 
 InitFn = Callable[[ModelConfig, int], dict[str, np.ndarray]]
@@ -79,7 +80,12 @@ class FragmentState:
     all_in: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     seen: OrderedDict[tuple[str, int, int, int], int] = field(default_factory=OrderedDict)
-    encoded: tuple[int, asyncio.Future[bytes]] | None = None
+    encoded: tuple[int, bool, asyncio.Future[bytes]] | None = None  # (version, step?, bytes)
+    # What learners hold (downlink.py); None: the downlink sends `params` themselves.
+    publication: Publication | None = None
+
+    def published(self) -> dict[str, np.ndarray]:
+        return self.publication.tensors if self.publication is not None else self.params
 
 
 def validate_push(

@@ -158,10 +158,10 @@ async def params(request: web.Request) -> web.Response:
     s = request.app[SYNCER_KEY]
     snap: dict[str, Any] = {}
     for f in s.frags:
-        snap.update(f.params)
+        snap.update(f.published())
     versions = s.versions()
     payload = await asyncio.get_running_loop().run_in_executor(
-        None, encode_params, snap, versions, None
+        None, encode_params, snap, versions, None, s.epoch
     )
     s.bytes_sent += len(payload)
     s.metrics.bytes_out.inc(len(payload))
@@ -196,7 +196,7 @@ async def poll(request: web.Request) -> web.Response:
         raise Reject(400, "bad_request", f"wait: must be a finite number >= 0, got {wait}")
     if not await s.wait_for_change(f, after, min(wait, MAX_POLL_WAIT)):
         return web.Response(status=204, headers={"X-Diloco-Version": str(f.version)})
-    payload = await s.fragment_payload(f)
+    payload = await s.fragment_payload(f, after, request.query.get("epoch", ""))
     s.bytes_sent += len(payload)
     s.metrics.bytes_out.inc(len(payload))
     return _tensors(payload, **{"X-Diloco-Version": str(f.version)})

@@ -48,6 +48,12 @@ class SyncerMetrics:
         self.bytes_out = Counter(
             "diloco_syncer_bytes_sent_total", "Tensor payload bytes sent", registry=r
         )
+        self.downloads = Counter(
+            "diloco_syncer_fragment_downloads_total",
+            "Fragment versions sent, as a quantized step from the previous one or as values",
+            ["kind"],
+            registry=r,
+        )
         self.outer_step = Gauge("diloco_syncer_outer_step", "Sum of fragment versions", registry=r)
         self.fragment_version = Gauge(
             "diloco_syncer_fragment_version", "Version per fragment", ["fragment"], registry=r

@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from diloco_trainer.quantize import Quantized, Scheme, dequantize, quantize
+from diloco_trainer.quantize import QMAX, Quantized, Scheme, dequantize, quantize
 
 FORMAT = "diloco/1"
 SCHEMES = ("none", "int8", "int4")
@@ -128,20 +128,18 @@ def encode_push(
     if header.scheme == "none":
         tensors = {k: np.asarray(v, dtype=np.float32) for k, v in delta.items()}
         return encode_tensors(tensors, meta), 0.0
-    tensors = {}
-    shapes: dict[str, list[int]] = {}
+    quantized = {
+        name: quantize(np.asarray(value, dtype=np.float32), header.scheme, block_size)
+        for name, value in delta.items()
+    }
     err_sq = 0.0
     ref_sq = 0.0
-    for name, value in delta.items():
-        arr = np.asarray(value, dtype=np.float32)
-        qt = quantize(arr, header.scheme, block_size)
-        tensors[f"q/{name}"] = qt.data
-        tensors[f"s/{name}"] = qt.scales
-        shapes[name] = list(arr.shape)
+    for name, qt in quantized.items():
+        arr = np.asarray(delta[name], dtype=np.float32)
         diff = dequantize(qt).astype(np.float64) - arr
         err_sq += float(np.sum(diff * diff))
         ref_sq += float(np.sum(np.square(arr, dtype=np.float64)))
-    meta["shapes"] = json.dumps(shapes, sort_keys=True)
+    tensors = _quantized_tensors(quantized, meta)
     meta["blockSize"] = str(block_size)
     rel = (err_sq**0.5) / (ref_sq**0.5) if ref_sq > 0 else 0.0
     meta["quantError"] = f"{rel:.6g}"
@@ -177,11 +175,25 @@ def decode_push(payload: bytes) -> tuple[PushHeader, dict[str, np.ndarray]]:
             if arr.dtype != np.float32:
                 raise PayloadMismatch(f"tensor {name}: dtype {arr.dtype}, expected float32")
         return header, tensors
-    return header, _dequantize_all(tensors, meta, header)
+    return header, _dequantize_all(tensors, meta, header.scheme, header.block_size)
+
+
+def _quantized_tensors(
+    quantized: Mapping[str, Quantized], meta: dict[str, str]
+) -> dict[str, np.ndarray]:
+    """The `q/<leaf>` and `s/<leaf>` tensors of quantized leaves; records shapes and block size
+    in `meta` (one block size per payload)."""
+    tensors: dict[str, np.ndarray] = {}
+    for name, qt in quantized.items():
+        tensors[f"q/{name}"] = qt.data
+        tensors[f"s/{name}"] = qt.scales
+        meta["blockSize"] = str(qt.block_size)
+    meta["shapes"] = json.dumps({n: list(q.shape) for n, q in quantized.items()}, sort_keys=True)
+    return tensors
 
 
 def _dequantize_all(
-    tensors: Mapping[str, np.ndarray], meta: Mapping[str, str], header: PushHeader
+    tensors: Mapping[str, np.ndarray], meta: Mapping[str, str], scheme: Scheme, block_size: int
 ) -> dict[str, np.ndarray]:
     try:
         shapes_raw: Any = json.loads(meta.get("shapes", ""))
@@ -189,7 +201,7 @@ def _dequantize_all(
         raise WireError(f"payload metadata.shapes: not JSON: {exc}") from exc
     if not isinstance(shapes_raw, dict):
         raise WireError("payload metadata.shapes: expected a JSON object")
-    want_dtype = np.int8 if header.scheme == "int8" else np.uint8
+    want_dtype = np.int8 if scheme == "int8" else np.uint8
     expected_keys = {f"{p}/{n}" for n in shapes_raw for p in ("q", "s")}
     if set(tensors) != expected_keys:
         extra = sorted(set(tensors) - expected_keys)
@@ -209,9 +221,7 @@ def _dequantize_all(
             )
         try:
             out[name] = dequantize(
-                Quantized(
-                    header.scheme, tuple(shape), header.block_size, data.ravel(), scales.ravel()
-                )
+                Quantized(scheme, tuple(shape), block_size, data.ravel(), scales.ravel())
             )
         except ValueError as exc:
             raise WireError(f"tensor {name}: {exc}") from exc
@@ -219,19 +229,64 @@ def _dequantize_all(
 
 
 def encode_params(
-    params: Mapping[str, np.ndarray], versions: list[int], fragment: int | None = None
+    params: Mapping[str, np.ndarray],
+    versions: list[int],
+    fragment: int | None = None,
+    epoch: str = "",
 ) -> bytes:
-    """Global parameters (all, or one fragment's) with their version(s), float32 unquantized."""
-    meta = {"kind": "params", "versions": json.dumps(versions)}
+    """Global parameters (all, or one fragment's) with their version(s), float32 unquantized.
+    `epoch` names the syncer process that published them (see `encode_step`)."""
+    meta = {"kind": "params", "versions": json.dumps(versions), "epoch": epoch}
     if fragment is not None:
         meta["fragment"] = str(fragment)
     return encode_tensors({k: np.asarray(v, dtype=np.float32) for k, v in params.items()}, meta)
 
 
-def decode_params(payload: bytes) -> tuple[dict[str, np.ndarray], list[int], int | None]:
+@dataclass(frozen=True)
+class Download:
+    """A decoded fragment or parameters download. `step` True: `tensors` is a dequantized step
+    from `from_version` to apply to the receiver's copy (`downlink.apply_step`), not values."""
+
+    tensors: dict[str, np.ndarray]
+    versions: list[int]
+    fragment: int | None
+    epoch: str
+    step: bool = False
+    from_version: int = -1
+    checksum: int = 0  # of the copy a step leads to (downlink.checksum)
+
+
+def encode_step(
+    step: Mapping[str, Quantized],
+    fragment: int,
+    from_version: int,
+    version: int,
+    epoch: str,
+    checksum: int,
+) -> bytes:
+    """A fragment's new version as a quantized step from the previous one (downlink.py), with the
+    checksum of the copy it leads to."""
+    if not step:
+        raise ValueError("a step payload needs at least one tensor")
+    scheme = next(iter(step.values())).scheme
+    meta = {
+        "kind": "step",
+        "fragment": str(fragment),
+        "versions": json.dumps([version]),
+        "fromVersion": str(from_version),
+        "epoch": epoch,
+        "scheme": scheme,
+        "checksum": str(checksum),
+    }
+    return encode_tensors(_quantized_tensors(step, meta), meta)
+
+
+def decode_download(payload: bytes) -> Download:
+    """Decode a `params` payload (float32 values) or a `step` payload (dequantized step)."""
     tensors, meta = decode_tensors(payload)
-    if meta.get("kind") != "params":
-        raise WireError("payload metadata.kind must be 'params'")
+    kind = meta.get("kind")
+    if kind not in ("params", "step"):
+        raise WireError("payload metadata.kind must be 'params' or 'step'")
     try:
         versions = json.loads(meta.get("versions", ""))
     except json.JSONDecodeError as exc:
@@ -239,4 +294,29 @@ def decode_params(payload: bytes) -> tuple[dict[str, np.ndarray], list[int], int
     if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):
         raise WireError("payload metadata.versions: expected a list of integers")
     fragment = _int_field(meta, "fragment") if "fragment" in meta else None
-    return tensors, versions, fragment
+    epoch = meta.get("epoch", "")
+    if kind == "params":
+        return Download(tensors, versions, fragment, epoch)
+    scheme = meta.get("scheme", "")
+    if scheme not in QMAX:
+        raise WireError(f"payload metadata.scheme: {scheme!r} not one of {', '.join(QMAX)}")
+    if fragment is None or len(versions) != 1:
+        raise WireError("step payload: needs metadata.fragment and one version")
+    block_size = _int_field(meta, "blockSize", 1)
+    values = _dequantize_all(tensors, meta, cast(Scheme, scheme), block_size)
+    return Download(
+        values,
+        versions,
+        fragment,
+        epoch,
+        step=True,
+        from_version=_int_field(meta, "fromVersion"),
+        checksum=_int_field(meta, "checksum"),
+    )
+
+
+def decode_params(payload: bytes) -> tuple[dict[str, np.ndarray], list[int], int | None]:
+    got = decode_download(payload)
+    if got.step:
+        raise WireError("payload metadata.kind must be 'params'")
+    return got.tensors, got.versions, got.fragment
