@@ -55,7 +55,7 @@ def parity_config(
     outer_momentum: float = 0.8,
     phase_lock: bool = True,
 ) -> TrainingConfig:
-    # Short sequences and small batches keep 2,000 steps x 4 learners within ~10 CPU-minutes per
+    # Short sequences and small batches keep 4,000 steps x 4 learners within ~10 CPU-minutes per
     # run on 2 cores; the comparison is between schedules, so the absolute size matters less.
     # Outer momentum 0.8 and phase-locked pushes: the settings that came closest to
     # data-parallel (docs/design.md, "Phase-locked pushes"); the paper's momentum is 0.9.
@@ -258,7 +258,9 @@ def plot_curves(runs: list[Outcome], path: Path) -> Path:
 
 
 def run(ctx: BenchContext) -> Section:
-    steps, h = (300, 25) if ctx.quick else (2000, 30)
+    # 4,000 steps per learner: at 2,000, synchronous DiLoCo itself was 1.034 of data-parallel
+    # on this model, at 4,000 1.013 (docs/design.md, "How long a horizon").
+    steps, h = (300, 25) if ctx.quick else (4000, 30)
     cfg = parity_config(steps, h)
     fixed = cfg.model_copy(update={"phase_lock": False})
     # The real-process runs first: they are the most fragile and the ones the section is about.
@@ -304,7 +306,9 @@ next section, under a controlled clock.
 
 Target: decoupled M=4 loss / data-parallel <= 1.02: **{verdict}** ({dec:.3f}) over {horizon}
 ({steps} inner steps per learner; the issue asks for >= 2000 for the full row, where short
-horizons favour data-parallel).
+horizons favour data-parallel: the same settings at 2,000 steps gave synchronous DiLoCo 1.034 and
+the phase-locked run 1.035, docs/design.md). Training windows are drawn at random from an 8 MB
+slice of the corpus (the same for every run), about one pass of it at 4,000 steps.
 
 Reading: synchronous DiLoCo is {sync.loss / ref:.3f} of data-parallel here (a 0.4M-parameter
 model, {steps} steps); the phase-locked decoupled run is {locked.loss / sync.loss:.3f} of
