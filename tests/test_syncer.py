@@ -526,8 +526,12 @@ def test_joined_learner_shows_a_sign_of_life_before_its_first_heartbeat(live: Li
 @pytest.mark.parametrize(
     "live",
     [
-        dict(
-            quorum=1, overlap=100000, innerSteps=300, grace={"mode": "adaptive", "maxSeconds": 30.0}
+        dict(  # the unlocked rule; the phase-locked one is the next test
+            quorum=1,
+            overlap=100000,
+            innerSteps=300,
+            phaseLock=False,
+            grace={"mode": "adaptive", "maxSeconds": 30.0},
         )
     ],
     indirect=True,

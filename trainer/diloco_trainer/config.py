@@ -214,9 +214,10 @@ class TrainingConfig(Strict):
     )
     overlap: int = Field(2, ge=0, le=1_000_000, description="tau: inner steps a sync may overlap.")
     phase_lock: bool = Field(
-        False,
+        True,
         description="Restart a fragment's H-step push countdown when a new version of it is "
-        "installed, so learners push it together and merges hold several deltas.",
+        "installed, so learners push it together and merges hold several deltas; false: each "
+        "fragment every H steps at its own fixed offset.",
     )
     quorum: int = Field(1, ge=1, le=100_000, description="K: minimum contributions before a merge.")
     max_staleness: int = Field(
