@@ -759,6 +759,8 @@ def test_compressed_downlink_sends_a_step_to_a_learner_holding_the_previous_vers
     follower, newcomer = live.client("unit-0"), live.client("unit-1")
     for c in (follower, newcomer):
         c.join()
+    joined = live.raw("POST", "/v1/join", json.dumps({"unit": "unit-2", "attempt": 0}).encode())
+    assert joined[1]["compression"] == {"scheme": "none", "blockSize": 128, "downlink": "int4"}
     follower.pull_all()  # holds version 0 of every fragment
     follower.push(1, 0, fragment_delta(live, 1), c_steps=5, c_tokens=320)
     received = follower.bytes_received

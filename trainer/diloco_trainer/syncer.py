@@ -411,7 +411,8 @@ class Syncer:
             and after == version - 1
             and epoch == self.epoch
         )
-        if f.encoded is None or f.encoded[:2] != (version, step):
+        cached = f.encoded.get(step)
+        if cached is None or cached[0] != version:
             if step:
                 assert pub is not None and pub.step is not None
                 job = functools.partial(
@@ -422,9 +423,9 @@ class Syncer:
                     encode_params, f.published(), [version], f.index, self.epoch
                 )
             future = asyncio.get_running_loop().run_in_executor(self._decode_pool, job)
-            f.encoded = (version, step, asyncio.ensure_future(future))
+            cached = f.encoded[step] = (version, asyncio.ensure_future(future))
         self.metrics.downloads.labels("step" if step else "values").inc()
-        return await f.encoded[2]
+        return await cached[1]
 
     async def wait_for_change(self, f: FragmentState, after: int, wait: float) -> bool:
         """True once f.version != after (newer, or older after a restore); False on timeout or

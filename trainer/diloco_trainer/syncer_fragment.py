@@ -80,7 +80,8 @@ class FragmentState:
     all_in: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     seen: OrderedDict[tuple[str, int, int, int], int] = field(default_factory=OrderedDict)
-    encoded: tuple[int, bool, asyncio.Future[bytes]] | None = None  # (version, step?, bytes)
+    # The current version's downloads, encoded once: as a step (True) and as values (False).
+    encoded: dict[bool, tuple[int, asyncio.Future[bytes]]] = field(default_factory=dict)
     # What learners hold (downlink.py); None: the downlink sends `params` themselves.
     publication: Publication | None = None
 

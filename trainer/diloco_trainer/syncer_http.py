@@ -124,6 +124,7 @@ async def join(request: web.Request) -> web.Response:
             "compression": {
                 "scheme": cfg.compression.scheme,
                 "blockSize": cfg.compression.block_size,
+                "downlink": cfg.compression.downlink,
             },
             "innerSteps": cfg.inner_steps,
             "fragments": len(s.frags),
