@@ -92,8 +92,9 @@ def run(ctx: BenchContext) -> Section:
         ratio = dp / per_token
         if s == "int4":
             int4_ratio = ratio
+        received_ratio = dp / (received / tokens)
         if down == "int4":
-            down_ratio = dp / (received / tokens)
+            down_ratio = received_ratio
         fragment_payload = n * bytes_per_param(s, block) / cfg.fragments
         log(f"comm {s}/{down}: sent {sent} B, received {received} B for {tokens} tokens, {stats}")
         measured_rows.append(
@@ -106,7 +107,7 @@ def run(ctx: BenchContext) -> Section:
                 f"**{ratio:,.0f}x**",
                 fmt_bytes(received),
                 f"{received / tokens:.3g} B",
-                f"{dp / (received / tokens):,.0f}x",
+                f"{received_ratio:,.0f}x",
                 f"{dp:.3g} B",
                 fmt_bytes(fragment_payload),
                 f"{sent / seconds / 1e3:.1f} kB/s",

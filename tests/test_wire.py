@@ -61,9 +61,9 @@ def test_push_round_trip_quantized_is_smaller_and_close(scheme: str, ratio: floa
 
 def test_params_round_trip() -> None:
     d = delta()
-    tensors, versions, frag = decode_params(encode_params(d, [3, 4], fragment=1))
-    assert versions == [3, 4] and frag == 1
-    np.testing.assert_array_equal(tensors["ln.scale"], d["ln.scale"])
+    got = decode_params(encode_params(d, [3, 4], fragment=1))
+    assert got.versions == [3, 4] and got.fragment == 1
+    np.testing.assert_array_equal(got.tensors["ln.scale"], d["ln.scale"])
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,13 @@ import numpy as np
 
 from diloco_trainer.downlink import apply_step, checksum
 from diloco_trainer.quantize import Scheme
-from diloco_trainer.wire import PushHeader, WireError, decode_download, encode_push
+from diloco_trainer.wire import (
+    PushHeader,
+    WireError,
+    decode_download,
+    decode_params,
+    encode_push,
+)
 
 
 class SyncerError(Exception):
@@ -207,9 +213,7 @@ class SyncerClient:
     def pull_all(self) -> tuple[dict[str, np.ndarray], list[int]]:
         _, _, data = self._request("GET", "/v1/params", timeout=max(self.timeout, 60.0))
         try:
-            got = decode_download(data)
-            if got.step:
-                raise WireError("expected parameters, got a step")
+            got = decode_params(data)
         except WireError as exc:
             raise SyncerUnavailable(f"GET /v1/params: bad payload: {exc}") from exc
         self._held = {

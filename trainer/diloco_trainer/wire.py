@@ -315,8 +315,9 @@ def decode_download(payload: bytes) -> Download:
     )
 
 
-def decode_params(payload: bytes) -> tuple[dict[str, np.ndarray], list[int], int | None]:
+def decode_params(payload: bytes) -> Download:
+    """Decode a `params` payload (values); a step is refused."""
     got = decode_download(payload)
     if got.step:
         raise WireError("payload metadata.kind must be 'params'")
-    return got.tensors, got.versions, got.fragment
+    return got
