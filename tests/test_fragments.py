@@ -141,3 +141,19 @@ def test_push_clock_locked_slow_learner_still_pushes() -> None:
     clock = PushClock(h, 1, lock=True)
     steps = _push_steps(clock, 0, range(1, 61), installs=set(range(5, 61, 5)))
     assert steps == [20, 40, 60]
+
+
+def test_push_clock_locked_joiner_waits_for_its_first_install() -> None:
+    """A learner that joins a running run pushes a fragment H steps after its first install of
+    it (in step with the peers who produced that version), not on the staggered schedule; with
+    no install it still pushes at 2H. Unlocked, joining changes nothing."""
+    h = 10
+    installed = PushClock(h, 1, lock=True)
+    installed.joined_running(0)
+    assert _push_steps(installed, 0, range(1, 40), installs={6}) == [16, 26, 36]
+    silent = PushClock(h, 1, lock=True)
+    silent.joined_running(0)
+    assert _push_steps(silent, 0, range(1, 50), installs=set()) == [20, 30, 40]
+    unlocked = PushClock(h, 1)
+    unlocked.joined_running(0)
+    assert _push_steps(unlocked, 0, range(1, 40), installs={6}) == [10, 20, 30]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import re
 import threading
 import time
@@ -798,3 +799,63 @@ def test_a_copy_that_a_step_does_not_rebuild_is_refetched_as_values(live: LiveSy
     assert got is not None and got[0] == 1
     for n, value in got[1].items():
         np.testing.assert_array_equal(value, live.syncer.frags[0].published()[n])
+
+
+@pytest.mark.parametrize("live", [dict(_locked(True), heartbeatSeconds=0.5)], indirect=True)
+def test_phase_locked_merge_neither_waits_for_nor_shares_with_a_joiner_or_a_silent_unit(
+    live: LiveSyncer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A unit that joined after the fragment's last merge pushes it only a round later, and a
+    killed one never again: a locked merge would wait the whole 10 s for either and scale its
+    step by the share of those present. It goes ahead with the units in step, as a full step."""
+    a, b = live.client("unit-0"), live.client("unit-1")
+    for c in (a, b):
+        c.heartbeat(0, 0, 100.0, None)
+    a.push(0, 0, fragment_delta(live, 0, seed=1), 10, 640)
+    b.push(0, 0, fragment_delta(live, 0, seed=2), 10, 640)
+    wait_until(lambda: live.syncer.frags[0].version == 1)
+    live.client("unit-2").join()  # a replacement or a new unit, after the merge
+    caplog.set_level(logging.INFO, logger="diloco.syncer")
+    t0 = time.monotonic()
+    a.heartbeat(10, 640, 100.0, None)
+    b.heartbeat(10, 640, 100.0, None)
+    a.push(0, 1, fragment_delta(live, 0, seed=3), 10, 640)
+    b.push(0, 1, fragment_delta(live, 0, seed=4), 10, 640)
+    wait_until(lambda: live.syncer.frags[0].version == 2)
+    assert time.monotonic() - t0 < 5.0
+    # unit-1 goes silent (killed): after 2 heartbeat periods unit-0's push merges alone.
+    time.sleep(1.2)
+    a.heartbeat(20, 1280, 100.0, None)
+    t0 = time.monotonic()
+    a.push(0, 2, fragment_delta(live, 0, seed=5), 10, 640)
+    wait_until(lambda: live.syncer.frags[0].version == 3)
+    assert time.monotonic() - t0 < 5.0
+    merged = [r.getMessage() for r in caplog.records if "event=merged" in r.getMessage()]
+    assert [m.split(" share=")[1].split()[0] for m in merged] == ["1.000", "1.000"]
+    assert "units=unit-0,unit-1 " in merged[0] and "units=unit-0 " in merged[1]
+
+
+@pytest.mark.parametrize(
+    "live",
+    [dict(quorum=1, phaseLock=True, grace={"mode": "fixed", "maxSeconds": 0.3})],
+    indirect=True,
+)
+def test_phase_locked_push_that_missed_the_merge_rides_with_the_next_round(
+    live: LiveSyncer,
+) -> None:
+    """Merged alone, a late push would publish a version in mid-round, and every learner that
+    installs it loses its progress on the fragment since the round's merge."""
+    a, b = live.client("unit-0"), live.client("unit-1")
+    for c in (a, b):
+        c.heartbeat(0, 0, 100.0, None)
+    a.push(0, 0, fragment_delta(live, 0, seed=1), 10, 640)
+    wait_until(lambda: live.syncer.frags[0].version == 1)  # b missed the 0.3 s window
+    b.push(0, 0, fragment_delta(live, 0, seed=2), 10, 640)
+    time.sleep(1.0)
+    assert live.syncer.frags[0].version == 1 and list(live.syncer.frags[0].pending) == ["unit-1"]
+    a.push(0, 1, fragment_delta(live, 0, seed=3), 10, 640)
+    wait_until(lambda: live.syncer.frags[0].version == 2)
+    contributions = live.syncer.metrics.registry.get_sample_value(
+        "diloco_syncer_merge_contributions_sum"
+    )
+    assert contributions == 3.0  # 1 in the first merge, then a's and b's together

@@ -99,6 +99,14 @@ class PushClock:
         self.last_push[fragment] = step
         self.next_due[fragment] = step + self.inner_steps
 
+    def joined_running(self, fragment: int) -> None:
+        """This learner joined after `fragment` had been merged (a replacement, or a unit added
+        to a running run). Locked, its peers' phase on the fragment is unknown until the first
+        install, so the countdown starts there (at `max_period` at the latest): a push on the
+        staggered schedule would arrive alone, between the others' merges."""
+        if self.lock:
+            self.next_due[fragment] = self.max_period
+
     def installed(self, step: int, fragment: int) -> None:
         """A new global version of `fragment` was installed after the `step`-th step."""
         if self.lock:

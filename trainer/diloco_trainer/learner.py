@@ -204,6 +204,9 @@ def run_learner(
     base: dict[int, Mapping[str, np.ndarray | jax.Array]] = {p: startup[p][1] for p in startup}
     counters = FragmentCounters(len(layout))
     clock = PushClock(cfg.inner_steps, len(layout), cfg.phase_lock)
+    for p in range(len(layout)):
+        if versions[p] > 0:
+            clock.joined_running(p)
     tokens_per_step = cfg.tokens_per_step
     schedule = learning_rate_schedule(cfg.inner_optimizer, learner_horizon(cfg, opts.num_units))
     ramp = rewarmup_steps(cfg.inner_optimizer)

@@ -24,6 +24,7 @@ class LearnerRecord:
     start_step: int = 0
     last_seen: float | None = None
     last_heartbeat: float | None = None
+    attempt_since: float | None = None  # when the current attempt was first heard from
     tokens_per_sec: float = 0.0
     loss: float | None = None
     step_time: Ema = field(default_factory=lambda: Ema(0.2))
@@ -61,6 +62,8 @@ class LearnerRegistry:
 
     def seen(self, unit: str, attempt: int, group: str, now: float) -> LearnerRecord:
         rec = self.get(unit)
+        if attempt > rec.attempt or rec.attempt_since is None:
+            rec.attempt_since = now
         if attempt > rec.attempt:
             # A new attempt must not inherit the dead attempt's last heartbeat: a supervisor
             # would call it stale right after it joined (status falls back to last_seen).
@@ -109,6 +112,25 @@ class LearnerRegistry:
             for u, r in self.records.items()
             if r.last_seen is not None and now - r.last_seen <= self.offline_after
         )
+
+    def in_phase(self, now: float, fresh_within: float, last_merge: float | None) -> list[str]:
+        """The units a phase-locked merge of a fragment waits for and shares with: heard from
+        within `fresh_within` seconds (a killed learner drops out after that, not after
+        `offline_after`), and on an attempt that began before the fragment's `last_merge`, so
+        that it installed a version and pushes in step with the others. A learner that joined
+        since then pushes the fragment first one round later (`PushClock.joined_running`).
+        With `last_merge` None (a fragment not merged yet), or when no fresh unit is in phase
+        (every unit restarted), every fresh unit: they all start the fragment's countdown at the
+        same step."""
+        fresh = [
+            (u, r)
+            for u, r in sorted(self.records.items())
+            if r.last_seen is not None and now - r.last_seen <= fresh_within
+        ]
+        phased = [
+            u for u, r in fresh if last_merge is None or (r.attempt_since or 0.0) < last_merge
+        ]
+        return phased or [u for u, _ in fresh]
 
     def totals(self) -> tuple[int, int]:
         return (
@@ -163,6 +185,7 @@ class LearnerRegistry:
         for unit, raw in data.items():
             rec = self.get(unit)
             rec.last_seen = now
+            rec.attempt_since = 0.0  # it holds versions already: in phase (`in_phase`)
             rec.group = str(raw.get("group", "default"))
             rec.attempt = int(raw.get("attempt", 0))
             rec.attempts = {

@@ -288,14 +288,32 @@ class Syncer:
             "pending": len(f.pending),
         }
 
+    def _contributors(self, f: FragmentState, now: float) -> list[str]:
+        """The learners a merge of `f` waits for and is a share of. Phase-locked: those in step
+        with the others on `f` (`LearnerRegistry.in_phase`); a unit killed a heartbeat or two
+        ago, or one that joined since f's last merge, would only hold the merge back for the
+        whole grace window and make its step smaller. Otherwise: every online learner."""
+        if self.cfg.phase_lock:
+            return self.learners.in_phase(now, 2 * self.cfg.heartbeat_seconds, f.last_merge)
+        return self.learners.online(now)
+
     def _maybe_schedule_merge(self, f: FragmentState) -> None:
         if len(f.pending) < self.cfg.quorum:
             return
         now = time.time()
-        missing = [u for u in self.learners.online(now) if u not in f.pending]
+        missing = [u for u in self._contributors(f, now) if u not in f.pending]
         if f.merge_task is not None:
             if not missing:
                 f.all_in.set()
+            return
+        if (
+            self.cfg.phase_lock
+            and missing
+            and all(p.header.base_version < f.version for p in f.pending.values())
+        ):
+            # Only pushes that missed the last merge: they ride along with the next round's. A
+            # merge of them alone would be a version in mid-round, and installing it overwrites
+            # every learner's progress on f since the round's merge.
             return
         f.quorum_time = now
         first = self.learners.get(f.first_unit) if f.first_unit else None
@@ -348,7 +366,7 @@ class Syncer:
         ]
         share = 1.0
         if self.cfg.merge.participation_scaling:
-            online = set(self.learners.online(time.time())) | set(pending)
+            online = set(self._contributors(f, time.time())) | set(pending)
             share = participation_share(len(contributions), len(online))
         started = time.perf_counter()
         new_params, new_state = await asyncio.get_running_loop().run_in_executor(
