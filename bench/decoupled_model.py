@@ -37,6 +37,10 @@ from diloco_trainer.quantize import dequantize, quantize
 from diloco_trainer.train import make_optimizer, resume_schedule
 
 Install = Literal["overwrite", "keep-unsent"]
+# What a restarted learner's AdamW moments are: fresh (the product before warm restarts), those a
+# live peer holds at that moment, or its own from before the kill (an upper bound: a real replacement
+# has lost them).
+Restart = Literal["fresh", "peer", "own"]
 Host = dict[str, np.ndarray]
 
 
@@ -60,6 +64,8 @@ class Setting:
     scheme: Literal["none", "int8", "int4"] = "none"
     install: Install = "overwrite"
     per_round_momentum: bool = False
+    restart: Restart = "fresh"
+    relock: bool = False  # a restarted learner takes a live peer's push schedule
 
 
 @dataclass
@@ -89,6 +95,21 @@ def roundtrip(delta: Host, scheme: str) -> Host:
 def _speed_gate(speed: float, tick: int) -> bool:
     """Whether a learner of this speed completes a step at `tick` (1-based): evenly spaced."""
     return int(tick * speed) > int((tick - 1) * speed)
+
+
+def _restarted_state(
+    state: Any, fresh: Any, m: int, step: int, mode: Restart, down_until: list[int], tick: int
+) -> Any:
+    """The stacked optimizer state with learner m's restarted as `mode` says."""
+    if mode == "own":
+        return state
+    source = fresh
+    if mode == "peer":
+        live = [k for k in range(len(down_until)) if k != m and down_until[k] <= tick]
+        if live:
+            source = jax.tree_util.tree_map(lambda a: a[live[0]], state)
+    resumed = resume_schedule(source, step)
+    return jax.tree_util.tree_map(lambda a, b: a.at[m].set(b), state, resumed)
 
 
 def simulate(
@@ -153,8 +174,12 @@ def simulate(
                 down_until[m] = tick + kills[(tick, m)]
             elif down_until[m] == tick:  # restart: pull the global parameters, fresh AdamW
                 set_leaves(m, glob)  # moments, the LR schedule continued (as `resumeStep` does)
-                resumed = resume_schedule(fresh_state, steps[m])
-                state = jax.tree_util.tree_map(lambda a, b, m=m: a.at[m].set(b), state, resumed)
+                state = _restarted_state(
+                    state, fresh_state, m, steps[m], s.restart, down_until, tick
+                )
+                peers = [k for k in range(m_count) if k != m and down_until[k] <= tick]
+                if s.relock and peers:  # as the phase lock does after the first install
+                    phases[m] = steps[peers[0]] + phases[peers[0]] - steps[m]
                 ref[m] = [{n: glob[n] for n in frag} for frag in layout]
                 counts[m] = 0
         alive = [down_until[m] <= tick for m in range(m_count)]
