@@ -503,8 +503,8 @@ class Syncer:
     async def _final_evaluation(self) -> None:
         """Wait (at most FINAL_SETTLE_SECONDS) until no push is being decoded and no merge is
         running, evaluate the global parameters, expose the loss as `finalLoss` and checkpoint.
-        Contributions left pending below the quorum never merge (learners have stopped), so they
-        are not waited for."""
+        Contributions left pending below the quorum, or held for a next round (phase lock), never
+        merge (learners have stopped), so they are not waited for."""
         started = time.monotonic()
         while not self._settled() and time.monotonic() - started < FINAL_SETTLE_SECONDS:
             await asyncio.sleep(0.02)
