@@ -98,16 +98,15 @@ def _speed_gate(speed: float, tick: int) -> bool:
 
 
 def _restarted_state(
-    state: Any, fresh: Any, m: int, step: int, mode: Restart, down_until: list[int], tick: int
+    state: Any, fresh: Any, m: int, step: int, mode: Restart, peers: list[int]
 ) -> Any:
-    """The stacked optimizer state with learner m's restarted as `mode` says."""
+    """The stacked optimizer state with learner m's restarted as `mode` says (`peers`: the
+    learners alive at the restart)."""
     if mode == "own":
         return state
     source = fresh
-    if mode == "peer":
-        live = [k for k in range(len(down_until)) if k != m and down_until[k] <= tick]
-        if live:
-            source = jax.tree_util.tree_map(lambda a: a[live[0]], state)
+    if mode == "peer" and peers:
+        source = jax.tree_util.tree_map(lambda a: a[peers[0]], state)
     resumed = resume_schedule(source, step)
     return jax.tree_util.tree_map(lambda a, b: a.at[m].set(b), state, resumed)
 
@@ -174,10 +173,8 @@ def simulate(
                 down_until[m] = tick + kills[(tick, m)]
             elif down_until[m] == tick:  # restart: pull the global parameters, fresh AdamW
                 set_leaves(m, glob)  # moments, the LR schedule continued (as `resumeStep` does)
-                state = _restarted_state(
-                    state, fresh_state, m, steps[m], s.restart, down_until, tick
-                )
                 peers = [k for k in range(m_count) if k != m and down_until[k] <= tick]
+                state = _restarted_state(state, fresh_state, m, steps[m], s.restart, peers)
                 if s.relock and peers:  # as the phase lock does after the first install
                     phases[m] = steps[peers[0]] + phases[peers[0]] - steps[m]
                 ref[m] = [{n: glob[n] for n in frag} for frag in layout]

@@ -106,11 +106,13 @@ class LearnerRegistry:
         rec = self.get(unit)
         return rec.start_step + sum(s for a, (s, _) in rec.attempts.items() if a != attempt)
 
-    def online(self, now: float) -> list[str]:
+    def online(self, now: float, within: float | None = None) -> list[str]:
+        """Units seen within `within` seconds (default `offline_after`)."""
+        window = self.offline_after if within is None else within
         return sorted(
             u
             for u, r in self.records.items()
-            if r.last_seen is not None and now - r.last_seen <= self.offline_after
+            if r.last_seen is not None and now - r.last_seen <= window
         )
 
     def in_phase(self, now: float, fresh_within: float, last_merge: float | None) -> list[str]:
@@ -122,15 +124,13 @@ class LearnerRegistry:
         With `last_merge` None (a fragment not merged yet), or when no fresh unit is in phase
         (every unit restarted), every fresh unit: they all start the fragment's countdown at the
         same step."""
-        fresh = [
-            (u, r)
-            for u, r in sorted(self.records.items())
-            if r.last_seen is not None and now - r.last_seen <= fresh_within
-        ]
+        fresh = self.online(now, fresh_within)
         phased = [
-            u for u, r in fresh if last_merge is None or (r.attempt_since or 0.0) < last_merge
+            u
+            for u in fresh
+            if last_merge is None or (self.records[u].attempt_since or 0.0) < last_merge
         ]
-        return phased or [u for u, _ in fresh]
+        return phased or fresh
 
     def totals(self) -> tuple[int, int]:
         return (
