@@ -14,6 +14,7 @@ All are evaluated by `eval_loss` on the same held-out batches.
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -261,11 +262,20 @@ def run(ctx: BenchContext) -> Section:
     # 4,000 steps per learner: at 2,000, synchronous DiLoCo itself was 1.034 of data-parallel
     # on this model, at 4,000 1.013 (docs/design.md, "How long a horizon").
     steps, h = (300, 25) if ctx.quick else (4000, 30)
+    # The phase-locked run is repeated: its timing (which steps a merge catches) differs from
+    # run to run, and single runs have spread over about 2% of loss (docs/design.md).
+    repeats = 1 if ctx.quick else 3
     cfg = parity_config(steps, h)
     fixed = cfg.model_copy(update={"phase_lock": False})
+    locked_name = "decoupled DiLoCo (processes, async)"
     # The real-process runs first: they are the most fragile and the ones the section is about.
     jobs = [
-        lambda: decoupled(cfg, steps),
+        *(
+            lambda k=k: decoupled(
+                cfg, steps, f"{locked_name}, run {k + 1}" if repeats > 1 else locked_name
+            )
+            for k in range(repeats)
+        ),
         lambda: decoupled(fixed, steps, "decoupled DiLoCo, fixed push schedule (phaseLock off)"),
         lambda: data_parallel(cfg, steps),
         lambda: sync_diloco(cfg, steps),
@@ -276,16 +286,27 @@ def run(ctx: BenchContext) -> Section:
         log(f"parity {out.name}: eval loss {out.loss:.4f} ({out.seconds:.0f}s) {out.note}")
         log(f"parity {out.name} curve: {out.curve}")
         outcomes.append(out)
-    locked, unlocked, dp, sync = outcomes
-    runs = [dp, sync, locked, unlocked]  # report order: reference first
+    *locked_runs, unlocked, dp, sync = outcomes
+    runs = [dp, sync, *locked_runs, unlocked]  # report order: reference first
     png = plot_curves(runs, ctx.plot_path("parity_curves.png"))
     ref = dp.loss
     rows = [
         (o.name, f"{o.loss:.4f}", f"{o.loss / ref:.3f}", f"{o.seconds:.0f}s", o.note) for o in runs
     ]
+    locked_loss = statistics.fmean(o.loss for o in locked_runs)
+    ratios = [o.loss / ref for o in locked_runs]
+    if repeats > 1:
+        mean_row = (
+            f"{locked_name}, mean of {repeats}",
+            f"{locked_loss:.4f}",
+            f"{locked_loss / ref:.3f}",
+        )
+        rows.insert(2 + repeats, (*mean_row, "", f"runs {min(ratios):.3f} to {max(ratios):.3f}"))
     table = md_table(["run", "eval loss", "loss / data-parallel", "wall", "note"], rows)
-    dec = locked.loss / ref
+    dec = locked_loss / ref
     verdict = "met" if dec <= 1.02 else "NOT met"
+    measure = f"the mean of {repeats} runs" if repeats > 1 else "one run"
+    spread_text = f"{min(ratios):.3f} to {max(ratios):.3f}" if repeats > 1 else "one run here"
     horizon = "the quick variant's short horizon" if ctx.quick else "this horizon"
     outer = cfg.outer_optimizer
     body = f"""
@@ -304,21 +325,23 @@ next section, under a controlled clock.
 
 ![loss curves]({png.relative_to(ctx.out_dir.parent).as_posix()})
 
-Target: decoupled M=4 loss / data-parallel <= 1.02: **{verdict}** ({dec:.3f}) over {horizon}
+Target: decoupled M=4 loss / data-parallel <= 1.02: **{verdict}** ({dec:.3f}, {measure}) over {horizon}
 ({steps} inner steps per learner; the issue asks for >= 2000 for the full row, where short
 horizons favour data-parallel: the same settings at 2,000 steps gave synchronous DiLoCo 1.034 and
 the phase-locked run 1.035, docs/design.md). Training windows are drawn at random from an 8 MB
 slice of the corpus (the same for every run), about one pass of it at 4,000 steps.
 
 Reading: synchronous DiLoCo is {sync.loss / ref:.3f} of data-parallel here (a 0.4M-parameter
-model, {steps} steps); the phase-locked decoupled run is {locked.loss / sync.loss:.3f} of
+model, {steps} steps); the phase-locked decoupled runs are {locked_loss / sync.loss:.3f} (mean) of
 synchronous DiLoCo, the fixed schedule {unlocked.loss / sync.loss:.3f}. On the fixed schedule the
 learners' pushes scatter in time, so nearly every merge holds one learner's delta (see the
 fragment versions: about one merge per push) and each learner's progress on a fragment since
 the previous merge is overwritten by the next. Phase-locked, the learners push each fragment
-together and merges hold all of them (about a quarter as many versions): the decoupled run then
-trains like synchronous DiLoCo, and what remains is DiLoCo's own gap at this model size. Single
-runs of the real processes vary by about 1% here (docs/design.md lists repeats).
+together and merges hold all of them (about a quarter as many versions): the decoupled runs then
+trains like synchronous DiLoCo, and what remains is DiLoCo's own gap at this model size, plus
+the steps a learner makes on a fragment between its push and the install of the merge (it waits
+for the slowest of four processes sharing two cores; about a tenth of the steps, docs/design.md).
+The repeated runs differ only in that timing ({spread_text}): read the mean, not one run.
 """
     return Section(
         name="parity",
