@@ -41,7 +41,10 @@ def test_forked_spare_warms_up_takes_an_identity_and_reports_exit_codes(tmp_path
         assert server.wait_ready(120), "the fork server never finished its imports"
         spare_log = tmp_path / "spare.log"
         spare = server.fork(["--config", str(config), "--standby"], env, spare_log).result(30)
-        assert os.getpgid(spare.pid) == spare.pid  # its own session: killpg reaches only it
+        assert os.getpgid(spare.pid) == spare.pid  # its own group: killpg reaches only it
+        # ... in the supervisor's session: a session of its own is a scheduler autogroup of its
+        # own, and the learners' speeds swing (processes.py)
+        assert os.getsid(spare.pid) == os.getsid(0)
         deadline = time.monotonic() + 120
         while "event=standby_ready" not in spare_log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -4,6 +4,7 @@ when the supervisor itself is SIGKILLed."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -37,6 +38,8 @@ def test_signal_poll_and_stop_all_leave_no_survivors(tmp_path: Path) -> None:
     table = ProcessTable()
     a = table.spawn("a", SLEEPER, {}, tmp_path / "a.log")
     b = table.spawn("b", SPAWNER, {}, tmp_path / "b.log")
+    # Each leads its own group, in this session: not one autogroup per child (processes.py).
+    assert os.getpgid(a.pid) == a.pid and os.getsid(a.pid) == os.getsid(0)
     assert wait_for(lambda: len(psutil.Process(b.pid).children()) == 1)
     table.poll()  # notes b's grandchild
     assert table.signal("a", signal.SIGSTOP) and a.paused

@@ -7,7 +7,7 @@ depends on the unit or the run, so the local runtime imports them once, in a Pyt
 compiles its step (the compile from the persistent cache) before it is ready.
 
 `run_forked_learner` is the child's entry point. It makes the fork look like a freshly exec'd
-`diloco-learner ARGV` as far as the rest of the system can tell: its own session (so a signal to
+`diloco-learner ARGV` as far as the rest of the system can tell: its own process group (so a signal to
 its process group reaches it and nothing else), death with its parent, the log file on stdout and
 stderr, the supervisor's pipe on stdin, and exactly the environment the supervisor chose.
 
@@ -67,7 +67,7 @@ def run_forked_learner(
     argv: Sequence[str], env: Mapping[str, str], log_path: str, stdin: Connection
 ) -> None:
     """Become `diloco-learner ARGV` with environment `env`; exits with the learner's code."""
-    os.setsid()
+    os.setpgid(0, 0)  # not setsid(): the supervisor's session, as for spawned children
     die_with_parent()  # the fork server, which itself dies with the supervisor
     _close_server_fds()
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

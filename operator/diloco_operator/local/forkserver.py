@@ -30,8 +30,8 @@ from typing import IO
 
 from diloco_trainer.forked import PRELOAD, probe, run_forked_learner
 
-# A forked child calls setsid() first thing; a signal to its group before that would miss it.
-SESSION_WAIT_SECONDS = 5.0
+# A forked child calls setpgid(0, 0) first thing; a signal to its group before that would miss it.
+GROUP_WAIT_SECONDS = 5.0
 
 
 class ForkedChild:
@@ -62,7 +62,7 @@ class ForkedChild:
         return code
 
 
-def _wait_for_session(pid: int, deadline: float) -> None:
+def _wait_for_group(pid: int, deadline: float) -> None:
     while time.monotonic() < deadline:
         try:
             if os.getpgid(pid) == pid:
@@ -136,7 +136,7 @@ class ForkServer:
             reader.close()
         stdin = os.fdopen(os.dup(writer.fileno()), "wb", buffering=0)
         writer.close()
-        _wait_for_session(process.pid or 0, time.monotonic() + SESSION_WAIT_SECONDS)
+        _wait_for_group(process.pid or 0, time.monotonic() + GROUP_WAIT_SECONDS)
         return ForkedChild(process, stdin)
 
     def finish_pending(self) -> None:

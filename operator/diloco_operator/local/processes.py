@@ -1,8 +1,11 @@
 """OS processes for the local backend: start, signal, reap and stop them without orphans.
 
-Each child runs in its own session (and so its own process group): a signal to the group reaches
-anything the child started, and a Ctrl-C on the terminal reaches only the supervisor, which then
-stops the children in order instead of having them die mid-write.
+Each child leads its own process group: a signal to the group reaches anything the child
+started, and a Ctrl-C on the terminal reaches only the supervisor, which then stops the children in
+order instead of having them die mid-write. The group stays in the supervisor's session: a session
+per child would also put each in its own scheduler autogroup (Linux CFS, on by default), and
+with more autogroups than cores the learners' speeds swing for seconds at a time; phase-locked
+merges then wait for whoever is behind (docs/design.md, "The local runtime's rounds").
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class ProcessTable:
         log_path: Path,
         stdin_pipe: bool = False,
     ) -> ManagedProcess:
-        """Start `argv` in a new session with stdout+stderr appended to `log_path`; its stdin is
+        """Start `argv` in a new process group with stdout+stderr appended to `log_path`; its stdin is
         a pipe (for `hand_over`) when `stdin_pipe`, else /dev/null."""
         if key in self._procs and self._procs[key].alive():
             raise RuntimeError(f"process {key} is still running (pid {self._procs[key].pid})")
@@ -103,7 +106,7 @@ class ProcessTable:
                 stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                process_group=0,
                 close_fds=True,
                 # SIGKILL the child when the supervisor dies, even by SIGKILL: no orphan.
                 preexec_fn=die_with_parent if sys.platform == "linux" else None,
