@@ -295,18 +295,19 @@ def run(ctx: BenchContext) -> Section:
     ]
     locked_loss = statistics.fmean(o.loss for o in locked_runs)
     ratios = [o.loss / ref for o in locked_runs]
+    spread = f"{min(ratios):.3f} to {max(ratios):.3f}"
     if repeats > 1:
         mean_row = (
             f"{locked_name}, mean of {repeats}",
             f"{locked_loss:.4f}",
             f"{locked_loss / ref:.3f}",
         )
-        rows.insert(2 + repeats, (*mean_row, "", f"runs {min(ratios):.3f} to {max(ratios):.3f}"))
+        rows.insert(2 + repeats, (*mean_row, "", f"runs {spread}"))
     table = md_table(["run", "eval loss", "loss / data-parallel", "wall", "note"], rows)
     dec = locked_loss / ref
     verdict = "met" if dec <= 1.02 else "NOT met"
     measure = f"the mean of {repeats} runs" if repeats > 1 else "one run"
-    spread_text = f"{min(ratios):.3f} to {max(ratios):.3f}" if repeats > 1 else "one run here"
+    spread_text = spread if repeats > 1 else "one run here"
     horizon = "the quick variant's short horizon" if ctx.quick else "this horizon"
     outer = cfg.outer_optimizer
     body = f"""
@@ -338,7 +339,7 @@ learners' pushes scatter in time, so nearly every merge holds one learner's delt
 fragment versions: about one merge per push) and each learner's progress on a fragment since
 the previous merge is overwritten by the next. Phase-locked, the learners push each fragment
 together and merges hold all of them (about a quarter as many versions): the decoupled runs then
-trains like synchronous DiLoCo, and what remains is DiLoCo's own gap at this model size, plus
+train like synchronous DiLoCo, and what remains is DiLoCo's own gap at this model size, plus
 the steps a learner makes on a fragment between its push and the install of the merge (it waits
 for the slowest of four processes sharing two cores; about a tenth of the steps, docs/design.md).
 The repeated runs differ only in that timing ({spread_text}): read the mean, not one run.
