@@ -36,7 +36,10 @@ from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.quantize import dequantize, quantize
 from diloco_trainer.train import make_optimizer, resume_schedule
 
-Install = Literal["overwrite", "keep-unsent"]
+# What a learner does with its fragment when a new version arrives: overwrite it (the product),
+# add back `keep` times its progress since it last pushed or installed ("keep-unsent"), or take
+# `keep * theta + (1 - keep) * new` (Streaming DiLoCo's mixing of local and global, "mix").
+Install = Literal["overwrite", "keep-unsent", "mix"]
 # What a restarted learner's AdamW moments are: fresh (the product before warm restarts), those a
 # live peer holds at that moment, or its own from before the kill (an upper bound: a real replacement
 # has lost them).
@@ -63,6 +66,7 @@ class Setting:
     token_weighting: bool = True
     scheme: Literal["none", "int8", "int4"] = "none"
     install: Install = "overwrite"
+    keep: float = 1.0  # the share of local progress that "keep-unsent" and "mix" keep
     per_round_momentum: bool = False
     restart: Restart = "fresh"
     relock: bool = False  # a restarted learner takes a live peer's push schedule
@@ -226,9 +230,14 @@ def simulate(
                 if s.install == "overwrite":  # the product's learner: drop unsent progress
                     set_leaves(m, tensors)
                     counts[m, p] = 0
-                else:  # keep what was not sent yet on top of the new global fragment
+                elif s.install == "keep-unsent":  # unsent progress on top of the new global
                     theta = host(m, layout[p])
-                    set_leaves(m, {n: tensors[n] + theta[n] - ref[m][p][n] for n in tensors})
+                    kept = {n: tensors[n] + s.keep * (theta[n] - ref[m][p][n]) for n in tensors}
+                    set_leaves(m, kept)
+                else:
+                    theta = host(m, layout[p])
+                    mixed = {n: s.keep * theta[n] + (1 - s.keep) * tensors[n] for n in tensors}
+                    set_leaves(m, mixed)
                 ref[m][p] = tensors
     loss = eval_loss(glob, cfg, eval_batches)
     return Result(loss, time.perf_counter() - started, tick, merges, contributions, steps)
