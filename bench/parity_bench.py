@@ -40,7 +40,7 @@ from diloco_trainer.train import (
     shard_batch,
 )
 
-from bench.common import BenchContext, Section, log, md_table
+from bench.common import BenchContext, Section, log, md_table, mean_interval
 from bench.decoupled_model import roundtrip
 from bench.live import TOKEN, syncer
 
@@ -307,6 +307,15 @@ def run(ctx: BenchContext) -> Section:
     dec = locked_loss / ref
     verdict = "met" if dec <= 1.02 else "NOT met"
     measure = f"the mean of {repeats} runs" if repeats > 1 else "one run"
+    reading = ""
+    if repeats > 1:  # the interval says whether this many runs can tell the mean from 1.02
+        low, high = mean_interval(ratios)
+        measure += f"; 95% interval of that mean {low:.3f} to {high:.3f}"
+        reading = (
+            f",\nand its interval: {repeats} runs "
+            + ("cannot" if low <= 1.02 <= high else "can")
+            + " tell it from the 1.02 target"
+        )
     spread_text = spread if repeats > 1 else "one run here"
     horizon = "the quick variant's short horizon" if ctx.quick else "this horizon"
     outer = cfg.outer_optimizer
@@ -342,7 +351,7 @@ together and merges hold all of them (about a quarter as many versions): the dec
 train like synchronous DiLoCo, and what remains is DiLoCo's own gap at this model size, plus
 the steps a learner makes on a fragment between its push and the install of the merge (it waits
 for the slowest of four processes sharing two cores; about a tenth of the steps, docs/design.md).
-The repeated runs differ only in that timing ({spread_text}): read the mean, not one run.
+The repeated runs differ only in that timing ({spread_text}): read the mean, not one run{reading}.
 """
     return Section(
         name="parity",
