@@ -14,6 +14,7 @@ All are evaluated by `eval_loss` on the same held-out batches.
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -190,7 +191,7 @@ def decoupled(
                     "--max-steps",
                     str(steps),
                     "--log-level",
-                    "WARNING",
+                    "INFO",  # ~100 lines a run; the exit line has the overwritten share
                 ],
                 env=env,
                 stdout=subprocess.DEVNULL,
@@ -210,10 +211,24 @@ def decoupled(
         finally:
             client.close()
         status = sy.status()
+        overwritten = [
+            _overwritten_share((sy.workdir / f"learner-{m}.log").read_text()) for m in range(M)
+        ]
     loss = eval_loss(params, cfg, EVAL_BATCHES)
     curve.append((int(status.get("tokens", 0)), loss))
-    note = f"fragment versions {versions}, outer step {status.get('outerStep')}"
+    note = (
+        f"fragment versions {versions}, outer step {status.get('outerStep')}, "
+        f"steps overwritten {statistics.fmean(overwritten):.1%}"
+    )
     return Outcome(name, loss, time.perf_counter() - start, note, curve)
+
+
+def _overwritten_share(learner_log: str) -> float:
+    """The share of a learner's fragment-steps that installs replaced (its `event=exit` line)."""
+    found = re.search(r"event=exit .*overwritten_share=([0-9.]+)", learner_log)
+    if found is None:
+        raise RuntimeError(f"no exit line in the learner log: {learner_log[-500:]}")
+    return float(found.group(1))
 
 
 def _follow(
@@ -350,7 +365,7 @@ the previous merge is overwritten by the next. Phase-locked, the learners push e
 together and merges hold all of them (about a quarter as many versions): the decoupled runs then
 train like synchronous DiLoCo, and what remains is DiLoCo's own gap at this model size, plus
 the steps a learner makes on a fragment between its push and the install of the merge (it waits
-for the slowest of four processes sharing two cores; about a tenth of the steps, docs/design.md).
+for the slowest of four processes sharing two cores: "steps overwritten" in the notes).
 The repeated runs differ only in that timing ({spread_text}): read the mean, not one run{reading}.
 """
     return Section(

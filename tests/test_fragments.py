@@ -93,6 +93,23 @@ def test_counters_reset_only_the_received_fragment() -> None:
     assert c.get(2) == (6, 600)
 
 
+def test_installs_count_the_steps_no_push_carried_as_overwritten() -> None:
+    c = FragmentCounters(2)
+    for _ in range(30):
+        c.add_step(10)
+    c.reset(0)  # fragment 0 pushed after 30 steps: nothing lost
+    for _ in range(4):
+        c.add_step(10)
+    c.overwrite(0)  # its merge arrives 4 steps later: those 4 are replaced
+    c.overwrite(1)  # fragment 1 never pushed: all 34 replaced
+    assert c.overwritten == 38
+    assert c.get(0) == (0, 0) and c.get(1) == (0, 0)
+    c.overwrite(0)  # a second install with no step in between loses nothing more
+    assert c.overwritten == 38
+    assert c.overwritten_share(34) == 38 / 68
+    assert FragmentCounters(2).overwritten_share(0) == 0.0
+
+
 def test_push_clock_unlocked_is_the_staggered_schedule_and_ignores_installs() -> None:
     h, p = 10, 4
     clock = PushClock(h, p)

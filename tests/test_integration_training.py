@@ -150,10 +150,15 @@ def test_syncer_and_three_learners_train_together(tmp_path: Path) -> None:
     for u in range(UNITS):
         assert "event=run_complete" in logs[u]
         exit_line = re.search(
-            r"event=exit unit=unit-\d .*complete=True .*versions=([\d,]+)", logs[u]
+            r"event=exit unit=unit-\d .*complete=True .*versions=([\d,]+) .*"
+            r"overwritten_share=([0-9.]+)",
+            logs[u],
         )
         assert exit_line, logs[u][-2000:]
         received += sum(int(v) for v in exit_line.group(1).split(","))
+        # Every install lands at least one step after the push it answers (the step in flight),
+        # and every fragment is pushed: some of the learner's work is replaced, never all of it.
+        assert 0 < float(exit_line.group(2)) < 1, exit_line.group(0)
     assert received > 0, "no learner installed a new global fragment"
     steps_sent = re.search(
         r'diloco_syncer_fragment_downloads_total\{kind="step"\} ([0-9.]+)', metrics

@@ -131,12 +131,13 @@ class FragmentCounters:
 
     These are the c_steps / c_tokens sent with a push; the syncer weights contributions by
     c_tokens^2 / c_steps. Pushing fragment p, or installing a new global version of it, resets
-    p's counters.
+    p's counters; an install also adds p's steps to `overwritten`: progress no push carried.
     """
 
     fragments: int
     steps: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    overwritten: int = 0  # fragment-steps replaced by an install before any push carried them
 
     def __post_init__(self) -> None:
         if self.fragments < 1:
@@ -156,6 +157,16 @@ class FragmentCounters:
         """`fragment` was pushed, or a new global version of it installed locally."""
         self.steps[fragment] = 0
         self.tokens[fragment] = 0
+
+    def overwrite(self, fragment: int) -> None:
+        """A new global version of `fragment` was installed over the steps since its last push."""
+        self.overwritten += self.steps[fragment]
+        self.reset(fragment)
+
+    def overwritten_share(self, steps: int) -> float:
+        """The share of this learner's fragment-steps (`steps` per fragment) that an install
+        replaced: the work lost while merges were under way."""
+        return self.overwritten / (steps * self.fragments) if steps > 0 else 0.0
 
     def get(self, fragment: int) -> tuple[int, int]:
         """(c_steps, c_tokens) of `fragment`."""

@@ -88,6 +88,9 @@ class LearnerResult:
     # the loop (installing arrivals, queueing pushes' references, logging). Nothing in the loop
     # waits on other learners or the syncer, so a unit's idle time would show up under "other".
     loop_seconds: dict[str, float] = field(default_factory=dict)
+    # Of the learner's steps on each fragment, the share that installs replaced before a push
+    # carried them: mostly the steps made while a merge it pushed to was under way.
+    overwritten_share: float = 0.0
 
     @property
     def tokens_per_sec(self) -> float:
@@ -239,7 +242,7 @@ def run_learner(
                     )
                     # The next push of p carries only what comes after this one.
                     base[p] = theta
-                    counters.reset(p)
+                counters.reset(p)
             if prev_loss is not None:
                 prev_loss.block_until_ready()  # keep one step in flight, no more
             prev_loss = loss
@@ -270,7 +273,7 @@ def run_learner(
                 for name, value in tensors.items():
                     params[name] = jax.device_put(value, sharding)
                 base[p], versions[p] = tensors, version
-                counters.reset(p)
+                counters.overwrite(p)
                 clock.installed(step, p)
 
             window_steps += 1
@@ -282,7 +285,10 @@ def run_learner(
                 lr = float(
                     resumed_learning_rate(schedule, resume_step + step - 1, resume_step, ramp)
                 )
-                _log_progress(opts, step, progress, versions, link, resume_step + step, lr)
+                overwritten = counters.overwritten_share(step)
+                _log_progress(
+                    opts, step, progress, versions, link, resume_step + step, lr, overwritten
+                )
             if step > 1:
                 loop_seconds["train"] += now - top
                 loop_seconds["slowdown"] += slept
@@ -306,6 +312,7 @@ def run_learner(
         bytes_received=client.bytes_received,
         bytes_joined=bytes_joined,
         loop_seconds=loop_seconds,
+        overwritten_share=counters.overwritten_share(step),
     )
 
 
@@ -317,13 +324,15 @@ def _log_progress(
     link: Any,
     schedule_step: int,
     lr: float,
+    overwritten: float,
 ) -> None:
     """step/tokens: this attempt's (what heartbeats report); schedule_step: the unit's step in
-    its LR schedule (earlier attempts included); lr: the LR of the last step."""
+    its LR schedule (earlier attempts included); lr: the LR of the last step; overwritten: the
+    share of its fragment-steps so far that installs replaced before a push carried them."""
     loss = float(progress.loss) if progress.loss is not None else float("nan")
     log.info(
         "event=progress unit=%s step=%d schedule_step=%d lr=%.3g tokens=%d loss=%.4f "
-        "tokens_per_sec=%.0f versions=%s pending_pushes=%d",
+        "tokens_per_sec=%.0f versions=%s pending_pushes=%d overwritten_share=%.3f",
         opts.name,
         step,
         schedule_step,
@@ -333,4 +342,5 @@ def _log_progress(
         progress.tokens_per_sec,
         ",".join(map(str, versions)),
         link.pending_pushes() if link is not None else 0,
+        overwritten,
     )

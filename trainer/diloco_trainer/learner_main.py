@@ -191,7 +191,7 @@ def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | N
     log.info(
         "event=exit unit=%s steps=%d tokens=%d tokens_per_sec=%.0f complete=%s loss=%s "
         "versions=%s bytes_sent=%d bytes_received=%d train_seconds=%.2f slowdown_seconds=%.2f "
-        "other_seconds=%.2f link=%s",
+        "other_seconds=%.2f overwritten_share=%.3f link=%s",
         opts.name,
         result.steps,
         result.tokens,
@@ -204,6 +204,7 @@ def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | N
         result.loop_seconds.get("train", 0.0),
         result.loop_seconds.get("slowdown", 0.0),
         result.loop_seconds.get("other", 0.0),
+        result.overwritten_share,
         ",".join(f"{k}:{v}" for k, v in result.link_stats.items()),
     )
     if stop.is_set() and not result.complete:
