@@ -310,28 +310,22 @@ def run(ctx: BenchContext) -> Section:
     ]
     locked_loss = statistics.fmean(o.loss for o in locked_runs)
     ratios = [o.loss / ref for o in locked_runs]
-    spread = f"{min(ratios):.3f} to {max(ratios):.3f}"
-    if repeats > 1:
-        mean_row = (
-            f"{locked_name}, mean of {repeats}",
-            f"{locked_loss:.4f}",
-            f"{locked_loss / ref:.3f}",
-        )
-        rows.insert(2 + repeats, (*mean_row, "", f"runs {spread}"))
-    table = md_table(["run", "eval loss", "loss / data-parallel", "wall", "note"], rows)
     dec = locked_loss / ref
     verdict = "met" if dec <= 1.02 else "NOT met"
-    measure = f"the mean of {repeats} runs" if repeats > 1 else "one run"
-    reading = ""
-    if repeats > 1:  # the interval says whether this many runs can tell the mean from 1.02
+    measure, spread_text, reading = "one run", "one run here", ""
+    # Repeated runs: a mean row, and an interval that says whether they can tell it from 1.02.
+    if repeats > 1:
+        spread_text = f"{min(ratios):.3f} to {max(ratios):.3f}"
+        mean_row = (f"{locked_name}, mean of {repeats}", f"{locked_loss:.4f}", f"{dec:.3f}")
+        rows.insert(2 + repeats, (*mean_row, "", f"runs {spread_text}"))
         low, high = mean_interval(ratios)
-        measure += f"; 95% interval of that mean {low:.3f} to {high:.3f}"
+        measure = f"the mean of {repeats} runs; 95% interval of that mean {low:.3f} to {high:.3f}"
         reading = (
             f",\nand its interval: {repeats} runs "
             + ("cannot" if low <= 1.02 <= high else "can")
             + " tell it from the 1.02 target"
         )
-    spread_text = spread if repeats > 1 else "one run here"
+    table = md_table(["run", "eval loss", "loss / data-parallel", "wall", "note"], rows)
     horizon = "the quick variant's short horizon" if ctx.quick else "this horizon"
     outer = cfg.outer_optimizer
     body = f"""
