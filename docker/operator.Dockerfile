@@ -1,17 +1,35 @@
 # The operator image: kopf + kubernetes client + the JAX-free training config schema. No JAX.
-# docker build -f docker/operator.Dockerfile -t diloco-operator:dev .
-FROM python:3.11-slim AS build
+#   docker build -f docker/operator.Dockerfile -t diloco-operator:dev .
+ARG BASE=python:3.11-slim
+# Three stages so that a change to the sources alone rebuilds in seconds and adds a small layer:
+# the dependencies' venv is a cached layer of its own, the project goes in as one wheel.
+FROM ${BASE} AS deps
+ARG PIP_NO_INDEX=
+ENV PIP_FIND_LINKS=/src PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# .wheels (optional: e2e/node/images.sh provides it) lands as loose wheels in /src, a find-links
+# folder; the glob lets the build go on without it.
+COPY pyproject.toml README.md .wheel[s] ./
+RUN mkdir -p operator/diloco_operator trainer/diloco_trainer \
+ && touch operator/diloco_operator/__init__.py trainer/diloco_trainer/__init__.py \
+ && python3 -m venv /opt/diloco \
+ && PIP_NO_INDEX=${PIP_NO_INDEX} /opt/diloco/bin/pip install ".[operator]" \
+ && /opt/diloco/bin/pip uninstall -y elastic-diloco
+
+FROM deps AS code
 COPY operator ./operator
 COPY trainer ./trainer
-RUN pip install --no-cache-dir --prefix=/install ".[operator]"
+RUN PIP_NO_INDEX=${PIP_NO_INDEX} /opt/diloco/bin/pip wheel --no-deps -w /dist .
 
-FROM python:3.11-slim
-COPY --from=build /install /usr/local
+FROM ${BASE}
+COPY --from=deps /opt/diloco /opt/diloco
+COPY --from=code /dist /tmp/dist
+RUN /opt/diloco/bin/pip install --no-deps --no-index --no-cache-dir /tmp/dist/*.whl \
+ && rm -rf /tmp/dist
+ENV PATH=/opt/diloco/bin:$PATH PYTHONUNBUFFERED=1 HOME=/tmp
 # Fail the build if JAX sneaks in through a dependency: the operator must stay light.
-RUN python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('jax') is not None)" \
- && python -c "import diloco_operator.handlers"
+RUN python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('jax') is not None)" \
+ && python3 -c "import diloco_operator.handlers"
 USER 65532:65532
 EXPOSE 8080 9090
 ENTRYPOINT ["diloco-operator"]

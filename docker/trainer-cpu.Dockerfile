@@ -1,17 +1,41 @@
-# The trainer image for CPU clusters (kind, examples/kind-cpu.yaml): same programs, CPU JAX.
-# docker build -f docker/trainer-cpu.Dockerfile -t diloco-trainer-cpu:dev . && kind load docker-image diloco-trainer-cpu:dev
-FROM python:3.11-slim AS build
+# The trainer image for CPU clusters (kind, the e2e real node, examples/kind-cpu.yaml): the learner
+# (diloco-learner) and the syncer (diloco-syncer) with CPU JAX.
+#   docker build -f docker/trainer-cpu.Dockerfile -t diloco-trainer-cpu:dev .
+# BASE: any Debian-like image with python3 (>= 3.11) and its venv module; e2e/node/images.sh
+# builds on a debootstrapped bookworm and installs from a wheelhouse with PIP_NO_INDEX=1.
+ARG BASE=python:3.11-slim
+# Three stages so that a change to the sources alone rebuilds in seconds and adds a small layer:
+# the dependencies' venv is a cached layer of its own, the project goes in as one wheel.
+FROM ${BASE} AS deps
+ARG PIP_NO_INDEX=
+ENV PIP_FIND_LINKS=/src PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# .wheels (optional: e2e/node/images.sh provides it) lands as loose wheels in /src, a find-links
+# folder; the glob lets the build go on without it.
+COPY pyproject.toml README.md .wheel[s] ./
+RUN mkdir -p operator/diloco_operator trainer/diloco_trainer \
+ && touch operator/diloco_operator/__init__.py trainer/diloco_trainer/__init__.py \
+ && python3 -m venv /opt/diloco \
+ && PIP_NO_INDEX=${PIP_NO_INDEX} /opt/diloco/bin/pip install ".[trainer]" \
+ && /opt/diloco/bin/pip uninstall -y elastic-diloco
+
+FROM deps AS code
 COPY operator ./operator
 COPY trainer ./trainer
-RUN pip install --no-cache-dir --prefix=/install ".[trainer]"
+RUN PIP_NO_INDEX=${PIP_NO_INDEX} /opt/diloco/bin/pip wheel --no-deps -w /dist .
 
-FROM python:3.11-slim
-COPY --from=build /install /usr/local
-RUN python -c "import diloco_trainer.config, jax" \
- && mkdir -p /var/lib/diloco/checkpoints && chown 65532:65532 /var/lib/diloco/checkpoints
+FROM ${BASE}
+COPY --from=deps /opt/diloco /opt/diloco
+COPY --from=code /dist /tmp/dist
+RUN /opt/diloco/bin/pip install --no-deps --no-index --no-cache-dir /tmp/dist/*.whl \
+ && rm -rf /tmp/dist
+# uid 65532 has no passwd entry: give it a HOME and caches it can write (the operator also mounts
+# an emptyDir at DILOCO_CACHE_DIR; this default serves `docker run`).
+ENV PATH=/opt/diloco/bin:$PATH PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu \
+    HOME=/home/diloco DILOCO_CACHE_DIR=/home/diloco/.cache/diloco
+RUN python3 -c "import diloco_trainer.config, jax" \
+ && mkdir -p /var/lib/diloco/checkpoints /home/diloco/.cache/diloco \
+ && chown -R 65532:65532 /var/lib/diloco /home/diloco
 USER 65532:65532
-ENV PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
 EXPOSE 8470
 CMD ["diloco-learner", "--help"]

@@ -116,7 +116,8 @@ def test_multi_host_tpu_unit_is_an_indexed_job_over_its_hosts() -> None:
         "v6e",
     )
     assert env["DILOCO_SYNCER_ADDR"] == "http://mix-syncer.ml.svc:8470"
-    assert env["DILOCO_TOKEN"] == {"secretKeyRef": {"name": "mix-token", "key": "token"}}
+    assert "DILOCO_TOKEN" not in env  # the token is a mounted file, never an env var
+    assert env["DILOCO_TOKEN_FILE"] == "/var/run/diloco/token/token"
     assert env["TPU_WORKER_HOSTNAMES"] == "mix-v6e-1-0.mix-v6e-1,mix-v6e-1-1.mix-v6e-1"
     labels = spec["template"]["metadata"]["labels"]
     assert labels["diloco.dev/run"] == "mix" and labels["diloco.dev/attempt"] == "3"
@@ -224,3 +225,64 @@ def test_kube_apiserver_create_validation_accepts_every_built_object() -> None:
     )
     assert out.returncode == 0, out.stdout
     assert sum(line.startswith("VALID ") for line in out.stdout.splitlines()) == len(objs)
+
+
+def _pod_specs(run: builders.Run) -> dict[str, dict[str, Any]]:
+    job = builders.unit_job(run, create(run, "mix-cpu-0"))
+    syncer = builders.syncer_deployment(run)
+    return {
+        "learner": job["spec"]["template"]["spec"],
+        "syncer": syncer["spec"]["template"]["spec"],
+    }
+
+
+@pytest.mark.parametrize("role", ["learner", "syncer"])
+def test_pods_meet_the_restricted_pod_security_profile(role: str) -> None:
+    """The checks of the "restricted" profile that a pod spec can fail (the e2e suite also
+    enforces the profile on a namespace): non-root, no escalation, no capabilities, seccomp."""
+    pod = _pod_specs(make_run())[role]
+    sec = pod["securityContext"]
+    assert sec["runAsNonRoot"] is True and sec["runAsUser"] != 0
+    assert sec["seccompProfile"] == {"type": "RuntimeDefault"}
+    for c in pod["containers"]:
+        csec = c["securityContext"]
+        assert csec["allowPrivilegeEscalation"] is False
+        assert csec["capabilities"] == {"drop": ["ALL"]}
+        assert csec["readOnlyRootFilesystem"] is True
+    assert pod["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("role", ["learner", "syncer"])
+def test_pods_get_the_token_as_a_group_readable_file(role: str) -> None:
+    pod = _pod_specs(make_run())[role]
+    container = pod["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert "DILOCO_TOKEN" not in env
+    path = env["DILOCO_TOKEN_FILE"]["value"]
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "mix-token"
+    assert volume["secret"]["defaultMode"] == 0o440
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
+
+
+@pytest.mark.parametrize("role", ["learner", "syncer"])
+def test_uid_without_home_gets_writable_home_and_caches(role: str) -> None:
+    """uid 65532 has no passwd entry (HOME would be /) and the root filesystem is read-only:
+    HOME, the trainer cache and /tmp must be writable volumes."""
+    pod = _pod_specs(make_run())[role]
+    container = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    for var in ("HOME", "DILOCO_CACHE_DIR"):
+        assert any(env[var] == p or env[var].startswith(p + "/") for p in writable), var
+    assert "/tmp" in writable
+
+
+def test_syncer_placement_follows_its_spec() -> None:
+    toleration = {"key": "pool", "operator": "Equal", "value": "cpu", "effect": "NoSchedule"}
+    run = make_run(syncer={"nodeSelector": {"pool": "cpu"}, "tolerations": [toleration]})
+    pod = builders.syncer_deployment(run)["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "cpu"}
+    assert pod["tolerations"] == [toleration]
+    roundtrip(builders.syncer_deployment(run))

@@ -94,6 +94,19 @@ def test_absent_or_empty_dir_means_fresh_start(tmp_path: Path) -> None:
     assert CheckpointStore(tmp_path / "empty").load_latest() is None
 
 
+def test_fresh_ext4_volume_with_lost_and_found_is_a_fresh_start(tmp_path: Path) -> None:
+    """A new PersistentVolume formatted as ext4 holds lost+found (root-owned, unreadable to the
+    syncer's user): that is an empty disk, not someone else's data."""
+    lost = tmp_path / "lost+found"
+    lost.mkdir()
+    lost.chmod(0o700)
+    store = CheckpointStore(tmp_path)
+    assert store.load_latest() is None
+    store.save(snap(1))
+    loaded = store.load_latest()
+    assert loaded is not None and loaded.outer_step == 3
+
+
 def test_non_empty_dir_without_valid_checkpoint_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("someone else's files")
     with pytest.raises(CheckpointError, match="not empty but holds no valid checkpoint"):

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Build (once) and cache the real control-plane binaries used by the e2e harness:
-#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl  (k8s.io/kubernetes)
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl,
+#   kubelet, kube-proxy (the real node)                              (k8s.io/kubernetes)
 #   etcd                                                             (go.etcd.io/etcd/server/v3)
 #   kwok                                                             (sigs.k8s.io/kwok/cmd/kwok)
 #   helm                                                             (helm.sh/helm/v3/cmd/helm)
+#   coredns (the real node's cluster DNS)                            (github.com/coredns/coredns)
+#   pause (the real node's sandbox image program)                    (e2e/node/pause, this repo)
 #
 # Everything comes from the Go module proxy; versions are pinned in versions.env. Binaries go to
 #   $DILOCO_E2E_CACHE/<component>-<version>/bin      (default cache: ~/.cache/diloco-e2e)
 # and a component whose bin/.complete stamp exists is not rebuilt, so a warm call takes seconds.
 #
-# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm ...]   (default: all)
+# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause ...]   (default: all)
 #        e2e/cluster/build.sh --print-bin-dirs             (print the PATH entries, build nothing)
 # Env:   DILOCO_E2E_CACHE   cache root (default ${XDG_CACHE_HOME:-~/.cache}/diloco-e2e)
 #        DILOCO_E2E_GOCACHE Go build cache used for these builds (default $DILOCO_E2E_CACHE/go-build)
@@ -35,9 +38,11 @@ k8s_dir()  { echo "$CACHE/k8s-$K8S_VERSION"; }
 etcd_dir() { echo "$CACHE/etcd-$ETCD_VERSION"; }
 kwok_dir() { echo "$CACHE/kwok-$KWOK_VERSION"; }
 helm_dir() { echo "$CACHE/helm-$HELM_VERSION"; }
+coredns_dir() { echo "$CACHE/coredns-$COREDNS_VERSION"; }
+pause_dir() { echo "$CACHE/pause-$(sha256sum "$HERE/../node/pause/main.go" | cut -c1-12)"; }
 
 if [[ "${1:-}" == "--print-bin-dirs" ]]; then
-  for c in k8s etcd kwok helm; do echo "$("${c}_dir")/bin"; done
+  for c in k8s etcd kwok helm coredns pause; do echo "$("${c}_dir")/bin"; done
   exit 0
 fi
 
@@ -94,7 +99,7 @@ for r in json.load(sys.stdin).get("Replace") or []:
 
 build_k8s() {
   local d; d=$(k8s_dir)
-  if is_done "$d" kube-apiserver kube-controller-manager kube-scheduler kubectl; then
+  if is_done "$d" kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; then
     log "k8s $K8S_VERSION: cached in $d/bin"; return
   fi
   local t0; t0=$(date +%s)
@@ -111,12 +116,14 @@ build_k8s() {
     ld+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
   done
   mkdir -p "$d/bin"; rm -f "$d/bin/.complete"
-  log "k8s $K8S_VERSION: go build (one invocation, 4 commands; cold: tens of minutes on 2 cores)"
+  log "k8s $K8S_VERSION: go build (one invocation, 6 commands; cold: tens of minutes on 2 cores)"
   (cd "$d/src" && nice -n "$NICE" go build -trimpath -ldflags "$ld" -o "$d/bin/" \
     k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler \
-    k8s.io/kubernetes/cmd/kubectl)
+    k8s.io/kubernetes/cmd/kubectl \
+    k8s.io/kubernetes/cmd/kubelet \
+    k8s.io/kubernetes/cmd/kube-proxy)
   "$d/bin/kube-apiserver" --version | grep -q "$K8S_VERSION" || die "kube-apiserver reports a wrong version"
   stamp "$d" "$t0"
 }
@@ -178,16 +185,38 @@ build_helm() {
   stamp "$d" "$t0"
 }
 
+build_coredns() {
+  local d; d=$(coredns_dir)
+  if is_done "$d" coredns; then log "coredns $COREDNS_VERSION: cached in $d/bin"; return; fi
+  local t0; t0=$(date +%s)
+  mkdir -p "$d/bin"; rm -f "$d/bin/.complete"
+  log "coredns $COREDNS_VERSION: go install"
+  GOFLAGS= GOBIN="$d/bin" nice -n "$NICE" go install -trimpath -ldflags "-s -w" \
+    "github.com/coredns/coredns@$COREDNS_VERSION"
+  "$d/bin/coredns" -version | grep -q "${COREDNS_VERSION#v}" || die "coredns reports a wrong version"
+  stamp "$d" "$t0"
+}
+
+# The sandbox ("pause") image's program: it cannot be pulled here, so the node runs ours.
+build_pause() {
+  local d; d=$(pause_dir)
+  if is_done "$d" pause; then log "pause: cached in $d/bin"; return; fi
+  local t0; t0=$(date +%s)
+  mkdir -p "$d/bin"; rm -f "$d/bin/.complete"
+  (cd "$HERE/../node/pause" && GOFLAGS= go build -trimpath -ldflags "-s -w" -o "$d/bin/pause" .)
+  stamp "$d" "$t0"
+}
+
 components=("$@")
-[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm)
+[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause)
 mkdir -p "$CACHE"
 # one build at a time per cache (make e2e-deps and a test fixture may both call this)
 exec 9>"$CACHE/.build.lock"
 if ! flock -n 9; then log "another build.sh holds $CACHE/.build.lock; waiting"; flock 9; fi
 for c in "${components[@]}"; do
   case "$c" in
-    k8s|etcd|kwok|helm) "build_$c" ;;
-    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm)" ;;
+    k8s|etcd|kwok|helm|coredns|pause) "build_$c" ;;
+    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause)" ;;
   esac
 done
 for c in "${components[@]}"; do echo "$("${c}_dir")/bin"; done

@@ -50,8 +50,12 @@ from pathlib import Path
 from typing import Any, Self
 
 HERE = Path(__file__).resolve().parent
+if str(HERE.parent.parent) not in sys.path:  # `python e2e/cluster/harness.py` as a script
+    sys.path.insert(0, str(HERE.parent.parent))
+from e2e.cluster import node as real_node  # noqa: E402
+
 STATE_MARKER = ".diloco-e2e-state"
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 
 # Every address the fake cluster hands out is on loopback, so that code under test that tries to
 # reach a pod or service IP only ever talks to this machine (connection refused, or a real local
@@ -59,8 +63,12 @@ COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-schedul
 # The price: EndpointSlices reject loopback addresses, so Services get no EndpointSlices here (the
 # endpointslice controller runs and records FailedToUpdateEndpointSlices events). On a machine where
 # that matters and traffic to other ranges is fine, set DILOCO_E2E_POD_CIDR (e.g. 10.244.0.0/16).
-SERVICE_CIDR = "127.64.0.0/20"
-KUBERNETES_SERVICE_IP = "127.64.0.1"
+# With the real node (node.py, on by default as root) Services need addresses that pods can reach:
+# the node's range, whose packets a guard chain keeps on this machine.
+REAL_NODE = real_node.enabled()
+SERVICE_CIDR = real_node.SERVICE_CIDR if REAL_NODE else "127.64.0.0/20"
+KUBERNETES_SERVICE_IP = real_node.KUBERNETES_SERVICE_IP if REAL_NODE else "127.64.0.1"
+COMPONENTS = CONTROL_PLANE + (real_node.NODE_COMPONENTS if REAL_NODE else ())
 POD_CIDR = os.environ.get("DILOCO_E2E_POD_CIDR", "127.100.0.0/16")
 NODE_IP_PREFIX = "127.50.0."
 
@@ -123,6 +131,7 @@ class Binaries:
     kwok: Path
     helm: Path
     kwok_stages: Path
+    node: real_node.NodeBinaries
 
     def all_paths(self) -> list[Path]:
         return [
@@ -133,6 +142,7 @@ class Binaries:
             self.kubectl,
             self.kwok,
             self.helm,
+            *dataclasses.astuple(self.node),
         ]
 
 
@@ -173,8 +183,22 @@ def expected_binaries() -> Binaries:
         kwok=kwok_dir / "bin" / "kwok",
         helm=root / f"helm-{v['HELM_VERSION']}" / "bin" / "helm",
         kwok_stages=kwok_dir / "stages",
+        node=real_node.NodeBinaries(
+            kubelet=k8s / "kubelet",
+            kube_proxy=k8s / "kube-proxy",
+            coredns=root / f"coredns-{v['COREDNS_VERSION']}" / "bin" / "coredns",
+            pause=Path(_build_sh_dir("pause")) / "pause",
+        ),
     )
     return b
+
+
+def _build_sh_dir(component: str) -> str:
+    """A bin dir whose name build.sh derives from content (the pause program's hash)."""
+    out = subprocess.run(
+        ["bash", str(HERE / "build.sh"), "--print-bin-dirs"], capture_output=True, text=True
+    ).stdout.split()
+    return next(d for d in out if f"/{component}-" in d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,6 +356,28 @@ def _proc_cmdline(pid: int) -> list[str]:
         return []
 
 
+def images_dir() -> Path:
+    return cache_root() / "images"
+
+
+def build_images() -> dict[str, str]:
+    """The project's images (e2e/node/images.sh: content-hashed, a warm call builds nothing),
+    as {"trainer": ref, "operator": ref}; their docker-save archives go to images_dir()."""
+    r = subprocess.run(
+        ["bash", str(HERE.parent / "node" / "images.sh"), "--save", str(images_dir())],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        raise ClusterError(f"e2e/node/images.sh failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    sys.stderr.write(r.stderr)
+    return dict(line.split("=", 1) for line in r.stdout.split() if "=" in line)
+
+
+def image_tar(image: str) -> Path:
+    return images_dir() / (image.replace(":", "_").replace("/", "_") + ".tar")
+
+
 class PKI:
     """A throwaway CA plus serving/client certificates and the service-account key (openssl CLI)."""
 
@@ -343,7 +389,7 @@ class PKI:
             raise ClusterError("the openssl command is needed to make the cluster's certificates")
         _run(["openssl", *args], cwd=self.d)
 
-    def generate(self) -> None:
+    def generate(self, real_node_sans: bool = False) -> None:
         self.d.mkdir(parents=True, exist_ok=True)
         ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
         self._openssl(
@@ -368,6 +414,7 @@ class PKI:
             [
                 "IP:127.0.0.1",
                 f"IP:{KUBERNETES_SERVICE_IP}",
+                *([f"IP:{real_node.GATEWAY}"] if real_node_sans else []),
                 "DNS:localhost",
                 "DNS:kubernetes",
                 "DNS:kubernetes.default",
@@ -381,6 +428,12 @@ class PKI:
         self.leaf("kube-scheduler", "/CN=system:kube-scheduler", "clientAuth")
         # kwok plays every fake kubelet (nodes, node leases, pod status, pod deletion).
         self.leaf("kwok", "/O=system:masters/CN=kwok", "clientAuth")
+        if real_node_sans:
+            # the real node's programs, each with the identity a cluster gives it
+            node = real_node.node_name()
+            self.leaf("kubelet", f"/O=system:nodes/CN=system:node:{node}", "clientAuth")
+            self.leaf("kube-proxy", "/CN=system:kube-proxy", "clientAuth")
+            self.leaf("coredns", "/O=system:masters/CN=coredns", "clientAuth")
         self._openssl(
             "genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key"
         )
@@ -562,6 +615,8 @@ class LocalCluster(_ClusterBase):
         self._procs: dict[str, subprocess.Popen] = {}
         self.ports: dict[str, int] = {}
         self.timings: dict[str, float] = {}
+        self.images: dict[str, str] = {}
+        self.node: real_node.RealNode | None = None
 
     # -- paths
     @property
@@ -649,8 +704,12 @@ class LocalCluster(_ClusterBase):
             k: free_port()
             for k in ("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler")
         }
-        self.pki.generate()
+        self.pki.generate(real_node_sans=REAL_NODE)
         self.timings["certs_s"] = round(time.monotonic() - t0, 2)
+        if REAL_NODE:
+            self.node = self._new_node()
+            self.node.lock()
+            self.node.prepare()  # packages, bridge, guard: the apiserver advertises the bridge
         pki = self.pki
         st = self.state_dir
 
@@ -679,13 +738,24 @@ class LocalCluster(_ClusterBase):
         )
         self.timings["etcd_ready_s"] = round(time.monotonic() - t_start, 2)
 
-        # kube-apiserver
+        # kube-apiserver: with the real node, pods reach it at the bridge's gateway address
         self._spawn(
             "kube-apiserver",
             [
                 str(bins.kube_apiserver),
-                "--advertise-address=127.0.0.1",
-                "--bind-address=127.0.0.1",
+                *(
+                    [
+                        f"--advertise-address={real_node.GATEWAY}",
+                        "--bind-address=0.0.0.0",
+                        "--kubelet-preferred-address-types=InternalIP,Hostname",
+                    ]
+                    if REAL_NODE
+                    else [
+                        "--advertise-address=127.0.0.1",
+                        "--bind-address=127.0.0.1",
+                        "--endpoint-reconciler-type=none",
+                    ]
+                ),
                 f"--secure-port={self.ports['apiserver']}",
                 f"--etcd-servers={etcd_url}",
                 f"--cert-dir={st / 'apiserver'}",
@@ -696,9 +766,8 @@ class LocalCluster(_ClusterBase):
                 f"--service-account-key-file={pki.path('sa.pub')}",
                 f"--service-account-signing-key-file={pki.path('sa.key')}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--authorization-mode=RBAC",
+                "--authorization-mode=Node,RBAC",
                 "--allow-privileged=true",
-                "--endpoint-reconciler-type=none",
                 "--profiling=false",
             ],
         )
@@ -810,6 +879,9 @@ class LocalCluster(_ClusterBase):
             what=f"{len(names)} fake nodes Ready",
         )
         self.timings["nodes_ready_s"] = round(time.monotonic() - t_start, 2)
+        if self.node is not None:
+            self._start_real_node(deadline + 600)  # image imports are not start-up time
+            self.timings["real_node_ready_s"] = round(time.monotonic() - t_start, 2)
         self._wait(
             "kube-controller-manager",
             lambda: self.api("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
@@ -828,8 +900,10 @@ class LocalCluster(_ClusterBase):
         """Stop every process of this cluster (by recorded pid, then by a /proc scan for any
         process of our binaries whose command line names this state dir) and verify none is left.
         Raises ClusterError if one survives SIGKILL."""
+        if REAL_NODE:
+            self._stop_real_node(timeout)
         targets: dict[int, str] = {}
-        for name in COMPONENTS:
+        for name in CONTROL_PLANE:
             pid = self._recorded_pid(name)
             if pid is not None:
                 targets[pid] = name
@@ -859,6 +933,60 @@ class LocalCluster(_ClusterBase):
             shutil.rmtree(pids)
         if not quiet:
             _log("stopped; no process of this cluster is left")
+
+    # -- the real node (node.py)
+    def _new_node(self) -> real_node.RealNode:
+        return real_node.RealNode(
+            self.state_dir,
+            cache_root(),
+            self.bins.node,
+            spawn=lambda name, argv: self._spawn(name, argv),
+            apply=lambda objs: self.kubectl(
+                "apply",
+                "-f",
+                "-",
+                input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}),
+            ),
+            log=_log,
+        )
+
+    def _start_real_node(self, deadline: float) -> None:
+        node = self.node
+        assert node is not None
+        t0 = time.monotonic()
+        node.start_runtime()
+        self.images = build_images()
+        tars = {real_node.PAUSE_IMAGE: node.pause_tar()}
+        tars.update({img: image_tar(img) for img in self.images.values()})
+        node.import_images(tars)
+        self.timings["images_s"] = round(time.monotonic() - t0, 2)
+        node.start_kubelet(self.pki, self.server, free_port, write_kubeconfig)
+        node.make_volumes()
+        self._wait(
+            "kubelet", lambda: self._nodes_ready([node.name]), deadline, what="real node Ready"
+        )
+        self._wait(
+            "kubelet",
+            lambda: self.api("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
+            deadline,
+            what="default ServiceAccount",
+        )
+
+    def _stop_real_node(self, timeout: float) -> None:
+        node = self.node or self._new_node()
+        api_up = self._recorded_pid("kube-apiserver") is not None and bool(
+            self.ports or self._read_info()
+        )
+        if not self.ports:
+            self.ports = self._read_info().get("ports", {})
+
+        def terminate(names: list[str]) -> None:
+            pids = {p: n for n in names if (p := self._recorded_pid(n)) is not None}
+            pids.update({p: n for p, n in self._scan_leftovers().items() if n in names})
+            self._terminate(list(pids), pids, timeout)
+
+        node.stop(self.kubectl if api_up else None, terminate)
+        self.node = None
 
     # -- internals
     def _prepare_state_dir(self) -> None:
@@ -1016,6 +1144,8 @@ class LocalCluster(_ClusterBase):
                 n["metadata"]["name"]
                 for n in node_manifests(self.node_pools, self.versions["K8S_VERSION"])
             ],
+            "real_node": self.node.name if self.node is not None else None,
+            "images": self.images,
         }
         (self.state_dir / "cluster.json").write_text(json.dumps(info, indent=2))
 

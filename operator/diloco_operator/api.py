@@ -158,6 +158,12 @@ class SyncerSpec(Strict):
     resources: ResourceRequirements | None = None
     port: int = Field(8470, ge=1024, le=65535, description="Syncer HTTP port.")
     checkpoint: CheckpointStorage = Field(default_factory=lambda: CheckpointStorage())
+    node_selector: dict[ShortStr, Annotated[str, Field(max_length=63)]] | None = Field(
+        None, max_length=16, description="Node labels the syncer pod must run on (a CPU pool)."
+    )
+    tolerations: list[Toleration] | None = Field(
+        None, max_length=16, description="Taints the syncer pod tolerates."
+    )
 
 
 class FailurePolicy(Strict):
@@ -191,11 +197,13 @@ class FailurePolicy(Strict):
 
 
 class ChaosEvent(Strict):
-    """One scheduled fault (local runtime only)."""
+    """One scheduled fault."""
 
     at_seconds: float = Field(ge=0, le=1e6, description="Seconds after the run starts.")
-    action: Literal["kill", "pause", "killSyncer"] = Field(
-        description="kill: SIGKILL a unit; pause: SIGSTOP it for pauseSeconds; killSyncer."
+    action: Literal["kill", "pause", "killSyncer", "nodeNotReady"] = Field(
+        description="kill: SIGKILL a unit (on Kubernetes: delete its pods with no grace); "
+        "pause: SIGSTOP it for pauseSeconds (local runtime only); killSyncer: the same for the "
+        "syncer; nodeNotReady: mark a node of the unit NotReady (Kubernetes only)."
     )
     unit: int | None = Field(
         None, ge=0, description="Global unit index; omitted: a seeded random unit."
@@ -204,7 +212,7 @@ class ChaosEvent(Strict):
 
 
 class ChaosSpec(Strict):
-    """Fault injection, parsed by both backends but acted on only by the local runtime."""
+    """Fault injection: the local runtime with --chaos, the operator with --enable-chaos."""
 
     seed: int = Field(0, ge=0)
     schedule: list[ChaosEvent] = Field(default_factory=list, max_length=1000)
@@ -230,7 +238,11 @@ class DilocoRunSpec(Strict):
     training: TrainingConfig = Field(description="The trainer's configuration (spec.training).")
     syncer: SyncerSpec = Field(default_factory=lambda: SyncerSpec())
     failure_policy: FailurePolicy = Field(default_factory=lambda: FailurePolicy())
-    chaos: ChaosSpec | None = Field(None, description="Fault injection (local runtime only).")
+    chaos: ChaosSpec | None = Field(
+        None,
+        description="Fault injection: acted on by the local runtime with --chaos and by an "
+        "operator started with --enable-chaos (the chart's chaos.enabled); ignored otherwise.",
+    )
     service_account_name: str | None = Field(None, max_length=253)
 
     @model_validator(mode="after")

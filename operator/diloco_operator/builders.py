@@ -38,6 +38,10 @@ CONFIG_DIR = "/etc/diloco"
 CONFIG_FILE = "run.yaml"
 CHECKPOINT_MOUNT = "/var/lib/diloco/checkpoints"
 TOKEN_KEY = "token"
+TOKEN_DIR = "/var/run/diloco/token"
+CACHE_DIR = "/var/cache/diloco"
+# The images' user (docker/*.Dockerfile); files on mounted volumes are made its group's.
+RUN_AS = 65532
 LEARNER = "learner"
 SYNCER = "syncer"
 MANAGED_BY = "diloco-operator"
@@ -173,11 +177,75 @@ def _config_mount() -> dict[str, Any]:
     return {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
 
 
-def _secret_env(run: Run) -> dict[str, Any]:
+def _token_volume(run: Run) -> dict[str, Any]:
+    # A file, not an env var: env vars leak into crash dumps, `kubectl describe` and child
+    # processes; the mounted file is readable by the pod's group only.
     return {
-        "name": "DILOCO_TOKEN",
-        "valueFrom": {"secretKeyRef": {"name": run.token_secret, "key": TOKEN_KEY}},
+        "name": "token",
+        "secret": {
+            "secretName": run.token_secret,
+            "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
+            "defaultMode": 0o440,
+        },
     }
+
+
+def _scratch_volumes() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Writable places for a read-only root filesystem: /tmp and the trainer's caches (the
+    compiled-program cache, the stdlib corpus) for a user without a home directory."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
+    ]
+    return volumes, mounts
+
+
+def _runtime_env() -> list[dict[str, Any]]:
+    return [
+        {"name": "DILOCO_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
+        {"name": "DILOCO_CACHE_DIR", "value": CACHE_DIR},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+
+
+def pod_security_context() -> dict[str, Any]:
+    """The Pod Security "restricted" profile, and volumes (PVC, Secret) owned by the user's group
+    so a non-root syncer can write its checkpoints on a fresh disk."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _secure_pod(run: Run, pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """What learner and syncer pods share: identity, scratch space, the token file."""
+    volumes, mounts = _scratch_volumes()
+    container = pod_spec["containers"][0]
+    container["env"] = [*container["env"], *_runtime_env()]
+    container["volumeMounts"] = [*container["volumeMounts"], *mounts]
+    container["securityContext"] = container_security_context()
+    pod_spec["volumes"] = [*pod_spec["volumes"], *volumes, _token_volume(run)]
+    pod_spec["securityContext"] = pod_security_context()
+    # Learners and the syncer never call the Kubernetes API.
+    pod_spec["automountServiceAccountToken"] = False
+    return pod_spec
 
 
 def syncer_deployment(run: Run) -> dict[str, Any]:
@@ -185,7 +253,6 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
     ckpt = spec.syncer.checkpoint
     port = spec.syncer.port
     env = [
-        _secret_env(run),
         {"name": "DILOCO_SYNCER_PORT", "value": str(port)},
         {
             "name": "DILOCO_CHECKPOINT_PATH",
@@ -223,8 +290,13 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
         ],
         "volumes": volumes,
     }
+    if spec.syncer.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.syncer.node_selector)
+    if spec.syncer.tolerations:
+        pod_spec["tolerations"] = [t.to_wire() for t in spec.syncer.tolerations]
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
+    _secure_pod(run, pod_spec)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -316,7 +388,6 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         raise ValueError(f"unit {unit.name}: group {unit.group!r} is not in spec.unitGroups")
     env: list[dict[str, Any]] = [
         {"name": "DILOCO_SYNCER_ADDR", "value": run.syncer_address},
-        _secret_env(run),
         {"name": "DILOCO_UNIT", "value": str(unit.global_index)},
         {"name": "DILOCO_UNIT_NAME", "value": unit.name},
         {"name": "DILOCO_NUM_UNITS", "value": str(unit.num_units)},
@@ -364,6 +435,7 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         pod_spec["affinity"] = _affinity(run, unit)
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
+    _secure_pod(run, pod_spec)
     job_labels = unit_labels(run, unit)
     return {
         "apiVersion": "batch/v1",

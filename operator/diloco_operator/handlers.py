@@ -21,13 +21,14 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import aiohttp
 import kopf
 from prometheus_client import Counter, Gauge, Histogram
 
-from diloco_operator import builders, kube
+from diloco_operator import builders, chaos, kube
 from diloco_operator.api import (
     GROUP,
     LABEL_COMPONENT,
@@ -72,6 +73,8 @@ class Options:
     # How the operator reaches a syncer: {name} {namespace} {port}. Out-of-cluster operators
     # (development, e2e) can point it at a port-forward or proxy.
     syncer_url: str = "http://{name}.{namespace}.svc:{port}"
+    # Deliver spec.chaos faults (--enable-chaos): off unless the operator's owner opts in.
+    chaos: bool = False
 
 
 @dataclass
@@ -81,6 +84,7 @@ class State:
     # Pods seen deleted while their Job lived: Job uid -> pod names.
     deleted_pods: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
     tokens: dict[tuple[str, str], str] = field(default_factory=dict)
+    chaos: dict[tuple[str, str], chaos.RunChaos] = field(default_factory=dict)
     http: aiohttp.ClientSession | None = None
 
 
@@ -306,11 +310,40 @@ async def reconcile_once(
     )
     await apply(run, the_plan, body)
     new = the_plan.status
+    if STATE.options.chaos and spec.chaos is not None:
+        await inject_chaos(run, body, new)
     if last is None or new != last:
         await kube.patch_status(namespace, name, new.model_dump(mode="json", by_alias=True))
     UNITS_ONLINE.labels(namespace, name).set(new.units_online)
     PASSES.labels("ok").inc()
     return the_plan, new
+
+
+async def inject_chaos(run: builders.Run, body: Any, status: DilocoRunStatus) -> None:
+    """Deliver the run's due faults (chaos.py) to its online units; one Event per fault."""
+    key = (run.namespace, run.name)
+    state = STATE.chaos.get(key)
+    if state is None:
+        meta = body.get("metadata", {})
+        created = datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))
+        delivered = float((meta.get("annotations") or {}).get(chaos.PROGRESS_ANNOTATION, 0))
+        state = chaos.new_run_chaos(run, created.timestamp(), delivered)
+        if state is None:
+            return
+        STATE.chaos[key] = state
+    online = {u.global_index: u.name for u in status.units if u.state == "Online"}
+    faults = chaos.due(state, time.time(), sorted(online))
+    for fault in faults:
+        delivery = chaos.plan_delivery(run, fault, online)
+        message = await chaos.deliver(run, delivery)
+        kind = "Normal" if delivery.action == "skip" else "Warning"
+        kopf.event(body, type=kind, reason=delivery.reason, message=message[:1024])
+        log.warning("chaos run=%s reason=%s %s", run.name, delivery.reason, message)
+        ACTIONS.labels("chaos", delivery.reason).inc()
+    if faults:
+        await kube.annotate_run(
+            run.namespace, run.name, {chaos.PROGRESS_ANNOTATION: f"{state.delivered_at:.3f}"}
+        )
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
@@ -354,5 +387,6 @@ async def run_loop(
         RUNS.dec()
         STATE.wakers.pop(key, None)
         STATE.tokens.pop(key, None)
+        STATE.chaos.pop(key, None)
         with contextlib.suppress(KeyError):
             UNITS_ONLINE.remove(namespace, name)

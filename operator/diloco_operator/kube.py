@@ -8,6 +8,7 @@ import base64
 import functools
 import logging
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client, config
@@ -102,6 +103,18 @@ async def patch_status(namespace: str, name: str, status: dict[str, Any]) -> Non
     )
 
 
+async def annotate_run(namespace: str, name: str, annotations: dict[str, str]) -> None:
+    await asyncio.to_thread(
+        _apis()[3].patch_namespaced_custom_object,
+        GROUP,
+        VERSION,
+        namespace,
+        PLURAL,
+        name,
+        {"metadata": {"annotations": annotations}},
+    )
+
+
 async def read_token(namespace: str, secret: str, key: str) -> str | None:
     try:
         obj = await asyncio.to_thread(_apis()[0].read_namespaced_secret, secret, namespace)
@@ -135,3 +148,45 @@ def release_runs(namespaces: list[str] | None, finalizer: str) -> int:
             )
             released += 1
     return released
+
+
+async def kill_pods(namespace: str, selector: str) -> list[str]:
+    """Delete the pods matching `selector` with no grace period: the kubelet SIGKILLs their
+    containers at once, as a crash would. Returns the pods' names."""
+    core = _apis()[0]
+    pods = await asyncio.to_thread(core.list_namespaced_pod, namespace, label_selector=selector)
+    names = [
+        str(p.metadata.name)
+        for p in pods.items
+        if p.metadata is not None and not p.metadata.deletion_timestamp
+    ]
+    body = client.V1DeleteOptions(grace_period_seconds=0)
+    for name in names:
+        try:
+            await asyncio.to_thread(core.delete_namespaced_pod, name, namespace, body=body)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+    return names
+
+
+async def pod_nodes(namespace: str, selector: str) -> list[str]:
+    pods = await asyncio.to_thread(
+        _apis()[0].list_namespaced_pod, namespace, label_selector=selector
+    )
+    return sorted({p.spec.node_name for p in pods.items if p.spec and p.spec.node_name})
+
+
+async def mark_node_not_ready(node: str, reason: str, message: str) -> None:
+    """Set the node's Ready condition to False (its kubelet, or KWOK, sets it back with its next
+    status update): what the control plane sees when a host stops reporting."""
+    now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    cond = {
+        "type": "Ready",
+        "status": "False",
+        "reason": reason,
+        "message": message,
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": now,
+    }
+    await asyncio.to_thread(_apis()[0].patch_node_status, node, {"status": {"conditions": [cond]}})

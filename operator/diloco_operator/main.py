@@ -50,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how to reach a run's syncer; fields {name} {namespace} {port}",
     )
     p.add_argument(
+        "--enable-chaos",
+        action="store_true",
+        help="deliver the faults of each run's spec.chaos (pod kills, syncer kills, nodes made "
+        "NotReady); off by default: fault injection is the cluster owner's choice",
+    )
+    p.add_argument(
         "--release-runs",
         action="store_true",
         help="remove the operator's finalizer from every DilocoRun in scope and exit (use before "
@@ -70,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     handlers.STATE.options = handlers.Options(
-        poll_interval=args.poll_interval, syncer_url=args.syncer_url
+        poll_interval=args.poll_interval, syncer_url=args.syncer_url, chaos=args.enable_chaos
     )
     if args.release_runs:
         kube.load_config()

@@ -35,6 +35,9 @@ log = logging.getLogger("diloco.checkpoint")
 
 FORMAT = "diloco-syncer-checkpoint/1"
 JOURNAL = "versions.json"
+# What a freshly formatted volume holds before anyone writes to it (ext4's lost+found): not a
+# sign of someone else's data, so a new run may start in it.
+FILESYSTEM_ENTRIES = ("lost+found",)
 _NAME = re.compile(r"^ckpt-(\d{10})$")
 
 
@@ -227,7 +230,8 @@ class CheckpointStore:
         leftovers = sorted(
             e.name
             for e in self.root.iterdir()
-            if e.name not in (JOURNAL, f".{JOURNAL}.tmp") and not e.name.startswith(".tmp-")
+            if e.name not in (JOURNAL, f".{JOURNAL}.tmp", *FILESYSTEM_ENTRIES)
+            and not e.name.startswith(".tmp-")
         )
         if leftovers:
             detail = "; ".join(problems) if problems else f"unexpected entries {leftovers[:5]}"

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-FaultKind = Literal["kill", "pause", "kill-syncer"]
-FAULT_KINDS: tuple[FaultKind, ...] = ("kill", "pause", "kill-syncer")
+FaultKind = Literal["kill", "pause", "kill-syncer", "node-not-ready"]
+FAULT_KINDS: tuple[FaultKind, ...] = ("kill", "pause", "kill-syncer", "node-not-ready")
 
 
 @dataclass(frozen=True)

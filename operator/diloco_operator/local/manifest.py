@@ -43,7 +43,12 @@ def load_manifest(path: str | Path) -> LocalRun:
     return LocalRun(name=name, path=p, document=doc, spec=spec)
 
 
-_ACTIONS = {"kill": "kill", "pause": "pause", "killSyncer": "kill-syncer"}
+_ACTIONS = {
+    "kill": "kill",
+    "pause": "pause",
+    "killSyncer": "kill-syncer",
+    "nodeNotReady": "node-not-ready",
+}
 
 
 def chaos_settings(spec: ChaosSpec | None, enabled: bool, seed: int | None = None) -> ChaosSettings:
@@ -73,8 +78,14 @@ def chaos_settings(spec: ChaosSpec | None, enabled: bool, seed: int | None = Non
 
 
 def check_chaos_units(settings: ChaosSettings, units: int) -> None:
-    """A scheduled fault naming a unit the run does not have is a manifest error."""
+    """A scheduled fault naming a unit the run does not have, or one the local runtime cannot
+    deliver, is a manifest error."""
     for i, fault in enumerate(settings.schedule):
+        if fault.kind == "node-not-ready":
+            raise ManifestError(
+                f"spec.chaos.schedule.{i}.action: nodeNotReady needs Kubernetes nodes; the local "
+                "runtime has none (use kill)"
+            )
         if fault.unit is not None and fault.unit >= units:
             raise ManifestError(
                 f"spec.chaos.schedule.{i}.unit: unit {fault.unit} does not exist "

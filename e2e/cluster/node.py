@@ -1,0 +1,657 @@
+"""The real node of the e2e cluster: real containers on a real kubelet, beside the KWOK fakes.
+
+Pieces (docs/e2e.md, "The real node"): Debian's containerd (its CRI plugin) and runc, kubelet and
+kube-proxy of the pinned Kubernetes version, Debian's CNI plugins on a bridge of our own, CoreDNS
+on the host behind a selector-less `kube-dns` Service, a pause image built here, and local
+PersistentVolumes (one a freshly formatted ext4 loop device, as a cloud disk would be).
+
+Every address a pod or Service uses is on this machine: the bridge's subnet, and Service IPs that
+kube-proxy rewrites to it. A guard chain rejects anything else leaving the bridge and any Service
+IP that was not rewritten, so nothing a test does can send a packet off the machine.
+
+Needs root (CI runs as root). The node is named after this machine's hostname, tainted so that only
+pods that tolerate it (the real-workload tests) land there, and torn down completely on stop:
+pods, containers, mounts, the loop device, the bridge and the guard chain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+BRIDGE = "dlc0"
+POD_SUBNET = "10.244.0.0/24"
+GATEWAY = "10.244.0.1"  # the host on the bridge: apiserver, CoreDNS and kubelet are reached here
+SERVICE_CIDR = "10.96.0.0/20"
+KUBERNETES_SERVICE_IP = "10.96.0.1"
+DNS_SERVICE_IP = "10.96.0.10"
+GUARD_CHAIN = "DILOCO-E2E-GUARD"
+
+NODE_LABEL = "diloco.dev/e2e-real-node"
+TAINT = {"key": "diloco.dev/real-node", "value": "true", "effect": "NoSchedule"}
+TOLERATION = {"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}
+PAUSE_IMAGE = "diloco-pause:1"
+STORAGE_CLASS = "diloco-local"
+EXT4_VOLUME = "ckpt-ext4"
+
+NODE_COMPONENTS = ("containerd", "kubelet", "kube-proxy", "coredns")
+CNI_BIN_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
+NODE_LOCK = Path("/run/diloco-e2e-node.lock")
+
+
+class NodeError(RuntimeError):
+    pass
+
+
+def node_name() -> str:
+    """The machine's hostname: the apiserver reaches the kubelet by it as a fallback address."""
+    return socket.gethostname().split(".")[0].lower()
+
+
+def enabled() -> bool:
+    """The real node runs unless DILOCO_E2E_REAL_NODE=0 (it needs root and Linux)."""
+    return os.environ.get("DILOCO_E2E_REAL_NODE", "1") not in ("0", "false") and os.geteuid() == 0
+
+
+def run(argv: list[str], check: bool = True, **kw: Any) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(argv, capture_output=True, text=True, **kw)
+    if check and r.returncode != 0:
+        raise NodeError(f"{' '.join(argv)} failed ({r.returncode}): {r.stderr.strip()[-2000:]}")
+    return r
+
+
+def ensure_packages() -> None:
+    """Debian's containerd, runc, CNI plugins, iptables and e2fsprogs (CI is a fresh machine)."""
+    wanted = {
+        "containerd": "containerd",
+        "runc": "runc",
+        "containernetworking-plugins": "/usr/lib/cni/bridge",
+        "iptables": "iptables",
+        "e2fsprogs": "mkfs.ext4",
+        "iproute2": "ip",
+    }
+    missing = [
+        pkg for pkg, probe in wanted.items() if not (Path(probe).exists() or shutil.which(probe))
+    ]
+    if not missing:
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    run(["apt-get", "update", "-qq"], env=env)
+    run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], env=env)
+
+
+def cni_bin_dir() -> str:
+    for d in CNI_BIN_DIRS:
+        if (Path(d) / "bridge").exists():
+            return d
+    raise NodeError(
+        f"no CNI plugins in {CNI_BIN_DIRS} (apt-get install containernetworking-plugins)"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# network: the bridge and the guard
+
+
+def bridge_up() -> None:
+    """The bridge exists before the apiserver starts: it advertises the gateway address."""
+    if run(["ip", "link", "show", BRIDGE], check=False).returncode != 0:
+        run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+    addrs = run(["ip", "-4", "-o", "addr", "show", "dev", BRIDGE]).stdout
+    if f" {GATEWAY}/" not in addrs:
+        run(["ip", "addr", "add", f"{GATEWAY}/{POD_SUBNET.split('/')[1]}", "dev", BRIDGE])
+    run(["ip", "link", "set", BRIDGE, "up"])
+    for key, value in (
+        ("net/ipv4/ip_forward", "1"),
+        ("net/bridge/bridge-nf-call-iptables", "1"),
+    ):
+        p = Path("/proc/sys") / key
+        if p.exists() and p.read_text().strip() != value:
+            p.write_text(value)
+    guard_up()
+
+
+def _guard_rules() -> list[list[str]]:
+    return [
+        # a pod may talk to the bridge (pods, the host's gateway address) and nothing beyond it
+        ["-i", BRIDGE, "!", "-o", BRIDGE, "-j", "REJECT"],
+        # a Service IP that kube-proxy did not rewrite has no endpoint: refuse, never route it
+        ["-d", SERVICE_CIDR, "-j", "REJECT"],
+    ]
+
+
+def guard_up() -> None:
+    if run(["iptables", "-w", "-L", GUARD_CHAIN, "-n"], check=False).returncode != 0:
+        run(["iptables", "-w", "-N", GUARD_CHAIN])
+    run(["iptables", "-w", "-F", GUARD_CHAIN])
+    for rule in _guard_rules():
+        run(["iptables", "-w", "-A", GUARD_CHAIN, *rule])
+    for chain in ("FORWARD", "OUTPUT"):
+        if run(["iptables", "-w", "-C", chain, "-j", GUARD_CHAIN], check=False).returncode != 0:
+            run(["iptables", "-w", "-I", chain, "1", "-j", GUARD_CHAIN])
+
+
+def network_down() -> None:
+    for chain in ("FORWARD", "OUTPUT"):
+        while run(["iptables", "-w", "-D", chain, "-j", GUARD_CHAIN], check=False).returncode == 0:
+            pass
+    run(["iptables", "-w", "-F", GUARD_CHAIN], check=False)
+    run(["iptables", "-w", "-X", GUARD_CHAIN], check=False)
+    run(["ip", "link", "del", BRIDGE], check=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# files of the node's programs (pure: text from paths)
+
+
+def containerd_config(root: Path, state: Path, sock: Path, cni_conf: Path, cni_bin: str) -> str:
+    return f"""version = 2
+root = "{root}"
+state = "{state}"
+[grpc]
+  address = "{sock}"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE_IMAGE}"
+  # root here lacks CAP_SYS_RESOURCE: runc cannot lower oom_score_adj below its own
+  restrict_oom_score_adj = true
+  enable_selinux = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni_bin}"
+    conf_dir = "{cni_conf}"
+"""
+
+
+def cni_config(ipam_dir: Path) -> dict[str, Any]:
+    return {
+        "cniVersion": "1.0.0",
+        "name": "diloco-e2e",
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": BRIDGE,
+                "isGateway": True,
+                "ipMasq": False,
+                "hairpinMode": True,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": POD_SUBNET, "gateway": GATEWAY}]],
+                    "dataDir": str(ipam_dir),
+                },
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}},
+            # a Docker engine on the machine may set the FORWARD policy to DROP
+            {"type": "firewall"},
+        ],
+    }
+
+
+def kubelet_config(ca: Path, sock: Path, resolv: Path, healthz_port: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": True},
+            "x509": {"clientCAFile": str(ca)},
+        },
+        "authorization": {"mode": "Webhook"},
+        "cgroupDriver": "cgroupfs",
+        "failCgroupV1": False,
+        "failSwapOn": False,
+        "containerRuntimeEndpoint": f"unix://{sock}",
+        "clusterDNS": [DNS_SERVICE_IP],
+        "clusterDomain": "cluster.local",
+        "resolvConf": str(resolv),
+        "registerWithTaints": [TAINT],
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": healthz_port,
+        "readOnlyPort": 0,
+        "maxPods": 40,
+        # images cannot be pulled again here: never garbage-collect them, never evict for disk
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "evictionHard": {
+            "memory.available": "100Mi",
+            "nodefs.available": "1%",
+            "imagefs.available": "1%",
+        },
+        "serializeImagePulls": False,
+        "shutdownGracePeriod": "0s",
+    }
+
+
+def kube_proxy_config(kubeconfig: Path, hostname: str, ports: tuple[int, int]) -> dict[str, Any]:
+    return {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "clientConnection": {"kubeconfig": str(kubeconfig)},
+        "mode": "iptables",
+        "clusterCIDR": POD_SUBNET,
+        "hostnameOverride": hostname,
+        "healthzBindAddress": f"127.0.0.1:{ports[0]}",
+        "metricsBindAddress": f"127.0.0.1:{ports[1]}",
+        # leave the machine's conntrack sysctls alone (they may be read-only in a VM)
+        "conntrack": {"maxPerCore": 0, "min": 0},
+    }
+
+
+def corefile(kubeconfig: Path) -> str:
+    # No `forward`: names outside the cluster get no answer from elsewhere.
+    return f""".:53 {{
+    bind {GATEWAY}
+    errors
+    kubernetes cluster.local in-addr.arpa ip6.arpa {{
+        kubeconfig {kubeconfig}
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+    }}
+    cache 5
+}}
+"""
+
+
+def dns_objects() -> list[dict[str, Any]]:
+    """kube-dns: a Service without selector whose one endpoint is CoreDNS on the gateway."""
+    ports = [
+        {"name": "dns", "port": 53, "protocol": "UDP"},
+        {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
+    ]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "kube-dns", "namespace": "kube-system"},
+            "spec": {
+                "clusterIP": DNS_SERVICE_IP,
+                "ports": [{**p, "targetPort": 53} for p in ports],
+            },
+        },
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": "kube-dns-host",
+                "namespace": "kube-system",
+                "labels": {
+                    "kubernetes.io/service-name": "kube-dns",
+                    "endpointslice.kubernetes.io/managed-by": "e2e.diloco.dev",
+                },
+            },
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [GATEWAY], "conditions": {"ready": True}}],
+            "ports": ports,
+        },
+    ]
+
+
+def storage_objects(hostname: str, volumes: dict[str, tuple[Path, str]]) -> list[dict[str, Any]]:
+    """A no-provisioner default StorageClass and one local PV per volume (name -> path, size)."""
+    objs: list[dict[str, Any]] = [
+        {
+            "apiVersion": "storage.k8s.io/v1",
+            "kind": "StorageClass",
+            "metadata": {
+                "name": STORAGE_CLASS,
+                "annotations": {"storageclass.kubernetes.io/is-default-class": "true"},
+            },
+            "provisioner": "kubernetes.io/no-provisioner",
+            "volumeBindingMode": "WaitForFirstConsumer",
+            "reclaimPolicy": "Retain",
+        }
+    ]
+    for name, (path, size) in volumes.items():
+        objs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": name, "labels": {NODE_LABEL: "true"}},
+                "spec": {
+                    "capacity": {"storage": size},
+                    "accessModes": ["ReadWriteOnce"],
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "storageClassName": STORAGE_CLASS,
+                    "local": {"path": str(path)},
+                    "nodeAffinity": {
+                        "required": {
+                            "nodeSelectorTerms": [
+                                {
+                                    "matchExpressions": [
+                                        {
+                                            "key": "kubernetes.io/hostname",
+                                            "operator": "In",
+                                            "values": [hostname],
+                                        }
+                                    ]
+                                }
+                            ]
+                        }
+                    },
+                },
+            }
+        )
+    return objs
+
+
+# ----------------------------------------------------------------------------------------------
+# the node
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeBinaries:
+    kubelet: Path
+    kube_proxy: Path
+    coredns: Path
+    pause: Path
+
+
+class RealNode:
+    """Started by LocalCluster after its control plane; `spawn` and `api_apply` are the cluster's."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        cache: Path,
+        bins: NodeBinaries,
+        spawn: Callable[[str, list[str]], None],
+        apply: Callable[[list[dict[str, Any]]], object],
+        log: Callable[[str], None],
+    ) -> None:
+        self.st = state_dir / "node"
+        self.cache = cache
+        self.bins = bins
+        self._spawn = spawn
+        self._apply = apply
+        self._log = log
+        self.name = node_name()
+        self.sock = self.st / "containerd.sock"
+        self.images: dict[str, str] = {}
+        self._lock: IO[str] | None = None
+
+    # -- lifecycle
+    def lock(self) -> None:
+        """One real node per machine: it owns the bridge, port 10250 and the guard chain."""
+        NODE_LOCK.parent.mkdir(parents=True, exist_ok=True)
+        f = open(NODE_LOCK, "w")  # noqa: SIM115 - held until unlock()
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            f.close()
+            raise NodeError(
+                f"another e2e cluster's real node holds {NODE_LOCK}; stop it first "
+                "(e2e/cluster/down.sh) or set DILOCO_E2E_REAL_NODE=0"
+            ) from e
+        self._lock = f
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def prepare(self) -> None:
+        """Before the apiserver: packages, the bridge and the guard."""
+        ensure_packages()
+        bridge_up()
+
+    def start_runtime(self) -> None:
+        """containerd, and the images the node needs (imported once into a cached root)."""
+        st = self.st
+        for sub in ("containerd-state", "cni/net.d", "cni/ipam", "kubelet", "volumes"):
+            (st / sub).mkdir(parents=True, exist_ok=True)
+        root = self.cache / "node" / "containerd-root"
+        root.mkdir(parents=True, exist_ok=True)
+        (st / "cni/net.d/10-diloco-e2e.conflist").write_text(
+            json.dumps(cni_config(st / "cni/ipam"), indent=2)
+        )
+        (st / "containerd.toml").write_text(
+            containerd_config(
+                root, st / "containerd-state", self.sock, st / "cni/net.d", cni_bin_dir()
+            )
+        )
+        self._spawn("containerd", ["/usr/bin/containerd", "--config", str(st / "containerd.toml")])
+        deadline = time.monotonic() + 60
+        while self.ctr("version", check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise NodeError(f"containerd did not answer on {self.sock}")
+            time.sleep(0.2)
+        self._remove_leftover_containers()
+
+    def ctr(self, *args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess[str]:
+        return run(["ctr", "--address", str(self.sock), "-n", "k8s.io", *args], check=check, **kw)
+
+    def import_images(self, tars: dict[str, Path]) -> None:
+        """Import each image (name -> docker-save tar) that containerd does not hold yet."""
+        have = set(self.ctr("images", "ls", "-q").stdout.split())
+        for image, tar in tars.items():
+            if _normalized(image) in have:
+                continue
+            t0 = time.monotonic()
+            self.ctr("images", "import", "--no-unpack=false", str(tar))
+            self._log(
+                f"imported {image} into the node's containerd in {time.monotonic() - t0:.0f}s"
+            )
+
+    def pause_tar(self) -> Path:
+        """The sandbox image: our pause program alone in a docker-save archive (built here)."""
+        out = self.bins.pause.parent / "pause-image.tar"
+        if out.exists():
+            return out
+        work = self.st / "pause-image"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        _write_single_file_image(work, self.bins.pause, PAUSE_IMAGE, out)
+        return out
+
+    def start_kubelet(
+        self,
+        pki: Any,
+        server: str,
+        free_port: Callable[[], int],
+        write_kubeconfig: Callable[[Path, str, Path, Path, Path, str], None],
+    ) -> None:
+        st = self.st
+        kc = st / "kubelet.kubeconfig"
+        write_kubeconfig(
+            kc,
+            server,
+            pki.path("ca.crt"),
+            pki.path("kubelet.crt"),
+            pki.path("kubelet.key"),
+            f"system:node:{self.name}",
+        )
+        resolv = st / "resolv.conf"
+        resolv.write_text("# pods use the cluster DNS only\n")
+        (st / "kubelet.yaml").write_text(
+            json.dumps(kubelet_config(pki.path("ca.crt"), self.sock, resolv, free_port()))
+        )
+        self._spawn(
+            "kubelet",
+            [
+                str(self.bins.kubelet),
+                f"--config={st / 'kubelet.yaml'}",
+                f"--kubeconfig={kc}",
+                f"--hostname-override={self.name}",
+                f"--node-ip={GATEWAY}",
+                f"--node-labels={NODE_LABEL}=true",
+                f"--root-dir={st / 'kubelet'}",
+                f"--cert-dir={st / 'kubelet' / 'pki'}",
+                "--v=1",
+            ],
+        )
+        pkc = st / "kube-proxy.kubeconfig"
+        write_kubeconfig(
+            pkc,
+            server,
+            pki.path("ca.crt"),
+            pki.path("kube-proxy.crt"),
+            pki.path("kube-proxy.key"),
+            "system:kube-proxy",
+        )
+        (st / "kube-proxy.yaml").write_text(
+            json.dumps(kube_proxy_config(pkc, self.name, (free_port(), free_port())))
+        )
+        self._spawn("kube-proxy", [str(self.bins.kube_proxy), f"--config={st / 'kube-proxy.yaml'}"])
+        ckc = st / "coredns.kubeconfig"
+        write_kubeconfig(
+            ckc,
+            server,
+            pki.path("ca.crt"),
+            pki.path("coredns.crt"),
+            pki.path("coredns.key"),
+            "coredns",
+        )
+        (st / "Corefile").write_text(corefile(ckc))
+        self._spawn("coredns", [str(self.bins.coredns), "-conf", str(st / "Corefile")])
+        self._apply(dns_objects())
+
+    def make_volumes(self) -> None:
+        """Local PVs: a fresh ext4 loop device (lost+found and all) and two plain directories.
+        The ext4 one is the smallest, so a claim binds to it first."""
+        vols = self.st / "volumes"
+        img = vols / f"{EXT4_VOLUME}.img"
+        mnt = vols / EXT4_VOLUME
+        mnt.mkdir(parents=True, exist_ok=True)
+        with open(img, "wb") as f:
+            f.truncate(1 << 30)  # sparse
+        run(["mkfs.ext4", "-q", "-F", str(img)])
+        dev = run(["losetup", "--find", "--show", str(img)]).stdout.strip()
+        (self.st / "loopdev").write_text(dev)
+        run(["mount", dev, str(mnt)])
+        volumes: dict[str, tuple[Path, str]] = {EXT4_VOLUME: (mnt, "1Gi")}
+        for i in range(2):
+            d = vols / f"dir-{i}"
+            d.mkdir(exist_ok=True)
+            volumes[f"local-dir-{i}"] = (d, "2Gi")
+        self._apply(storage_objects(self.name, volumes))
+
+    def stop(
+        self, kubectl: Callable[..., Any] | None, terminate: Callable[[list[str]], None]
+    ) -> None:
+        """Pods first (the kubelet tears them down properly), then the node's programs, then
+        anything left: containers, mounts, the loop device, cgroups, the bridge and the guard."""
+        if kubectl is not None:
+            with contextlib.suppress(Exception):
+                kubectl(
+                    "delete",
+                    "pods",
+                    "--all-namespaces",
+                    "--field-selector",
+                    f"spec.nodeName={self.name}",
+                    "--grace-period=1",
+                    "--wait=true",
+                    "--timeout=40s",
+                )
+        terminate(["kube-proxy", "kubelet", "coredns"])
+        if self.sock.exists():
+            with contextlib.suppress(Exception):
+                self._remove_leftover_containers()
+        terminate(["containerd"])
+        with contextlib.suppress(Exception):
+            run([str(self.bins.kube_proxy), "--cleanup"], check=False, timeout=60)
+        self._unmount_all()
+        dev_file = self.st / "loopdev"
+        if dev_file.exists():
+            run(["losetup", "-d", dev_file.read_text().strip()], check=False)
+            dev_file.unlink()
+        _remove_empty_cgroups("kubepods")
+        network_down()
+        self.unlock()
+
+    # -- internals
+    def _remove_leftover_containers(self) -> None:
+        tasks = self.ctr("tasks", "ls", "-q", check=False).stdout.split()
+        for t in tasks:
+            self.ctr("tasks", "kill", "-s", "SIGKILL", t, check=False)
+        deadline = time.monotonic() + 10
+        for t in tasks:
+            while self.ctr("tasks", "rm", "-f", t, check=False).returncode != 0:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        for c in self.ctr("containers", "ls", "-q", check=False).stdout.split():
+            self.ctr("containers", "rm", c, check=False)
+
+    def _unmount_all(self) -> None:
+        roots = (str(self.st), str(self.cache / "node"))
+        mounts = []
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/mounts").read_text().splitlines():
+                target = line.split()[1].replace("\\040", " ")
+                if target.startswith(roots):
+                    mounts.append(target)
+        for m in sorted(mounts, key=len, reverse=True):
+            run(["umount", "-l", m], check=False)
+
+
+def _normalized(image: str) -> str:
+    """How containerd names an image imported from a docker-save archive."""
+    name = image if "/" in image else f"library/{image}"
+    return name if name.split("/")[0].count(".") else f"docker.io/{name}"
+
+
+def _remove_empty_cgroups(name: str) -> None:
+    for hier in Path("/sys/fs/cgroup").iterdir():
+        top = hier / name
+        if not top.is_dir():
+            continue
+        for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        with contextlib.suppress(OSError):
+            top.rmdir()
+
+
+def _write_single_file_image(work: Path, program: Path, tag: str, out: Path) -> None:
+    """A docker-save archive (the format `ctr images import` reads) of one static program."""
+    import hashlib
+    import io
+    import tarfile
+
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as t:
+        info = t.gettarinfo(str(program), arcname=program.name)
+        info.mode, info.uid, info.gid = 0o755, 0, 0
+        with open(program, "rb") as f:
+            t.addfile(info, f)
+    layer_bytes = layer.getvalue()
+    diff_id = "sha256:" + hashlib.sha256(layer_bytes).hexdigest()
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Entrypoint": [f"/{program.name}"]},
+            "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        }
+    ).encode()
+    config_name = hashlib.sha256(config).hexdigest() + ".json"
+    manifest = json.dumps(
+        [{"Config": config_name, "RepoTags": [tag], "Layers": ["layer/layer.tar"]}]
+    ).encode()
+    tmp = out.with_suffix(".tmp")
+    with tarfile.open(tmp, mode="w") as t:
+        for name, data in (
+            ("layer/layer.tar", layer_bytes),
+            (config_name, config),
+            ("manifest.json", manifest),
+        ):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    tmp.replace(out)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# A private Docker engine for building the project's images (sourced by images.sh).
+#
+# Debian's docker.io is installed when missing (CI is a fresh machine, as root). The engine runs
+# with its own socket, data root and exec root, so it never touches a user's Docker, and with
+# iptables and the default bridge off: image builds here need no network (pip installs from a
+# wheelhouse prepared on the host), and an engine that manages iptables would set the FORWARD
+# policy to DROP under the real node's pods.
+#
+# Env: DILOCO_E2E_CACHE (default ~/.cache/diloco-e2e): the engine's data root lives under it.
+
+ENGINE_CACHE="${DILOCO_E2E_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/diloco-e2e}"
+ENGINE_SOCK="/run/diloco-docker/docker.sock"
+export DOCKER_HOST="unix://$ENGINE_SOCK"
+
+engine_log() { printf '[engine %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+# apt_install PKG...: install Debian packages that are missing (needs root).
+apt_install() {
+  local missing=() p
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [[ ${#missing[@]} -eq 0 ]] && return 0
+  [[ $(id -u) -eq 0 ]] || { engine_log "ERROR: need root to install ${missing[*]}"; return 1; }
+  engine_log "apt-get install ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+engine_up() {
+  apt_install docker.io debootstrap
+  if docker version >/dev/null 2>&1; then return 0; fi
+  mkdir -p /run/diloco-docker "$ENGINE_CACHE/docker"
+  engine_log "starting a private dockerd (data root $ENGINE_CACHE/docker)"
+  nohup dockerd \
+    --host="$DOCKER_HOST" \
+    --data-root="$ENGINE_CACHE/docker" \
+    --exec-root=/run/diloco-docker/exec \
+    --pidfile=/run/diloco-docker/dockerd.pid \
+    --iptables=false --ip-masq=false --bridge=none \
+    --storage-driver=overlay2 \
+    >"$ENGINE_CACHE/dockerd.log" 2>&1 &
+  local i
+  for i in $(seq 1 120); do
+    docker version >/dev/null 2>&1 && { engine_log "dockerd ready"; return 0; }
+    sleep 0.5
+  done
+  engine_log "ERROR: dockerd did not start; tail of $ENGINE_CACHE/dockerd.log:"
+  tail -20 "$ENGINE_CACHE/dockerd.log" >&2
+  return 1
+}
+
+engine_down() {
+  local pid
+  pid=$(cat /run/diloco-docker/dockerd.pid 2>/dev/null) || return 0
+  kill "$pid" 2>/dev/null || true
+}

@@ -1,0 +1,3 @@
+module diloco-e2e.local/pause
+
+go 1.26.0
