@@ -9,7 +9,7 @@ export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 # JAX on CPU: keep XLA from grabbing every core for its thread pool in tests.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: venv demo test lint typecheck unit crds bench bench-quick e2e cluster-up cluster-down e2e-deps clean
+.PHONY: venv demo test lint typecheck unit crds bench bench-quick e2e cluster-up cluster-down e2e-deps images clean
 
 venv: $(STAMP)
 
@@ -42,9 +42,16 @@ crds: venv
 test: lint typecheck e2e-deps unit e2e
 
 # The real control plane (etcd, kube-apiserver, -controller-manager, -scheduler, kwok, kubectl,
-# helm) built from the Go module proxy into ~/.cache/diloco-e2e: tens of minutes cold, seconds warm.
-e2e-deps:
+# helm) and the real node (kubelet, kube-proxy, CoreDNS, pause) built from the Go module proxy into
+# ~/.cache/diloco-e2e: tens of minutes cold, seconds warm. Then the images (below).
+e2e-deps: venv
 	bash e2e/cluster/build.sh
+	@if [ "$$(id -u)" = 0 ]; then $(MAKE) --no-print-directory images; fi
+
+# The trainer (CPU JAX) and operator images from docker/, on a base made with debootstrap (needs
+# root: installs docker.io and debootstrap when missing). Content-hashed: a warm call builds nothing.
+images: venv
+	PYTHON=$(BIN)/python bash e2e/node/images.sh --save $${DILOCO_E2E_CACHE:-$$HOME/.cache/diloco-e2e}/images
 
 # End-to-end suite (docs/e2e.md): a local control plane started and stopped by the fixture, or
 # DILOCO_E2E_KUBECONFIG=... for an existing cluster.

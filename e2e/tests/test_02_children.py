@@ -75,7 +75,8 @@ def test_learner_jobs(cluster: Any, namespace: str, mixed: dict[str, Any]) -> No
         assert env["DILOCO_NUM_UNITS"] == "4"
         assert env["DILOCO_ATTEMPT"] == "0"
         assert env["DILOCO_SYNCER_ADDR"] == f"http://{RUN}-syncer.{namespace}.svc:8470"
-        assert env["DILOCO_TOKEN"] == {"secretKeyRef": {"name": f"{RUN}-token", "key": "token"}}
+        assert "DILOCO_TOKEN" not in env  # a mounted file, never an env var
+        assert env["DILOCO_TOKEN_FILE"] == "/var/run/diloco/token/token"
         assert env["TPU_WORKER_HOSTNAMES"] == ",".join(f"{name}-{i}.{name}" for i in range(hosts))
         assert "batch.kubernetes.io/job-completion-index" in str(env["TPU_WORKER_ID"])
 
@@ -99,9 +100,10 @@ def test_syncer_and_run_objects(cluster: Any, namespace: str, mixed: dict[str, A
     (container,) = deploy["spec"]["template"]["spec"]["containers"]
     assert container["image"] == mixed["spec"]["image"]
     env = env_of(container)
-    assert env["DILOCO_TOKEN"] == {"secretKeyRef": {"name": f"{RUN}-token", "key": "token"}}
+    assert "DILOCO_TOKEN" not in env
     assert env["DILOCO_SYNCER_PORT"] == "8470"
     volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["token"]["secret"]["secretName"] == f"{RUN}-token"
     assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == f"{RUN}-checkpoints"
 
     svc = cluster.kubectl_json("get", "svc", f"{RUN}-syncer", "-n", namespace)

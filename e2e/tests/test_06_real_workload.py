@@ -1,0 +1,434 @@
+"""Real pods: the trainer image trains inside Kubernetes, end to end (docs/e2e.md).
+
+On the local cluster's real node (e2e/cluster/node.py: containerd, kubelet, kube-proxy, CoreDNS)
+the chart runs the operator in-cluster from its image, and a CPU DilocoRun's learner and syncer
+pods are real containers of the trainer image. The namespace enforces the "restricted" Pod
+Security profile. In order, one run:
+
+1. the learners reach the syncer through its Service by DNS and train: `kubectl get dlr` shows
+   steps, tokens and loss rising from the syncer's report;
+2. the run's own `spec.chaos` kills unit 0 (the operator, started with chaos on, deletes its pod
+   with no grace): Offline, recreated, the new pod joins and pulls the global parameters;
+3. a learner's process is SIGKILLed inside its container (from the node, as the OOM killer
+   would), and separately a learner pod is deleted: each unit is replaced and rejoins;
+4. the syncer pod is deleted: the new one resumes from its checkpoint volume (a fresh ext4
+   disk), the outer step falls back at most one checkpoint period, and no learner restarts;
+5. the run reaches its budget: Succeeded, finalLoss set, learner pods Completed;
+6. deleting the run removes every child, and no container of the namespace is left on the node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import runs
+from conftest import CHART, RELEASE, SYSTEM_NS, Operator, get_json, kubectl, say, wait_for
+
+from e2e.cluster import harness
+from e2e.cluster import node as real_node
+
+RUN = "real"
+UNITS = 2
+CHECKPOINT_SECONDS = 5
+CHAOS_KILL_AT = 40.0
+
+
+def cluster_info(c: harness._ClusterBase) -> dict[str, Any]:
+    if not isinstance(c, harness.LocalCluster):
+        return {}
+    return c._read_info()
+
+
+@pytest.fixture(scope="module")
+def real(cluster: harness._ClusterBase) -> dict[str, Any]:
+    """The real node and the images built for it; skips where the cluster has no real node."""
+    info = cluster_info(cluster)
+    if not info.get("real_node") or not info.get("images"):
+        if os.environ.get("DILOCO_E2E_REQUIRE"):
+            pytest.fail("DILOCO_E2E_REQUIRE: the cluster has no real node (needs root)")
+        pytest.skip("the cluster has no real node (e2e/cluster/node.py needs root)")
+    return info
+
+
+def _helm(c: harness._ClusterBase, *args: str) -> None:
+    helm = str(harness.expected_binaries().helm)
+    scratch = tempfile.mkdtemp(prefix="diloco-e2e-helm-")
+    env = {**c.env(), "HELM_CACHE_HOME": scratch, "HELM_CONFIG_HOME": scratch}
+    env["HELM_DATA_HOME"] = scratch
+    r = subprocess.run(
+        [helm, *args, "--kubeconfig", str(c.kubeconfig)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, f"helm {' '.join(args)} failed: {r.stderr}"
+
+
+def _on_real_node() -> dict[str, Any]:
+    return {
+        "nodeSelector": {real_node.NODE_LABEL: "true"},
+        "tolerations": [real_node.TOLERATION],
+    }
+
+
+@pytest.fixture(scope="module")
+def incluster(
+    cluster: harness._ClusterBase,
+    real: dict[str, Any],
+    operator: Operator,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[str]:
+    """The chart's operator, in-cluster from its image on the real node, with chaos on. The
+    session's local operator steps aside meanwhile (two operators must never share runs)."""
+    repo, tag = real["images"]["operator"].split(":", 1)
+    values = {
+        "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
+        "chaos": {"enabled": True},
+        "pollIntervalSeconds": 1,
+        **_on_real_node(),
+    }
+    vf = tmp_path_factory.mktemp("helm") / "values.json"
+    vf.write_text(json.dumps(values))
+    operator.stop()
+    t0 = time.monotonic()
+    _helm(cluster, "upgrade", RELEASE, str(CHART), "-n", SYSTEM_NS, "--reuse-values", "-f", str(vf))
+    kubectl(cluster, "scale", "deploy", "-n", SYSTEM_NS, "-l",
+            f"app.kubernetes.io/instance={RELEASE}", "--replicas=1")  # fmt: skip
+    pod = wait_for("the in-cluster operator pod Ready", lambda: _operator_pod(cluster), 180)
+    say(f"in-cluster operator {pod} ready in {time.monotonic() - t0:.1f}s")
+    try:
+        yield pod
+    finally:
+        kubectl(cluster, "scale", "deploy", "-n", SYSTEM_NS, "-l",
+                f"app.kubernetes.io/instance={RELEASE}", "--replicas=0")  # fmt: skip
+        wait_for("the in-cluster operator gone", lambda: not _operator_pods(cluster), 120)
+        operator.start()
+
+
+def _operator_pods(c: harness._ClusterBase) -> list[dict[str, Any]]:
+    pods: list[dict[str, Any]] = get_json(
+        c, "get", "pods", "-n", SYSTEM_NS, "-l", f"app.kubernetes.io/instance={RELEASE}"
+    )["items"]
+    return pods
+
+
+def _operator_pod(c: harness._ClusterBase) -> str | None:
+    for p in _operator_pods(c):
+        ready = any(
+            x["type"] == "Ready" and x["status"] == "True"
+            for x in p.get("status", {}).get("conditions") or []
+        )
+        if ready and not p["metadata"].get("deletionTimestamp"):
+            return str(p["metadata"]["name"])
+    return None
+
+
+def manifest(image: str) -> dict[str, Any]:
+    placement = _on_real_node()
+    return {
+        "apiVersion": "diloco.dev/v1alpha1",
+        "kind": "DilocoRun",
+        "metadata": {"name": RUN},
+        "spec": {
+            "image": image,
+            "imagePullPolicy": "Never",
+            "replicas": UNITS,
+            "unitGroups": [
+                {
+                    "name": "cpu",
+                    "resources": {
+                        "requests": {"cpu": "100m", "memory": "256Mi"},
+                        "limits": {"memory": "1536Mi"},
+                    },
+                    **placement,
+                }
+            ],
+            "training": {
+                "model": {"preset": "tiny", "seqLen": 32},
+                "data": {"source": "stdlib", "batchSize": 4, "maxBytes": 400000},
+                "innerSteps": 10,
+                "fragments": 2,
+                "totalSteps": 2600,
+                "heartbeatSeconds": 1,
+                "checkpoint": {"everySeconds": CHECKPOINT_SECONDS},
+                "eval": {"everySeconds": 10, "batches": 2},
+            },
+            "syncer": {
+                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+                "checkpoint": {"size": "1Gi"},
+                **placement,
+            },
+            "failurePolicy": {
+                "restartBackoffSeconds": 1,
+                "healthyAfterSeconds": 5,
+                "offlineAfterSeconds": 20,
+            },
+            "chaos": {"schedule": [{"atSeconds": CHAOS_KILL_AT, "action": "kill", "unit": 0}]},
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def restricted(cluster: harness._ClusterBase, namespace: str) -> str:
+    kubectl(cluster, "label", "namespace", namespace,
+            "pod-security.kubernetes.io/enforce=restricted",
+            "pod-security.kubernetes.io/enforce-version=latest")  # fmt: skip
+    return namespace
+
+
+@pytest.fixture(scope="module")
+def run(
+    cluster: harness._ClusterBase, real: dict[str, Any], incluster: str, restricted: str
+) -> Iterator[dict[str, Any]]:
+    ns = restricted
+    t0 = time.time()
+    runs.apply(cluster, ns, manifest(real["images"]["trainer"]))
+    timings: dict[str, Any] = {"applied": t0}
+    yield {"ns": ns, "timings": timings}
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def st(c: harness._ClusterBase, ns: str) -> dict[str, Any]:
+    return runs.status(c, ns, RUN)
+
+
+def units(c: harness._ClusterBase, ns: str) -> dict[str, dict[str, Any]]:
+    return runs.unit_status(c, ns, RUN)
+
+
+def unit_name(i: int) -> str:
+    return f"{RUN}-cpu-{i}"
+
+
+def training_pod(
+    c: harness._ClusterBase, ns: str, unit: str, attempt: int
+) -> dict[str, Any] | None:
+    """The unit's pod of `attempt` once its container runs."""
+    for p in runs.pods_of(c, ns, unit, attempt):
+        if runs.running(p) and all(
+            cs.get("state", {}).get("running") for cs in p["status"].get("containerStatuses", [])
+        ):
+            return p
+    return None
+
+
+def pod_log(c: harness._ClusterBase, ns: str, pod: str) -> str:
+    r = kubectl(c, "logs", "-n", ns, pod, check=False)
+    return r.stdout + r.stderr
+
+
+def joined_with_global_params(log: str) -> bool:
+    """The learner's join line names the versions it pulled: all zero only at the run's start."""
+    for line in log.splitlines():
+        if "event=joined" in line:
+            versions = line.split("versions=", 1)[1].split(" resume_step")[0]
+            return any(int(v) > 0 for v in json.loads(versions))
+    return False
+
+
+def wait_replaced(
+    c: harness._ClusterBase, ns: str, unit: str, attempt: int, what: str
+) -> tuple[float, dict[str, Any]]:
+    """Wait for the unit's next attempt to be Online with a running pod that joined with the
+    global parameters; returns (seconds taken, the pod)."""
+    t0 = time.monotonic()
+    wait_for(
+        f"{what}: {unit} attempt > {attempt} Online",
+        lambda: (u := units(c, ns).get(unit)) and u["attempt"] > attempt and u["state"] == "Online",
+        timeout=180,
+    )
+    new_attempt = units(c, ns)[unit]["attempt"]
+    pod = wait_for(
+        f"{what}: a running pod of {unit}", lambda: training_pod(c, ns, unit, new_attempt), 120
+    )
+    wait_for(
+        f"{what}: {pod['metadata']['name']} joined with the global parameters",
+        lambda: joined_with_global_params(pod_log(c, ns, pod["metadata"]["name"])),
+        timeout=120,
+    )
+    return time.monotonic() - t0, pod
+
+
+def container_pid(cluster: harness._ClusterBase, pod: dict[str, Any]) -> int:
+    """The host PID of the pod's learner process, from the node's containerd."""
+    assert isinstance(cluster, harness.LocalCluster)
+    cid = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+    sock = cluster.state_dir / "node" / "containerd.sock"
+    out = subprocess.run(
+        ["ctr", "--address", str(sock), "-n", "k8s.io", "tasks", "ls"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    for line in out.splitlines()[1:]:
+        task, pid, *_ = line.split()
+        if task == cid:
+            return int(pid)
+    raise AssertionError(f"container {cid} has no task on the node:\n{out}")
+
+
+def node_containers(cluster: harness._ClusterBase, ns: str) -> list[str]:
+    assert isinstance(cluster, harness.LocalCluster)
+    sock = cluster.state_dir / "node" / "containerd.sock"
+    out = subprocess.run(
+        ["ctr", "--address", str(sock), "-n", "k8s.io", "containers", "ls", "-q",
+         f"labels.\"io.kubernetes.pod.namespace\"=={ns}"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return out.split()
+
+
+# ----------------------------------------------------------------------------------------------
+# the tests, in order: one run goes through all of them
+
+
+def test_learners_train_in_pods_and_status_rises(
+    cluster: harness._ClusterBase, run: dict[str, Any]
+) -> None:
+    ns = run["ns"]
+    wait_for("all units Online", lambda: runs.all_units_online(cluster, ns, RUN, UNITS), 300)
+    first = wait_for(
+        "a training step in status", lambda: (s := st(cluster, ns)).get("tokens") and s, 240
+    )
+    run["timings"]["first_step_s"] = time.time() - run["timings"]["applied"]
+    say(f"apply -> first training step in status: {run['timings']['first_step_s']:.1f}s")
+    later = wait_for(
+        "steps, tokens and loss rising",
+        lambda: (
+            (s := st(cluster, ns)).get("outerStep", 0) > first.get("outerStep", 0)
+            and s["tokens"] > first["tokens"]
+            and s.get("loss") is not None
+            and s
+        ),
+        120,
+    )
+    printed = kubectl(cluster, "get", "dlr", RUN, "-n", ns).stdout
+    say(f"kubectl get dlr:\n{printed}")
+    assert (RUN in printed and str(later["outerStep"]) in printed) or later["outerStep"] > 0
+    # Every pod is a real container on the real node, admitted under "restricted".
+    for p in runs.items(cluster, "pods", ns, runs.run_selector(RUN)):
+        assert p["spec"]["nodeName"] == real_node.node_name(), p["metadata"]["name"]
+    syncer_dns = f"http://{RUN}-syncer.{ns}.svc:8470"
+    pod = training_pod(cluster, ns, unit_name(1), units(cluster, ns)[unit_name(1)]["attempt"])
+    assert pod is not None
+    assert runs.env_of(pod["spec"]["containers"][0])["DILOCO_SYNCER_ADDR"] == syncer_dns
+
+
+def test_chaos_kill_from_the_manifest_replaces_the_unit(
+    cluster: harness._ClusterBase, run: dict[str, Any]
+) -> None:
+    ns = run["ns"]
+    before = units(cluster, ns)[unit_name(0)]["attempt"]
+    wait_for("the ChaosKill Event", lambda: runs.events(cluster, ns, RUN, "ChaosKill"), 180)
+    took, _ = wait_replaced(cluster, ns, unit_name(0), before, "chaos kill")
+    say(f"chaos kill -> unit 0 training again in {took:.1f}s")
+
+
+def test_sigkilled_learner_and_deleted_pod_are_replaced(
+    cluster: harness._ClusterBase, run: dict[str, Any]
+) -> None:
+    ns = run["ns"]
+    latencies = run["timings"].setdefault("replacement_s", [])
+    unit = unit_name(1)
+    attempt = units(cluster, ns)[unit]["attempt"]
+    pod = training_pod(cluster, ns, unit, attempt)
+    assert pod is not None
+    pid = container_pid(cluster, pod)
+    os.kill(pid, signal.SIGKILL)
+    took, pod = wait_replaced(cluster, ns, unit, attempt, "SIGKILL")
+    latencies.append(took)
+    say(f"SIGKILL of {unit}'s learner (host pid {pid}) -> training again in {took:.1f}s")
+
+    unit = unit_name(0)
+    attempt = units(cluster, ns)[unit]["attempt"]
+    pod = wait_for("unit 0 running", lambda: training_pod(cluster, ns, unit, attempt), 120)
+    kubectl(cluster, "delete", "pod", "-n", ns, pod["metadata"]["name"], "--wait=false")
+    took, _ = wait_replaced(cluster, ns, unit, attempt, "pod deleted")
+    latencies.append(took)
+    say(f"pod of {unit} deleted -> training again in {took:.1f}s")
+    restarts = {u["name"]: u.get("restarts", 0) for u in units(cluster, ns).values()}
+    assert restarts[unit_name(0)] >= 2 and restarts[unit_name(1)] >= 1, restarts
+
+
+def test_syncer_pod_deleted_resumes_from_its_checkpoint_volume(
+    cluster: harness._ClusterBase, run: dict[str, Any]
+) -> None:
+    ns = run["ns"]
+    claim = get_json(cluster, "get", "pvc", f"{RUN}-checkpoints", "-n", ns)
+    assert claim["spec"]["volumeName"] == real_node.EXT4_VOLUME  # a fresh ext4 disk
+    attempts = {n: u["attempt"] for n, u in units(cluster, ns).items()}
+    time.sleep(CHECKPOINT_SECONDS + 2)  # at least one checkpoint since the last faults
+    before = st(cluster, ns)["outerStep"]
+    syncers = runs.items(cluster, "pods", ns, runs.run_selector(RUN, "syncer"))
+    assert len(syncers) == 1
+    old = syncers[0]["metadata"]["name"]
+    kubectl(cluster, "delete", "pod", "-n", ns, old, "--wait=false")
+    t0 = time.monotonic()
+
+    def new_syncer_serving() -> dict[str, Any] | None:
+        pods = runs.items(cluster, "pods", ns, runs.run_selector(RUN, "syncer"))
+        fresh = [p for p in pods if p["metadata"]["name"] != old and runs.running(p)]
+        return fresh[0] if fresh else None
+
+    new = wait_for("a new syncer pod running", new_syncer_serving, 180)
+
+    def restored_log() -> str | None:
+        text = pod_log(cluster, ns, new["metadata"]["name"])
+        return text if "event=checkpoint_loaded" in text else None
+
+    log = wait_for("the new syncer restored its checkpoint", restored_log, 120)
+    restored = int(log.split("event=checkpoint_loaded", 1)[1].split("outer_step=", 1)[1].split()[0])
+    say(f"syncer deleted at outer step {before}; the new one restored {restored} "
+        f"({time.monotonic() - t0:.1f}s)")  # fmt: skip
+    # at most one checkpoint period lost: learners push every innerSteps, a period holds a few
+    assert restored > 0
+    assert restored >= before - 4 * UNITS * 2, (before, restored)
+    wait_for(
+        "outer step past the old one", lambda: st(cluster, ns).get("outerStep", 0) > before, 180
+    )
+    now = {n: u["attempt"] for n, u in units(cluster, ns).items()}
+    assert now == attempts, "learners restarted when only the syncer went away"
+
+
+def test_run_completes_and_children_go_with_it(
+    cluster: harness._ClusterBase, run: dict[str, Any]
+) -> None:
+    ns = run["ns"]
+    done = wait_for(
+        "phase Succeeded", lambda: (s := st(cluster, ns)).get("phase") == "Succeeded" and s, 420
+    )
+    assert done.get("finalLoss") is not None, done
+    say(f"run Succeeded: outerStep {done.get('outerStep')}, tokens {done.get('tokens')}, "
+        f"finalLoss {done['finalLoss']}")  # fmt: skip
+    say(f"status at the end:\n{json.dumps(done, indent=1)[:3000]}")
+    pods = runs.learner_pods(cluster, ns, RUN)
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    assert live and all(p["status"]["phase"] == "Succeeded" for p in live), [
+        (p["metadata"]["name"], p["status"]["phase"]) for p in live
+    ]
+    kubectl(cluster, "delete", "dlr", RUN, "-n", ns, "--wait=true", "--timeout=120s")
+    wait_for(
+        "every child gone",
+        lambda: (
+            not runs.items(cluster, "jobs,pods,deploy,svc,cm,secret", ns, runs.run_selector(RUN))
+        ),
+        180,
+    )
+    wait_for(
+        "no container of the namespace left on the node",
+        lambda: not node_containers(cluster, ns),
+        120,
+    )
+    latencies = run["timings"].get("replacement_s", [])
+    say(f"timings: first step {run['timings'].get('first_step_s', 0):.1f}s; "
+        f"replacements {[round(x, 1) for x in latencies]}")  # fmt: skip
