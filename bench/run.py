@@ -28,6 +28,7 @@ BENCHES: list[tuple[str, str]] = [
     ("mixed_speed", "bench.mixed_speed"),
     ("gpu", "bench.gpu_bench"),
     ("operator", "bench.operator_bench"),
+    ("real_pods", "bench.real_pods"),
 ]
 
 HEADER = """# Benchmarks
@@ -46,6 +47,7 @@ the same machine; absolute times are context only. Sections: {names}.
 | learner overhead <= 3% | overhead |
 | syncer >= 30% of memory-copy bandwidth | syncer |
 | pod failure -> Offline <= 2 s, -> replacement <= 5 s beyond backoff; RSS < 300 MiB at 50x16 | operator |
+| real pods: learner killed -> replacement training again, median <= 15 s beyond backoff (issue 16) | real_pods |
 """
 
 

@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,6 +40,7 @@ RUN = "real"
 UNITS = 2
 CHECKPOINT_SECONDS = 5
 CHAOS_KILL_AT = 40.0
+BACKOFF_S = 1.0
 
 
 def cluster_info(c: harness._ClusterBase) -> dict[str, Any]:
@@ -168,7 +170,7 @@ def manifest(image: str) -> dict[str, Any]:
                 **placement,
             },
             "failurePolicy": {
-                "restartBackoffSeconds": 1,
+                "restartBackoffSeconds": BACKOFF_S,
                 "healthyAfterSeconds": 5,
                 "offlineAfterSeconds": 20,
             },
@@ -192,12 +194,22 @@ def run(
     ns = restricted
     t0 = time.time()
     runs.apply(cluster, ns, manifest(real["images"]["trainer"]))
-    timings: dict[str, Any] = {"applied": t0}
+    timings: dict[str, Any] = {
+        "applied": t0,
+        "backoff_s": BACKOFF_S,
+        "replacement_s": [],
+        "replacement_what": [],
+    }
     yield {"ns": ns, "timings": timings}
 
 
 # ----------------------------------------------------------------------------------------------
 # helpers
+
+
+def record(run: dict[str, Any], what: str, seconds: float) -> None:
+    run["timings"]["replacement_what"].append(what)
+    run["timings"]["replacement_s"].append(round(seconds, 2))
 
 
 def st(c: harness._ClusterBase, ns: str) -> dict[str, Any]:
@@ -329,16 +341,18 @@ def test_chaos_kill_from_the_manifest_replaces_the_unit(
 ) -> None:
     ns = run["ns"]
     before = units(cluster, ns)[unit_name(0)]["attempt"]
-    wait_for("the ChaosKill Event", lambda: runs.events(cluster, ns, RUN, "ChaosKill"), 180)
-    took, _ = wait_replaced(cluster, ns, unit_name(0), before, "chaos kill")
-    say(f"chaos kill -> unit 0 training again in {took:.1f}s")
+    event = wait_for("the ChaosKill Event", lambda: runs.events(cluster, ns, RUN, "ChaosKill"), 180)
+    t_event = time.monotonic()
+    _, _ = wait_replaced(cluster, ns, unit_name(0), before, "chaos kill")
+    took = time.monotonic() - t_event
+    record(run, "chaos kill (pod deleted by the operator)", took)
+    say(f"chaos kill ({event[0]['message']}) -> unit 0 training again in {took:.1f}s")
 
 
 def test_sigkilled_learner_and_deleted_pod_are_replaced(
     cluster: harness._ClusterBase, run: dict[str, Any]
 ) -> None:
     ns = run["ns"]
-    latencies = run["timings"].setdefault("replacement_s", [])
     unit = unit_name(1)
     attempt = units(cluster, ns)[unit]["attempt"]
     pod = training_pod(cluster, ns, unit, attempt)
@@ -346,7 +360,7 @@ def test_sigkilled_learner_and_deleted_pod_are_replaced(
     pid = container_pid(cluster, pod)
     os.kill(pid, signal.SIGKILL)
     took, pod = wait_replaced(cluster, ns, unit, attempt, "SIGKILL")
-    latencies.append(took)
+    record(run, "SIGKILL of the learner process in its container", took)
     say(f"SIGKILL of {unit}'s learner (host pid {pid}) -> training again in {took:.1f}s")
 
     unit = unit_name(0)
@@ -354,7 +368,7 @@ def test_sigkilled_learner_and_deleted_pod_are_replaced(
     pod = wait_for("unit 0 running", lambda: training_pod(cluster, ns, unit, attempt), 120)
     kubectl(cluster, "delete", "pod", "-n", ns, pod["metadata"]["name"], "--wait=false")
     took, _ = wait_replaced(cluster, ns, unit, attempt, "pod deleted")
-    latencies.append(took)
+    record(run, "learner pod deleted", took)
     say(f"pod of {unit} deleted -> training again in {took:.1f}s")
     restarts = {u["name"]: u.get("restarts", 0) for u in units(cluster, ns).values()}
     assert restarts[unit_name(0)] >= 2 and restarts[unit_name(1)] >= 1, restarts
@@ -387,6 +401,7 @@ def test_syncer_pod_deleted_resumes_from_its_checkpoint_volume(
         return text if "event=checkpoint_loaded" in text else None
 
     log = wait_for("the new syncer restored its checkpoint", restored_log, 120)
+    run["timings"]["syncer_restore_s"] = time.monotonic() - t0
     restored = int(log.split("event=checkpoint_loaded", 1)[1].split("outer_step=", 1)[1].split()[0])
     say(f"syncer deleted at outer step {before}; the new one restored {restored} "
         f"({time.monotonic() - t0:.1f}s)")  # fmt: skip
@@ -429,6 +444,8 @@ def test_run_completes_and_children_go_with_it(
         lambda: not node_containers(cluster, ns),
         120,
     )
-    latencies = run["timings"].get("replacement_s", [])
-    say(f"timings: first step {run['timings'].get('first_step_s', 0):.1f}s; "
-        f"replacements {[round(x, 1) for x in latencies]}")  # fmt: skip
+    timings = {k: v for k, v in run["timings"].items() if k != "applied"}
+    say(f"timings: {json.dumps(timings)}")
+    out = os.environ.get("DILOCO_E2E_TIMINGS")
+    if out:  # bench/real_pods.py reads them
+        Path(out).write_text(json.dumps(timings))
