@@ -13,7 +13,8 @@ same seed and manifest give the same decisions); only delivery differs:
 - pause: not deliverable from outside a container on Kubernetes; reported as skipped.
 
 Each fault is an Event on the run. Progress survives an operator restart through an annotation
-holding the schedule time of the last delivered fault: a new scheduler is fast-forwarded past it.
+holding the run time (seconds since creation) of the last delivery: a new scheduler is
+fast-forwarded past it.
 """
 
 from __future__ import annotations
