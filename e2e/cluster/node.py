@@ -82,6 +82,7 @@ def ensure_packages() -> None:
         "iptables": "iptables",
         "e2fsprogs": "mkfs.ext4",
         "iproute2": "ip",
+        "conntrack": "conntrack",  # kube-proxy clears stale UDP entries (DNS) with it
     }
     missing = [
         pkg for pkg, probe in wanted.items() if not (Path(probe).exists() or shutil.which(probe))
