@@ -13,7 +13,7 @@ from diloco_operator.cli import main
 from diloco_operator.local.chaos import DEFAULT_CHAOS
 from diloco_operator.local.manifest import chaos_settings, load_manifest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "local.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local.yaml"
 
 
 def example() -> dict[str, Any]:
