@@ -159,7 +159,7 @@ def test_push_merges_and_long_poll_delivers(live: LiveSyncer) -> None:
         np.testing.assert_allclose(
             value, before[name] - lr * (1 + mu) * delta[name], rtol=1e-5, atol=1e-7
         )
-    assert live.client("x").status()["fragments"][1]["version"] == 1
+    assert live.client("x").status().fragments[1].version == 1
 
 
 def _valid_push(
@@ -431,20 +431,19 @@ def test_heartbeats_count_across_attempts_and_complete_the_run(live: LiveSyncer)
     r = other.heartbeat(30, 30 * 64, 1100.0, float("nan"))
     assert not r.complete
     status = other.status()
-    assert set(status) == {
+    _, served = live.raw("GET", "/v1/status")  # the wire document the model is read from
+    assert set(served) == {
         "run", "outerStep", "steps", "tokens", "loss", "trainLoss", "complete", "finalLoss",
         "finalEval", "time", "fragments", "learners", "bytesReceived", "bytesSent",
     }  # fmt: skip
-    assert status["steps"] == 90 and status["tokens"] == 90 * 64
-    assert (
-        status["learners"]["unit-0"]["step"] == 60 and status["learners"]["unit-0"]["attempt"] == 1
-    )
-    assert set(status["learners"]["unit-0"]) == {
+    assert status.steps == 90 and status.tokens == 90 * 64
+    assert status.learners["unit-0"].step == 60 and status.learners["unit-0"].attempt == 1
+    assert set(served["learners"]["unit-0"]) == {
         "attempt", "group", "lastHeartbeat", "ageSeconds", "step", "tokens", "tokensPerSec", "loss",
     }  # fmt: skip
-    assert status["learners"]["unit-1"]["loss"] is None
-    assert status["trainLoss"] == pytest.approx(2.5)
-    assert status["loss"] is None and status["complete"] is False
+    assert status.learners["unit-1"].loss is None
+    assert status.train_loss == pytest.approx(2.5)
+    assert status.loss is None and status.complete is False
     assert other.heartbeat(40, 40 * 64, 1100.0, 2.0).complete  # 100 = totalSteps
     assert live.client("late").join().complete
 
@@ -506,9 +505,9 @@ def test_periodic_eval_reports_the_global_models_held_out_loss() -> None:
     server = LiveSyncer(Syncer(cfg, TOKEN, store=None))  # the real default eval_fn
     try:
         observer = server.client()
-        wait_until(lambda: observer.status()["loss"] is not None, timeout=120)
+        wait_until(lambda: observer.status().loss is not None, timeout=120)
         expected = eval_loss(init_params(cfg.model, cfg.seed), cfg, 1)
-        assert observer.status()["loss"] == pytest.approx(expected, rel=1e-5)
+        assert observer.status().loss == pytest.approx(expected, rel=1e-5)
         assert 4.0 < expected < 7.0  # ~ln(256) for an untrained byte-level model
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
         conn.request("GET", "/metrics")
@@ -519,9 +518,10 @@ def test_periodic_eval_reports_the_global_models_held_out_loss() -> None:
 
 def test_joined_learner_shows_a_sign_of_life_before_its_first_heartbeat(live: LiveSyncer) -> None:
     live.client("unit-5").join()
-    entry = live.client("x").status()["learners"]["unit-5"]
-    assert entry["lastHeartbeat"] is not None and 0 <= entry["ageSeconds"] < 5
-    assert entry["step"] == 0
+    entry = live.client("x").status().learners["unit-5"]
+    assert entry.last_heartbeat is not None
+    assert entry.age_seconds is not None and 0 <= entry.age_seconds < 5
+    assert entry.step == 0
 
 
 @pytest.mark.parametrize(
@@ -641,18 +641,18 @@ def test_final_eval_after_the_budget_waits_for_the_last_merge_and_survives_a_res
         learner.join()
         other.join()  # online and silent: the merge of unit-0's push waits out the 0.5 s grace
         status = learner.status()
-        assert status["finalLoss"] is None and status["finalEval"] == "waiting"
+        assert status.final_loss is None and status.final_eval == "waiting"
         learner.push(0, 0, fragment_delta(first, 0, scale=0.1), 100, 6400)
         assert learner.heartbeat(100, 6400, 1000.0, 3.0).complete  # merge still in its grace
-        wait_until(lambda: learner.status()["finalEval"] == "done")
+        wait_until(lambda: learner.status().final_eval == "done")
         status = learner.status()
-        assert status["complete"] and [f["version"] for f in status["fragments"]] == [1, 0, 0]
+        assert status.complete and [f.version for f in status.fragments] == [1, 0, 0]
         params, _ = learner.pull_all()
-        assert status["finalLoss"] == pytest.approx(fake_eval(params, cfg, 1))
-        assert status["loss"] is None  # the periodic curve (off here) is untouched
-        final = status["finalLoss"]
+        assert status.final_loss == pytest.approx(fake_eval(params, cfg, 1))
+        assert status.loss is None  # the periodic curve (off here) is untouched
+        final = status.final_loss
         learner.heartbeat(101, 6464, 1000.0, 3.0)
-        assert learner.status()["finalLoss"] == final  # evaluated once, at the first completion
+        assert learner.status().final_loss == final  # evaluated once, at the first completion
         assert len(calls) == 2  # the syncer's one evaluation plus ours above
     finally:
         first.close()
@@ -661,8 +661,8 @@ def test_final_eval_after_the_budget_waits_for_the_last_merge_and_survives_a_res
     second = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=fake_eval))
     try:
         status = second.client("observer").status()
-        assert status["complete"] and status["finalLoss"] == final
-        assert status["finalEval"] == "done" and calls == []
+        assert status.complete and status.final_loss == final
+        assert status.final_eval == "done" and calls == []
     finally:
         second.close()
 
@@ -674,7 +674,7 @@ def test_a_run_restored_complete_without_a_final_eval_evaluates_at_startup(
     first = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
     try:
         assert first.client("unit-0").heartbeat(100, 6400, 1000.0, 3.0).complete
-        assert first.client("observer").status()["finalEval"] == "off"  # no eval function
+        assert first.client("observer").status().final_eval == "off"  # no eval function
         first.run(first.syncer.save_checkpoint(force=True))
     finally:
         first.close()
@@ -683,8 +683,8 @@ def test_a_run_restored_complete_without_a_final_eval_evaluates_at_startup(
     )
     try:
         observer = second.client("observer")
-        wait_until(lambda: observer.status()["finalEval"] == "done")
-        assert observer.status()["finalLoss"] == 4.25
+        wait_until(lambda: observer.status().final_eval == "done")
+        assert observer.status().final_loss == 4.25
     finally:
         second.close()
 
@@ -710,7 +710,7 @@ def test_join_reply_carries_the_units_step_across_restarts(tmp_path: Path) -> No
         assert first.client("unit-1").join().resume_step == 150
         first.client("unit-1").heartbeat(10, 10 * 64, 1.0, 3.0)
         assert first.client("unit-1", attempt=1).join().resume_step == 160
-        assert first.client("observer").status()["learners"]["unit-0"]["tokens"] == 150 * 64
+        assert first.client("observer").status().learners["unit-0"].tokens == 150 * 64
         first.run(first.syncer.save_checkpoint(force=True))
     finally:
         first.close()
@@ -719,7 +719,7 @@ def test_join_reply_carries_the_units_step_across_restarts(tmp_path: Path) -> No
     try:
         assert second.client("unit-0", attempt=3).join().resume_step == 150
         assert second.client("unit-1", attempt=2).join().resume_step == 160
-        assert second.client("observer").status()["tokens"] == 160 * 64
+        assert second.client("observer").status().tokens == 160 * 64
     finally:
         second.close()
 

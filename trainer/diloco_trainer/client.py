@@ -20,6 +20,7 @@ import numpy as np
 
 from diloco_trainer.downlink import apply_step, checksum
 from diloco_trainer.quantize import Scheme
+from diloco_trainer.status import SyncerStatus
 from diloco_trainer.wire import (
     PushHeader,
     WireError,
@@ -303,6 +304,6 @@ class SyncerClient:
         )
         return HeartbeatReply(bool(r["complete"]), list(r["versions"]), int(r["outerStep"]))
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> SyncerStatus:
         _, _, data = self._request("GET", "/v1/status")
-        return cast(dict[str, Any], json.loads(data))
+        return SyncerStatus.from_json(json.loads(data))

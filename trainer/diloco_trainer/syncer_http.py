@@ -204,7 +204,7 @@ async def poll(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    return _json(request.app[SYNCER_KEY].status())
+    return _json(request.app[SYNCER_KEY].status().to_json())
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -1,8 +1,9 @@
 """Seeded fault injection for local runs: which fault hits which process, and when.
 
-Pure logic: the scheduler only decides; the runtime delivers the signals. Given the same seed,
-settings and sequence of `due()` calls (times and running units), it makes the same decisions,
-so a chaos run can be replayed.
+The scheduler (`ChaosScheduler`) is pure: it only decides. Given the same seed, settings and
+sequence of `due()` calls (times and running units), it makes the same decisions, so a chaos run
+can be replayed. `FaultDelivery` turns its decisions into signals to the run's processes and
+remembers what it did (killed units, paused ones and when they resume).
 
 Faults:
 - `kill`: SIGKILL a learner unit (the supervisor marks it offline and recreates it, from a warm
@@ -14,9 +15,14 @@ Faults:
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import signal
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from diloco_operator.local.processes import ProcessTable
+from diloco_operator.local.recorder import Recorder
+from diloco_operator.planner import UnitSlot
 
 FaultKind = Literal["kill", "pause", "kill-syncer"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("kill", "pause", "kill-syncer")
@@ -170,3 +176,78 @@ class ChaosScheduler:
         """When the next fault is planned (for the display); None when nothing is planned."""
         times = [s.next_at for s in self._streams] + [f.at for f in self._fixed[:1]]
         return min(times) if times else None
+
+
+class FaultDelivery:
+    """Delivers the scheduler's faults to the run's processes: SIGKILL for kills, SIGSTOP and,
+    `pause_seconds` later, SIGCONT for pauses. `syncer` is the syncer's process key."""
+
+    def __init__(
+        self,
+        scheduler: ChaosScheduler,
+        procs: ProcessTable,
+        recorder: Recorder,
+        slots: Sequence[UnitSlot],
+        syncer: str,
+    ) -> None:
+        self.scheduler = scheduler
+        self.procs = procs
+        self.recorder = recorder
+        self.slots = slots
+        self.syncer = syncer
+        self.killed: set[str] = set()  # units sent SIGKILL and not stopped since
+        self.resume_at: dict[str, float] = {}  # paused unit -> wall time of its SIGCONT
+
+    def step(self, now: float, elapsed: float, candidates: Callable[[str], bool]) -> None:
+        """Resume the pauses that are over, then deliver the faults due at `elapsed` seconds
+        into the run. `candidates(name)` says whether a unit may be hit (online, alive)."""
+        for name, when in list(self.resume_at.items()):
+            if now >= when:
+                del self.resume_at[name]
+                if self.procs.signal(name, signal.SIGCONT):
+                    self.recorder.event(now, "chaos-resume", name, "SIGCONT")
+        if not self.scheduler.settings.enabled:
+            return
+        running = [
+            s.global_index
+            for s in self.slots
+            if s.name not in self.resume_at and s.name not in self.killed and candidates(s.name)
+        ]
+        for fault in self.scheduler.due(elapsed, running):
+            self.deliver(fault, now)
+
+    def deliver(self, fault: Fault, now: float) -> None:
+        if fault.kind == "kill-syncer":
+            if self.procs.signal(self.syncer, signal.SIGKILL):
+                self.recorder.event(now, "chaos-kill-syncer", self.syncer, "SIGKILL to the syncer")
+            return
+        slot = self.slots[fault.unit] if fault.unit is not None else None
+        if slot is None:
+            return
+        if fault.kind == "kill":
+            if self.procs.signal(slot.name, signal.SIGKILL):
+                self.killed.add(slot.name)
+                self.resume_at.pop(slot.name, None)
+                self.recorder.event(now, "chaos-kill", slot.name, "SIGKILL")
+        elif (
+            fault.kind == "pause"
+            and fault.resume_at is not None
+            and self.procs.signal(slot.name, signal.SIGSTOP)
+        ):
+            wall_resume = now + (fault.resume_at - fault.at)
+            self.resume_at[slot.name] = wall_resume
+            self.recorder.pause(slot.name, now, wall_resume)
+            self.recorder.event(
+                now, "chaos-pause", slot.name, f"SIGSTOP for {fault.resume_at - fault.at:g}s"
+            )
+
+    def forget(self, name: str) -> None:
+        """The unit was stopped: its kill and pause are over."""
+        self.killed.discard(name)
+        self.resume_at.pop(name, None)
+
+    def resume_all(self) -> None:
+        """SIGCONT every paused unit (a stopped process cannot act on SIGTERM)."""
+        for name in list(self.resume_at):
+            self.procs.signal(name, signal.SIGCONT)
+        self.resume_at.clear()

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+from diloco_trainer.status import SyncerStatus
+
 from diloco_operator.api import (
     LABEL_GROUP,
     LABEL_RUN,
@@ -35,7 +37,6 @@ from diloco_operator.planner.model import (
     ObservedSyncer,
     ObservedUnit,
     Plan,
-    SyncerReport,
 )
 from diloco_operator.planner.placement import UnitSlot, desired_units
 from diloco_operator.planner.scaling import remove, surplus
@@ -61,7 +62,7 @@ def _step_unit(
     obs: ObservedUnit | None,
     slot: UnitSlot,
     spec: DilocoRunSpec,
-    report: SyncerReport | None,
+    report: SyncerStatus | None,
     now: float,
 ) -> tuple[UnitStatus, list[Action], float | None]:
     policy = spec.failure_policy
@@ -124,7 +125,7 @@ def plan(
     now: float,
     *,
     syncer: ObservedSyncer,
-    report: SyncerReport | None = None,
+    report: SyncerStatus | None = None,
     generation: int | None = None,
 ) -> Plan:
     """Plan one reconciliation pass of run `run` at time `now` (seconds since the epoch)."""
