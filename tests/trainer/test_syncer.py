@@ -68,7 +68,9 @@ class LiveSyncer:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
     def client(self, unit: str = "unit-0", attempt: int = 0, token: str = TOKEN) -> SyncerClient:
-        return SyncerClient(self.url, token, unit, attempt)
+        # A learner encodes its pushes as its own config says: the run's config, as here.
+        compression = self.syncer.cfg.compression
+        return SyncerClient(self.url, token, unit, attempt, compression=compression)
 
     def raw(
         self, method: str, path: str, body: bytes | None = None, token: str | None = TOKEN
@@ -136,7 +138,6 @@ def test_join_and_pull_give_the_initial_model(live: LiveSyncer) -> None:
     init = init_params(cfg.model, cfg.seed)
     assert reply.run == "test-run" and reply.versions == [0, 0, 0] and not reply.complete
     assert reply.layout == pack_fragments({k: v.shape for k, v in init.items()}, 3)
-    assert reply.scheme == "none" and reply.max_staleness == 1
     params, versions = live.client().pull_all()
     assert versions == [0, 0, 0]
     for k, v in init.items():
@@ -760,8 +761,6 @@ def test_compressed_downlink_sends_a_step_to_a_learner_holding_the_previous_vers
     follower, newcomer = live.client("unit-0"), live.client("unit-1")
     for c in (follower, newcomer):
         c.join()
-    joined = live.raw("POST", "/v1/join", json.dumps({"unit": "unit-2", "attempt": 0}).encode())
-    assert joined[1]["compression"] == {"scheme": "none", "blockSize": 128, "downlink": "int4"}
     follower.pull_all()  # holds version 0 of every fragment
     follower.push(1, 0, fragment_delta(live, 1), c_steps=5, c_tokens=320)
     received = follower.bytes_received
@@ -859,3 +858,20 @@ def test_phase_locked_push_that_missed_the_merge_rides_with_the_next_round(
         "diloco_syncer_merge_contributions_sum"
     )
     assert contributions == 3.0  # 1 in the first merge, then a's and b's together
+
+
+@pytest.mark.parametrize(
+    "live", [{"compression": {"scheme": "int4", "blockSize": 64}}], indirect=True
+)
+def test_pushes_are_encoded_as_the_learners_own_config_says(live: LiveSyncer) -> None:
+    """The join reply carries no compression: the learner reads it from the config it holds."""
+    _, joined = live.raw("POST", "/v1/join", json.dumps({"unit": "unit-0", "attempt": 0}).encode())
+    assert set(joined) == {
+        "run", "layout", "versions", "complete", "outerStep", "resumeStep", "shapes",
+    }  # fmt: skip
+    quantized, plain = live.client("unit-0"), SyncerClient(live.url, TOKEN, "unit-1", 0)
+    delta = fragment_delta(live, 0)
+    first = quantized.push(0, 0, delta, c_steps=1, c_tokens=64)
+    assert first.accepted and first.quant_error > 0  # int4 with 64 values per scale
+    second = plain.push(1, 0, fragment_delta(live, 1), c_steps=1, c_tokens=64)
+    assert second.accepted and second.quant_error == 0.0  # no config given: float32
