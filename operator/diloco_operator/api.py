@@ -122,12 +122,6 @@ class UnitGroup(Strict):
     exclusive_topology: bool = Field(
         False, description="One unit per node pool: pods of other units are kept off it."
     )
-    slowdown: float = Field(
-        1.0,
-        ge=1.0,
-        le=100.0,
-        description="Local runtime only: stretch each step (slower hardware).",
-    )
 
     @property
     def hosts(self) -> int:
@@ -204,13 +198,26 @@ class ChaosEvent(Strict):
 
 
 class ChaosSpec(Strict):
-    """Fault injection, parsed by both backends but acted on only by the local runtime."""
+    """Fault injection and slowed groups, parsed by both backends but acted on only by the local
+    runtime."""
 
     seed: int = Field(0, ge=0)
     schedule: list[ChaosEvent] = Field(default_factory=list, max_length=1000)
     kill_every_seconds: float | None = Field(
         None, gt=0, description="Also kill a random unit at exponential intervals of this mean."
     )
+    slowdown: dict[
+        Annotated[str, Field(max_length=12)], Annotated[float, Field(ge=1.0, le=100.0)]
+    ] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="Group name -> factor >= 1 stretching each step of its learners (a stand-in "
+        "for slower hardware); applied with or without --chaos.",
+    )
+
+    @property
+    def injects_faults(self) -> bool:
+        return bool(self.schedule) or self.kill_every_seconds is not None
 
 
 class DilocoRunSpec(Strict):
@@ -230,7 +237,9 @@ class DilocoRunSpec(Strict):
     training: TrainingConfig = Field(description="The trainer's configuration (spec.training).")
     syncer: SyncerSpec = Field(default_factory=lambda: SyncerSpec())
     failure_policy: FailurePolicy = Field(default_factory=lambda: FailurePolicy())
-    chaos: ChaosSpec | None = Field(None, description="Fault injection (local runtime only).")
+    chaos: ChaosSpec | None = Field(
+        None, description="Fault injection and slowed groups (local runtime only)."
+    )
     service_account_name: str | None = Field(None, max_length=253)
 
     @model_validator(mode="after")
@@ -248,6 +257,11 @@ class DilocoRunSpec(Strict):
         names = [g.name for g in self.unit_groups]
         if len(set(names)) != len(names):
             raise ValueError(f"unitGroups[].name: group names must be unique, got {names}")
+        for group in self.chaos.slowdown if self.chaos else {}:
+            if group not in names:
+                raise ValueError(
+                    f"chaos.slowdown.{group}: no unit group of that name (groups: {names})"
+                )
         if self.training.quorum > self.total_units:
             raise ValueError(
                 f"training.quorum: {self.training.quorum} exceeds the {self.total_units} units "

@@ -39,7 +39,7 @@ def broken(change: str) -> dict[str, Any]:
     elif change == "typo":
         spec["training"]["innerStep"] = 5
     elif change == "slowdown":
-        spec["unitGroups"][1]["slowdown"] = 0.5
+        spec["chaos"]["slowdown"]["slow"] = 0.5
     elif change == "budget":
         del spec["training"]["totalTokens"]
     elif change == "chaos":
@@ -54,7 +54,7 @@ CASES = {
     "quorum": "training.quorum",
     "innerSteps": "spec.training.innerSteps",
     "typo": "spec.training.innerStep",
-    "slowdown": "spec.unitGroups.1.slowdown",
+    "slowdown": "spec.chaos.slowdown.slow",
     "budget": "totalTokens",
     "chaos": "spec.chaos.schedule.0.action",
     "kind": "kind: expected DilocoRun",

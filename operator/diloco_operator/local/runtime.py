@@ -97,7 +97,7 @@ class LocalRuntime:
         self.config = run.path.resolve()
         self.procs = ProcessTable()
         self.slots: list[UnitSlot] = desired_units(run.name, run.spec)
-        self.slowdown = {g.name: g.slowdown for g in run.spec.unit_groups}
+        self.slowdown = dict(run.spec.chaos.slowdown) if run.spec.chaos else {}
         self.status = DilocoRunStatus()
         self.started_at = time.time()
         self.recorder = Recorder(self.started_at, self.report_dir / "events.jsonl")
