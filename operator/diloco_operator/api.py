@@ -216,8 +216,10 @@ class ChaosSpec(Strict):
     )
 
     @property
-    def injects_faults(self) -> bool:
-        return bool(self.schedule) or self.kill_every_seconds is not None
+    def has_fault_settings(self) -> bool:
+        """Whether the block says anything about faults (a block with only `slowdown` leaves
+        --chaos to its default faults, as no block does)."""
+        return bool(self.model_fields_set - {"slowdown"})
 
 
 class DilocoRunSpec(Strict):

@@ -146,7 +146,7 @@ def _local_run(args: argparse.Namespace) -> int:
         if problem:
             console.print(f"[bold red]error:[/] {problem}", highlight=False)
             return EXIT_BAD_INPUT
-    if run.spec.chaos is not None and run.spec.chaos.injects_faults and not args.chaos:
+    if run.spec.chaos is not None and run.spec.chaos.has_fault_settings and not args.chaos:
         console.print("[yellow]the manifest has a chaos block; pass --chaos to inject faults[/]")
 
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -51,7 +51,7 @@ def chaos_settings(spec: ChaosSpec | None, enabled: bool, seed: int | None = Non
     it, the manifest's chaos block decides, or DEFAULT_CHAOS when there is none."""
     if not enabled:
         return ChaosSettings(enabled=False)
-    if spec is None:
+    if spec is None or not spec.has_fault_settings:
         base = DEFAULT_CHAOS
         return base if seed is None else ChaosSettings(**{**base.__dict__, "seed": seed})
     schedule = tuple(
