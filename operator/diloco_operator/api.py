@@ -259,10 +259,10 @@ class DilocoRunSpec(Strict):
         names = [g.name for g in self.unit_groups]
         if len(set(names)) != len(names):
             raise ValueError(f"unitGroups[].name: group names must be unique, got {names}")
-        for group in self.chaos.slowdown if self.chaos else {}:
-            if group not in names:
+        for slowed in self.chaos.slowdown if self.chaos else {}:
+            if slowed not in names:
                 raise ValueError(
-                    f"chaos.slowdown.{group}: no unit group of that name (groups: {names})"
+                    f"chaos.slowdown.{slowed}: no unit group of that name (groups: {names})"
                 )
         if self.training.quorum > self.total_units:
             raise ValueError(
