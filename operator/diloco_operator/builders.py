@@ -309,6 +309,21 @@ def _affinity(run: Run, unit: CreateUnit) -> dict[str, Any]:
     }
 
 
+def _placement(group: UnitGroup) -> tuple[dict[str, str], list[dict[str, Any]], int]:
+    """Node selector, tolerations and TPU chips per host of a group's pods."""
+    node_selector: dict[str, str] = {}
+    tolerations: list[dict[str, Any]] = []
+    chips = 0
+    if group.tpu:
+        node_selector[ACCELERATOR_LABEL] = group.tpu.accelerator
+        node_selector[TOPOLOGY_LABEL] = group.tpu.topology
+        tolerations.append({"key": TPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"})
+        chips = group.tpu.chips_on_each_host
+    node_selector.update(group.node_selector or {})
+    tolerations.extend(t.to_wire() for t in group.tolerations or [])
+    return node_selector, tolerations, chips
+
+
 def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
     spec = run.spec
     group: UnitGroup | None = spec.group(unit.group)
@@ -330,16 +345,7 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         },
         {"name": "TPU_WORKER_HOSTNAMES", "value": _worker_hostnames(unit)},
     ]
-    node_selector: dict[str, str] = {}
-    tolerations: list[dict[str, Any]] = []
-    chips = 0
-    if group.tpu:
-        node_selector[ACCELERATOR_LABEL] = group.tpu.accelerator
-        node_selector[TOPOLOGY_LABEL] = group.tpu.topology
-        tolerations.append({"key": TPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"})
-        chips = group.tpu.chips_on_each_host
-    node_selector.update(group.node_selector or {})
-    tolerations.extend(t.to_wire() for t in group.tolerations or [])
+    node_selector, tolerations, chips = _placement(group)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "subdomain": unit.name,
