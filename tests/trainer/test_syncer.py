@@ -27,6 +27,7 @@ from diloco_trainer.merge import Contribution, merge_fragment
 from diloco_trainer.model import init_params
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer import Syncer
+from diloco_trainer.syncer_http import build_app
 from diloco_trainer.wire import PushHeader, decode_download, encode_push, encode_tensors
 
 T = TypeVar("T")
@@ -55,7 +56,7 @@ class LiveSyncer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.runner = web.AppRunner(syncer.app())
+        self.runner = web.AppRunner(build_app(syncer))
         self.port: int = self.run(self._start())
         self.url = f"http://127.0.0.1:{self.port}"
 

@@ -589,8 +589,3 @@ class Syncer:
         self._ckpt_pool.shutdown(wait=True)
         self._eval_pool.shutdown(wait=False, cancel_futures=True)
         self._journal_pool.shutdown(wait=True)
-
-    def app(self) -> web.Application:
-        from diloco_trainer.syncer_http import build_app
-
-        return build_app(self)
