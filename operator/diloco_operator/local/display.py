@@ -70,6 +70,14 @@ def unit_state(planned: str, paused: bool) -> str:
     return {"Recreating": "restarting", "Completed": "complete"}.get(planned, planned.lower())
 
 
+def event_line(ev: Event, started_at: float) -> str:
+    """Plain output (no terminal): one key=value line per event."""
+    return (
+        f"elapsed={ev.time - started_at:.1f} event={ev.kind} unit={ev.unit or '-'} "
+        f"message={ev.message!r}"
+    )
+
+
 def chaos_line(enabled: bool, next_fault_at: float | None, elapsed: float) -> str:
     if not enabled:
         return "off"

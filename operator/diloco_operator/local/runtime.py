@@ -19,7 +19,14 @@ from pathlib import Path
 
 from diloco_operator.api import DilocoRunStatus
 from diloco_operator.local.chaos import ChaosScheduler, ChaosSettings, FaultDelivery
-from diloco_operator.local.display import RunSnapshot, View, build_view, chaos_line, unit_state
+from diloco_operator.local.display import (
+    RunSnapshot,
+    View,
+    build_view,
+    chaos_line,
+    event_line,
+    unit_state,
+)
 from diloco_operator.local.finish import Screen, await_final_eval, finish_learners
 from diloco_operator.local.manifest import LocalRun
 from diloco_operator.local.observe import UnitProcess, observe_units
@@ -246,14 +253,8 @@ class LocalRuntime:
         return build_view(snapshot, elapsed)
 
     def _print_event(self, ev: Event) -> None:
-        """Plain output (no terminal): one key=value line per event."""
-        self.console.print(
-            f"elapsed={ev.time - self.started_at:.1f} event={ev.kind} unit={ev.unit or '-'} "
-            f"message={ev.message!r}",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
-        )
+        line = event_line(ev, self.started_at)
+        self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     # --- main loop --------------------------------------------------------------------------
 
