@@ -10,15 +10,13 @@ its client actually sent (pushes, heartbeats, joins, polls).
 
 from __future__ import annotations
 
-from diloco_trainer.config import ModelConfig, TrainingConfig
+from diloco_trainer.config import SCHEMES, ModelConfig, TrainingConfig
 from diloco_trainer.learner import LearnerOptions, run_learner
 from diloco_trainer.model import param_shapes
 
 from bench.common import BenchContext, Section, fmt_bytes, log, md_table
 from bench.live import TOKEN, syncer
 from bench.overhead_bench import bench_config
-
-SCHEMES = ("none", "int8", "int4")
 
 
 def bytes_per_param(scheme: str, block: int) -> float:

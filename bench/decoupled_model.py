@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from diloco_trainer.config import TrainingConfig
+from diloco_trainer.config import Scheme, TrainingConfig
 from diloco_trainer.data import train_batches
 from diloco_trainer.evaluate import eval_loss
 from diloco_trainer.fragments import is_due, pack_fragments
@@ -64,7 +64,7 @@ class Setting:
     delay: int = 0
     method: Literal["rda", "mean"] = "rda"
     token_weighting: bool = True
-    scheme: Literal["none", "int8", "int4"] = "none"
+    scheme: Scheme = "none"
     install: Install = "overwrite"
     keep: float = 1.0  # the share of local progress that "keep-unsent" and "mix" keep
     per_round_momentum: bool = False

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 from diloco_trainer.config import TrainingConfig
+from diloco_trainer.status import SyncerStatus
 
 TOKEN = "bench-token"
 
@@ -39,15 +40,14 @@ class SyncerProc:
     proc: subprocess.Popen[bytes]
     workdir: Path
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> SyncerStatus:
         import json
 
         req = urllib.request.Request(
             f"{self.url}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}
         )
         with urllib.request.urlopen(req, timeout=10) as resp:
-            out: dict[str, Any] = json.loads(resp.read())
-            return out
+            return SyncerStatus.from_json(json.loads(resp.read()))
 
 
 @contextmanager

@@ -55,9 +55,11 @@ def manifest(fast: float, slow: float) -> dict[str, Any]:
             "image": "elastic-diloco-trainer:cpu",
             "replicas": GROUPS[0][1],
             "unitGroups": [
-                {"name": GROUPS[0][0], "slowdown": fast},
-                {"name": GROUPS[1][0], "replicas": GROUPS[1][1], "slowdown": slow},
+                {"name": GROUPS[0][0]},
+                {"name": GROUPS[1][0], "replicas": GROUPS[1][1]},
             ],
+            # Local-only: no faults without --chaos, but the slowdown applies.
+            "chaos": {"slowdown": {GROUPS[0][0]: fast, GROUPS[1][0]: slow}},
             "training": {
                 "model": {"preset": "tiny"},
                 "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 4_000_000},

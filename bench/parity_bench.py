@@ -215,9 +215,9 @@ def decoupled(
             _overwritten_share((sy.workdir / f"learner-{m}.log").read_text()) for m in range(M)
         ]
     loss = eval_loss(params, cfg, EVAL_BATCHES)
-    curve.append((int(status.get("tokens", 0)), loss))
+    curve.append((status.tokens or 0, loss))
     note = (
-        f"fragment versions {versions}, outer step {status.get('outerStep')}, "
+        f"fragment versions {versions}, outer step {status.outer_step}, "
         f"steps overwritten {statistics.fmean(overwritten):.1%}"
     )
     return Outcome(name, loss, time.perf_counter() - start, note, curve)
@@ -242,7 +242,7 @@ def _follow(
     try:
         while any(p.poll() is None for p in procs):
             time.sleep(2.0)
-            tokens = int(sy.status().get("tokens", 0))
+            tokens = sy.status().tokens or 0
             if tokens >= step * (len(curve) + 1) and tokens < total_tokens:
                 params, _ = client.pull_all()
                 curve.append((tokens, eval_loss(params, cfg, EVAL_BATCHES)))

@@ -122,12 +122,6 @@ class UnitGroup(Strict):
     exclusive_topology: bool = Field(
         False, description="One unit per node pool: pods of other units are kept off it."
     )
-    slowdown: float = Field(
-        1.0,
-        ge=1.0,
-        le=100.0,
-        description="Local runtime only: stretch each step (slower hardware).",
-    )
 
     @property
     def hosts(self) -> int:
@@ -212,13 +206,28 @@ class ChaosEvent(Strict):
 
 
 class ChaosSpec(Strict):
-    """Fault injection: the local runtime with --chaos, the operator with --enable-chaos."""
+    """Fault injection (the local runtime with --chaos, the operator with --enable-chaos) and
+    slowed groups (local runtime only)."""
 
     seed: int = Field(0, ge=0)
     schedule: list[ChaosEvent] = Field(default_factory=list, max_length=1000)
     kill_every_seconds: float | None = Field(
         None, gt=0, description="Also kill a random unit at exponential intervals of this mean."
     )
+    slowdown: dict[
+        Annotated[str, Field(max_length=12)], Annotated[float, Field(ge=1.0, le=100.0)]
+    ] = Field(
+        default_factory=dict,
+        max_length=16,
+        description="Group name -> factor >= 1 stretching each step of its learners (a stand-in "
+        "for slower hardware); applied with or without --chaos.",
+    )
+
+    @property
+    def has_fault_settings(self) -> bool:
+        """Whether the block says anything about faults (a block with only `slowdown` leaves
+        --chaos to its default faults, as no block does)."""
+        return bool(self.model_fields_set - {"slowdown"})
 
 
 class DilocoRunSpec(Strict):
@@ -241,7 +250,8 @@ class DilocoRunSpec(Strict):
     chaos: ChaosSpec | None = Field(
         None,
         description="Fault injection: acted on by the local runtime with --chaos and by an "
-        "operator started with --enable-chaos (the chart's chaos.enabled); ignored otherwise.",
+        "operator started with --enable-chaos (the chart's chaos.enabled); ignored otherwise. "
+        "Slowed groups: local runtime only.",
     )
     service_account_name: str | None = Field(None, max_length=253)
 
@@ -260,6 +270,11 @@ class DilocoRunSpec(Strict):
         names = [g.name for g in self.unit_groups]
         if len(set(names)) != len(names):
             raise ValueError(f"unitGroups[].name: group names must be unique, got {names}")
+        for slowed in self.chaos.slowdown if self.chaos else {}:
+            if slowed not in names:
+                raise ValueError(
+                    f"chaos.slowdown.{slowed}: no unit group of that name (groups: {names})"
+                )
         if self.training.quorum > self.total_units:
             raise ValueError(
                 f"training.quorum: {self.training.quorum} exceeds the {self.total_units} units "

@@ -33,15 +33,11 @@ from diloco_operator.api import (
     UnitGroup,
 )
 from diloco_operator.planner import CreateUnit
+from diloco_operator.pod_security import TOKEN_KEY, secure_pod
 
 CONFIG_DIR = "/etc/diloco"
 CONFIG_FILE = "run.yaml"
 CHECKPOINT_MOUNT = "/var/lib/diloco/checkpoints"
-TOKEN_KEY = "token"
-TOKEN_DIR = "/var/run/diloco/token"
-CACHE_DIR = "/var/cache/diloco"
-# The images' user (docker/*.Dockerfile); files on mounted volumes are made its group's.
-RUN_AS = 65532
 LEARNER = "learner"
 SYNCER = "syncer"
 MANAGED_BY = "diloco-operator"
@@ -177,77 +173,6 @@ def _config_mount() -> dict[str, Any]:
     return {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
 
 
-def _token_volume(run: Run) -> dict[str, Any]:
-    # A file, not an env var: env vars leak into crash dumps, `kubectl describe` and child
-    # processes; the mounted file is readable by the pod's group only.
-    return {
-        "name": "token",
-        "secret": {
-            "secretName": run.token_secret,
-            "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
-            "defaultMode": 0o440,
-        },
-    }
-
-
-def _scratch_volumes() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Writable places for a read-only root filesystem: /tmp and the trainer's caches (the
-    compiled-program cache, the stdlib corpus) for a user without a home directory."""
-    volumes: list[dict[str, Any]] = [
-        {"name": "tmp", "emptyDir": {}},
-        {"name": "cache", "emptyDir": {}},
-    ]
-    mounts: list[dict[str, Any]] = [
-        {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "cache", "mountPath": CACHE_DIR},
-        {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True},
-    ]
-    return volumes, mounts
-
-
-def _runtime_env() -> list[dict[str, Any]]:
-    return [
-        {"name": "DILOCO_TOKEN_FILE", "value": f"{TOKEN_DIR}/{TOKEN_KEY}"},
-        {"name": "DILOCO_CACHE_DIR", "value": CACHE_DIR},
-        {"name": "HOME", "value": "/tmp"},
-    ]
-
-
-def pod_security_context() -> dict[str, Any]:
-    """The Pod Security "restricted" profile, and volumes (PVC, Secret) owned by the user's group
-    so a non-root syncer can write its checkpoints on a fresh disk."""
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": RUN_AS,
-        "runAsGroup": RUN_AS,
-        "fsGroup": RUN_AS,
-        "fsGroupChangePolicy": "OnRootMismatch",
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-
-
-def container_security_context() -> dict[str, Any]:
-    return {
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "capabilities": {"drop": ["ALL"]},
-    }
-
-
-def _secure_pod(run: Run, pod_spec: dict[str, Any]) -> dict[str, Any]:
-    """What learner and syncer pods share: identity, scratch space, the token file."""
-    volumes, mounts = _scratch_volumes()
-    container = pod_spec["containers"][0]
-    container["env"] = [*container["env"], *_runtime_env()]
-    container["volumeMounts"] = [*container["volumeMounts"], *mounts]
-    container["securityContext"] = container_security_context()
-    pod_spec["volumes"] = [*pod_spec["volumes"], *volumes, _token_volume(run)]
-    pod_spec["securityContext"] = pod_security_context()
-    # Learners and the syncer never call the Kubernetes API.
-    pod_spec["automountServiceAccountToken"] = False
-    return pod_spec
-
-
 def syncer_deployment(run: Run) -> dict[str, Any]:
     spec = run.spec
     ckpt = spec.syncer.checkpoint
@@ -296,7 +221,7 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
         pod_spec["tolerations"] = [t.to_wire() for t in spec.syncer.tolerations]
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
-    _secure_pod(run, pod_spec)
+    secure_pod(pod_spec, run.token_secret)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -381,6 +306,21 @@ def _affinity(run: Run, unit: CreateUnit) -> dict[str, Any]:
     }
 
 
+def _placement(group: UnitGroup) -> tuple[dict[str, str], list[dict[str, Any]], int]:
+    """Node selector, tolerations and TPU chips per host of a group's pods."""
+    node_selector: dict[str, str] = {}
+    tolerations: list[dict[str, Any]] = []
+    chips = 0
+    if group.tpu:
+        node_selector[ACCELERATOR_LABEL] = group.tpu.accelerator
+        node_selector[TOPOLOGY_LABEL] = group.tpu.topology
+        tolerations.append({"key": TPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"})
+        chips = group.tpu.chips_on_each_host
+    node_selector.update(group.node_selector or {})
+    tolerations.extend(t.to_wire() for t in group.tolerations or [])
+    return node_selector, tolerations, chips
+
+
 def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
     spec = run.spec
     group: UnitGroup | None = spec.group(unit.group)
@@ -401,16 +341,7 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         },
         {"name": "TPU_WORKER_HOSTNAMES", "value": _worker_hostnames(unit)},
     ]
-    node_selector: dict[str, str] = {}
-    tolerations: list[dict[str, Any]] = []
-    chips = 0
-    if group.tpu:
-        node_selector[ACCELERATOR_LABEL] = group.tpu.accelerator
-        node_selector[TOPOLOGY_LABEL] = group.tpu.topology
-        tolerations.append({"key": TPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"})
-        chips = group.tpu.chips_on_each_host
-    node_selector.update(group.node_selector or {})
-    tolerations.extend(t.to_wire() for t in group.tolerations or [])
+    node_selector, tolerations, chips = _placement(group)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "subdomain": unit.name,
@@ -435,7 +366,7 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         pod_spec["affinity"] = _affinity(run, unit)
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
-    _secure_pod(run, pod_spec)
+    secure_pod(pod_spec, run.token_secret)
     job_labels = unit_labels(run, unit)
     return {
         "apiVersion": "batch/v1",

@@ -2,8 +2,8 @@
 
 Off unless the operator runs with `--enable-chaos` (the chart's `chaos.enabled`): fault injection
 on a production cluster must be a deliberate choice of whoever runs the operator, not of whoever
-may write a DilocoRun. The schedule is the local runtime's (`local.chaos.ChaosScheduler`: the
-same seed and manifest give the same decisions); only delivery differs:
+may write a DilocoRun. The schedule is the local runtime's (`ChaosScheduler`: the
+same seed and manifest give the same decisions, `faults.py`); only delivery differs:
 
 - kill: the unit's pods are deleted with no grace period (the kubelet SIGKILLs the learner);
 - killSyncer: the syncer pod is deleted the same way (the Deployment makes a new one, which
@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 from diloco_operator import builders, kube
 from diloco_operator.api import GROUP, LABEL_COMPONENT, LABEL_RUN, LABEL_UNIT
-from diloco_operator.local.chaos import ChaosScheduler, Fault
-from diloco_operator.local.manifest import chaos_settings
+from diloco_operator.faults import ChaosScheduler, Fault, chaos_settings
 
 log = logging.getLogger("diloco_operator.chaos")
 
@@ -44,9 +43,10 @@ class RunChaos:
 
 def new_run_chaos(run: builders.Run, created: float, delivered_at: float) -> RunChaos | None:
     """The run's schedule, fast-forwarded past faults delivered before an operator restart."""
-    settings = chaos_settings(run.spec.chaos, enabled=run.spec.chaos is not None)
-    if not settings.enabled:
-        return None
+    spec = run.spec.chaos
+    if spec is None or not spec.has_fault_settings:
+        return None  # no block, or only local knobs (slowdown): never the local demo's defaults
+    settings = chaos_settings(spec, enabled=True)
     scheduler = ChaosScheduler(settings)
     if delivered_at > 0:
         scheduler.due(delivered_at, range(run.spec.total_units))

@@ -146,7 +146,7 @@ def _local_run(args: argparse.Namespace) -> int:
         if problem:
             console.print(f"[bold red]error:[/] {problem}", highlight=False)
             return EXIT_BAD_INPUT
-    if run.spec.chaos is not None and not args.chaos:
+    if run.spec.chaos is not None and run.spec.chaos.has_fault_settings and not args.chaos:
         console.print("[yellow]the manifest has a chaos block; pass --chaos to inject faults[/]")
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -177,21 +177,21 @@ def _local_run(args: argparse.Namespace) -> int:
         console.print(f"logs: {report_dir / 'logs'}", highlight=False)
         return EXIT_FAILED
     s = result.summary
+    outcome = result.outcome
     loss = s["finalEvalLoss"]
     which = "final eval loss" if s.get("finalEvalLossSource") == "final" else "last eval loss"
     console.print(
-        f"{'complete' if result.complete else 'stopped'} ({result.exit_reason}) after "
+        f"{'complete' if result.complete else 'stopped'} ({outcome.reason}) after "
         f"{s['wallSeconds']:.0f}s: {which} {'-' if loss is None else f'{loss:.4f}'}, "
         f"tokens {s['tokens']}, goodput {100 * s['goodput']:.1f}%, unit kills {s['unitKills']}, "
         f"syncer kills {s['syncerKills']}, rejoins {s['rejoins']}",
         highlight=False,
     )
     console.print(f"report: {result.report_dir.resolve()}", highlight=False)
-    if result.exit_reason.startswith("interrupted by "):
+    if outcome.ending == "interrupted":
         # Shell convention: 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM).
-        name = result.exit_reason.removeprefix("interrupted by ")
-        return 128 + int(getattr(signal.Signals, name, signal.SIGINT))
-    if result.complete or result.exit_reason.startswith("stopped after --max-seconds"):
+        return 128 + (outcome.signum or signal.SIGINT)
+    if outcome.ending in ("complete", "stopped"):
         return EXIT_OK
     return EXIT_FAILED
 

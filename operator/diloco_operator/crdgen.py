@@ -81,6 +81,12 @@ RULES: dict[str, list[dict[str, str]]] = {
             f"self.training.quorum <= {_TOTAL_UNITS}",
             "message": "training.quorum: exceeds the number of units of the run",
         },
+        {
+            "rule": "!has(self.chaos) || !has(self.chaos.slowdown) || "
+            "self.chaos.slowdown.all(k, has(self.unitGroups) ? "
+            "self.unitGroups.exists(g, g.name == k) : k == 'default')",
+            "message": "chaos.slowdown: every key must name a unit group of the run",
+        },
     ],
     "TpuSpec": _tpu_rules(),
     "TrainingConfig": [

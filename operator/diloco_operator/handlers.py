@@ -53,7 +53,7 @@ from diloco_operator.planner import (
     EmitEvent,
     ObservedSyncer,
     Plan,
-    SyncerReport,
+    SyncerStatus,
     plan,
 )
 
@@ -206,7 +206,7 @@ def learner_pod_deleted(
         wake(namespace, labels.get(LABEL_RUN))
 
 
-async def syncer_report(run: builders.Run) -> SyncerReport | None:
+async def syncer_report(run: builders.Run) -> SyncerStatus | None:
     """GET /v1/status of the run's syncer; None when unreachable (the run keeps reconciling)."""
     key = (run.namespace, run.name)
     token = STATE.tokens.get(key)
@@ -227,7 +227,7 @@ async def syncer_report(run: builders.Run) -> SyncerReport | None:
             if resp.status != 200:
                 log.debug("syncer status run=%s http=%s", run.name, resp.status)
                 return None
-            return SyncerReport.from_json(await resp.json())
+            return SyncerStatus.from_json(await resp.json())
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         log.debug("syncer unreachable run=%s error=%r", run.name, exc)
         return None

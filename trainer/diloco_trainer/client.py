@@ -18,8 +18,9 @@ from typing import Any, cast
 
 import numpy as np
 
+from diloco_trainer.config import CompressionConfig
 from diloco_trainer.downlink import apply_step, checksum
-from diloco_trainer.quantize import Scheme
+from diloco_trainer.status import SyncerStatus
 from diloco_trainer.wire import (
     PushHeader,
     WireError,
@@ -54,12 +55,6 @@ class JoinReply:
     outer_step: int = 0
     resume_step: int = 0  # the unit's steps in earlier attempts: where its LR schedule continues
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    scheme: Scheme = "none"
-    block_size: int = 128
-    inner_steps: int = 0
-    overlap: int = 0
-    max_staleness: int = 0
-    heartbeat_seconds: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +82,7 @@ class SyncerClient:
         attempt: int,
         group: str = "default",
         timeout: float = 10.0,
+        compression: CompressionConfig | None = None,
     ) -> None:
         url = urllib.parse.urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
@@ -101,8 +97,8 @@ class SyncerClient:
             group,
             timeout,
         )
-        self.compression: Scheme = "none"
-        self.block_size = 128
+        # How pushes are encoded: the run's config, which the learner and the syncer share.
+        self.compression = compression or CompressionConfig()
         self.bytes_sent = 0
         self.bytes_received = 0
         self._lock = threading.Lock()
@@ -190,9 +186,6 @@ class SyncerClient:
     # ---------------------------------------------------------------- protocol
     def join(self) -> JoinReply:
         r = self._post_json("/v1/join", self._identity())
-        comp = r.get("compression", {})
-        self.compression = cast(Scheme, comp.get("scheme", "none"))
-        self.block_size = int(comp.get("blockSize", 128))
         self._layout = [list(names) for names in r["layout"]]
         return JoinReply(
             run=r["run"],
@@ -202,12 +195,6 @@ class SyncerClient:
             outer_step=int(r.get("outerStep", 0)),
             resume_step=int(r.get("resumeStep", 0)),
             shapes={k: tuple(v) for k, v in r.get("shapes", {}).items()},
-            scheme=self.compression,
-            block_size=self.block_size,
-            inner_steps=int(r.get("innerSteps", 0)),
-            overlap=int(r.get("overlap", 0)),
-            max_staleness=int(r.get("maxStaleness", 0)),
-            heartbeat_seconds=float(r.get("heartbeatSeconds", 2.0)),
         )
 
     def pull_all(self) -> tuple[dict[str, np.ndarray], list[int]]:
@@ -237,12 +224,12 @@ class SyncerClient:
             base_version,
             c_steps,
             c_tokens,
-            self.compression,
+            self.compression.scheme,
             self.unit,
             self.attempt,
             step=step,
         )
-        body, quant_error = encode_push(header, delta, self.block_size)
+        body, quant_error = encode_push(header, delta, self.compression.block_size)
         _, _, data = self._request(
             "POST", f"/v1/fragments/{fragment}/push", body, "application/octet-stream"
         )
@@ -303,6 +290,6 @@ class SyncerClient:
         )
         return HeartbeatReply(bool(r["complete"]), list(r["versions"]), int(r["outerStep"]))
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> SyncerStatus:
         _, _, data = self._request("GET", "/v1/status")
-        return cast(dict[str, Any], json.loads(data))
+        return SyncerStatus.from_json(json.loads(data))

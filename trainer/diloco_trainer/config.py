@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -175,10 +175,15 @@ class MergeConfig(Strict):
     )
 
 
+# How a tensor travels: float32 values, or int8 / int4 with one scale per block (quantize.py).
+Scheme = Literal["none", "int8", "int4"]
+SCHEMES: tuple[Scheme, ...] = get_args(Scheme)
+
+
 class CompressionConfig(Strict):
-    scheme: Literal["none", "int8", "int4"] = Field("none", description="Quantization of deltas.")
+    scheme: Scheme = Field("none", description="Quantization of deltas.")
     block_size: int = Field(128, ge=8, le=1 << 16, description="Values per quantization scale.")
-    downlink: Literal["none", "int8", "int4"] = Field(
+    downlink: Scheme = Field(
         "none",
         description="Quantization of the new global fragment versions the syncer sends: each "
         "goes out as a quantized step from the previous version, with error feedback "

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diloco_trainer.quantize import Quantized, Scheme, dequantize, quantize, relative_error
+from diloco_trainer.config import Scheme
+from diloco_trainer.quantize import Quantized, dequantize, quantize, relative_error
 
 Tensors = dict[str, np.ndarray]
 

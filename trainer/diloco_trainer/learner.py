@@ -160,7 +160,9 @@ def run_learner(
     leader = is_leader()
     started = time.monotonic()
     shapes = param_shapes(cfg.model)
-    client = SyncerClient(opts.syncer, opts.token, opts.name, opts.attempt, opts.group)
+    client = SyncerClient(
+        opts.syncer, opts.token, opts.name, opts.attempt, opts.group, compression=cfg.compression
+    )
 
     # ---- start: the leader joins and pulls; other hosts of the unit get the same via broadcast
     layout = pack_fragments(shapes, cfg.fragments)

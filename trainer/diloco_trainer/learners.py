@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_trainer.grace import Ema
+from diloco_trainer.status import LearnerStatus
 
 
 @dataclass
@@ -148,22 +149,22 @@ class LearnerRegistry:
             return sum(loss for _, loss in pairs) / len(pairs)
         return sum(t * loss for t, loss in pairs) / weight
 
-    def status(self, now: float) -> dict[str, Any]:
+    def status(self, now: float) -> dict[str, LearnerStatus]:
         out = {}
         for unit in sorted(self.records):
             r = self.records[unit]
             # Last sign of life: a heartbeat, else a join or push (never null once seen).
             alive = r.last_heartbeat if r.last_heartbeat is not None else r.last_seen
-            out[unit] = {
-                "attempt": r.attempt,
-                "group": r.group,
-                "lastHeartbeat": alive,
-                "ageSeconds": None if alive is None else round(now - alive, 3),
-                "step": r.steps,
-                "tokens": r.tokens,
-                "tokensPerSec": r.tokens_per_sec,
-                "loss": r.loss,
-            }
+            out[unit] = LearnerStatus(
+                attempt=r.attempt,
+                group=r.group,
+                last_heartbeat=alive,
+                age_seconds=None if alive is None else round(now - alive, 3),
+                step=r.steps,
+                tokens=r.tokens,
+                tokens_per_sec=r.tokens_per_sec,
+                loss=r.loss,
+            )
         return out
 
     # Checkpointed form: counters only (timings are re-learned after a restart).

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
-Scheme = Literal["none", "int8", "int4"]
+from diloco_trainer.config import Scheme
+
 QMAX: dict[str, int] = {"int8": 127, "int4": 7}
 
 

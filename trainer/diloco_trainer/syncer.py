@@ -31,6 +31,7 @@ from diloco_trainer.grace import Ema, grace_window, slack_seconds
 from diloco_trainer.learners import LearnerRegistry
 from diloco_trainer.merge import Contribution, merge_fragment, participation_share, scale_delta
 from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.status import FinalEval, FragmentStatus, SyncerStatus
 from diloco_trainer.syncer_fragment import (
     SEEN_PER_FRAGMENT,
     EvalFn,
@@ -92,7 +93,7 @@ class Syncer:
         self.eval_loss: float | None = None
         # The evaluation taken once the budget is reached (docs/protocol.md, "Final evaluation").
         self.final_loss: float | None = None
-        self.final_eval = "waiting"  # waiting | running | done | failed | off
+        self.final_eval: FinalEval = "waiting"
         self._final_task: asyncio.Task[None] | None = None
         self._decoding = 0  # pushes being decoded right now
         self.sync_time = Ema(cfg.grace.ema)
@@ -191,28 +192,25 @@ class Syncer:
         if self.eval_loss is not None:
             self.metrics.eval_loss.set(self.eval_loss)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> SyncerStatus:
         now = time.time()
         steps, tokens = self.learners.totals()
-        return {
-            "run": self.run,
-            "outerStep": self.outer_step,
-            "steps": steps,
-            "tokens": tokens,
-            "loss": self.eval_loss,
-            "trainLoss": self.learners.train_loss(),
-            "complete": self.complete,
-            "finalLoss": self.final_loss,
-            "finalEval": self.final_eval,
-            "time": now,
-            "fragments": [
-                {"index": f.index, "version": f.version, "lastMerge": f.last_merge}
-                for f in self.frags
-            ],
-            "learners": self.learners.status(now),
-            "bytesReceived": self.bytes_received,
-            "bytesSent": self.bytes_sent,
-        }
+        return SyncerStatus(
+            run=self.run,
+            outer_step=self.outer_step,
+            steps=steps,
+            tokens=tokens,
+            loss=self.eval_loss,
+            train_loss=self.learners.train_loss(),
+            complete=self.complete,
+            final_loss=self.final_loss,
+            final_eval=self.final_eval,
+            time=now,
+            fragments=tuple(FragmentStatus(f.index, f.version, f.last_merge) for f in self.frags),
+            learners=self.learners.status(now),
+            bytes_received=self.bytes_received,
+            bytes_sent=self.bytes_sent,
+        )
 
     # ---------------------------------------------------------------- push path
     def fragment(self, raw: str) -> FragmentState:
@@ -591,8 +589,3 @@ class Syncer:
         self._ckpt_pool.shutdown(wait=True)
         self._eval_pool.shutdown(wait=False, cancel_futures=True)
         self._journal_pool.shutdown(wait=True)
-
-    def app(self) -> web.Application:
-        from diloco_trainer.syncer_http import build_app
-
-        return build_app(self)

@@ -111,7 +111,8 @@ async def join(request: web.Request) -> web.Response:
         "event=join unit=%s attempt=%d group=%s versions=%s resume_step=%d",
         unit, attempt, group, s.versions(), resume_step,
     )  # fmt: skip
-    cfg = s.cfg
+    # The learner holds the same config (compression, innerSteps, ...); the reply carries only
+    # what the run's state decides.
     return _json(
         {
             "run": s.run,
@@ -121,16 +122,6 @@ async def join(request: web.Request) -> web.Response:
             "outerStep": s.outer_step,
             "resumeStep": resume_step,
             "shapes": {k: list(v) for k, v in s.shapes.items()},
-            "compression": {
-                "scheme": cfg.compression.scheme,
-                "blockSize": cfg.compression.block_size,
-                "downlink": cfg.compression.downlink,
-            },
-            "innerSteps": cfg.inner_steps,
-            "fragments": len(s.frags),
-            "overlap": cfg.overlap,
-            "maxStaleness": cfg.max_staleness,
-            "heartbeatSeconds": cfg.heartbeat_seconds,
         }
     )
 
@@ -204,7 +195,7 @@ async def poll(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    return _json(request.app[SYNCER_KEY].status())
+    return _json(request.app[SYNCER_KEY].status().to_json())
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -69,9 +69,10 @@ def run_name(flag: str | None, config_path: str) -> str:
 
 async def serve(syncer: object, host: str, port: int) -> None:
     from diloco_trainer.syncer import Syncer
+    from diloco_trainer.syncer_http import build_app
 
     assert isinstance(syncer, Syncer)
-    runner = web.AppRunner(syncer.app(), access_log=None, handle_signals=False)
+    runner = web.AppRunner(build_app(syncer), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

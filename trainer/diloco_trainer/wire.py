@@ -23,10 +23,10 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from diloco_trainer.quantize import QMAX, Quantized, Scheme, dequantize, quantize
+from diloco_trainer.config import SCHEMES, Scheme
+from diloco_trainer.quantize import QMAX, Quantized, dequantize, quantize
 
 FORMAT = "diloco/1"
-SCHEMES = ("none", "int8", "int4")
 
 
 class WireError(ValueError):

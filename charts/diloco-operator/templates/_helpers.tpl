@@ -66,15 +66,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
+{{- if .Values.ha.enabled }}
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
 {{- if .Values.chaos.enabled }}
 # Chaos (chaos.enabled): spec.chaos kills delete a unit's or the syncer's pods with no grace.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["delete"]
-{{- end }}
-{{- if .Values.ha.enabled }}
-- apiGroups: ["kopf.dev"]
-  resources: ["kopfpeerings"]
-  verbs: ["get", "list", "watch", "patch"]
 {{- end }}
 {{- end -}}

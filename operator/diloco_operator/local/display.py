@@ -1,16 +1,18 @@
 """The live view of a local run (rich): units, global progress, recent events.
 
-`render` is a pure function of a `View` snapshot so it can be tested and reused for a final
-printout; the runtime builds the snapshot each tick.
+`build_view` makes the snapshot (`View`) from what the runtime knows each tick, and `render` draws
+it; both are pure, so they can be tested and reused for a final printout.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
+from diloco_operator.api import DilocoRunSpec, DilocoRunStatus
 from diloco_operator.local.recorder import Event
+from diloco_operator.planner import SyncerStatus, UnitSlot
 from rich import box
 from rich.console import Group, RenderableType
 from rich.panel import Panel
@@ -59,6 +61,87 @@ class View:
     events: Sequence[Event]
     chaos: str
     report_dir: str
+
+
+def unit_state(planned: str, paused: bool) -> str:
+    """A unit's state as shown and recorded: the planner's state, or `paused` while SIGSTOPped."""
+    if paused:
+        return "paused"
+    return {"Recreating": "restarting", "Completed": "complete"}.get(planned, planned.lower())
+
+
+def event_line(ev: Event, started_at: float) -> str:
+    """Plain output (no terminal): one key=value line per event."""
+    return (
+        f"elapsed={ev.time - started_at:.1f} event={ev.kind} unit={ev.unit or '-'} "
+        f"message={ev.message!r}"
+    )
+
+
+def chaos_line(enabled: bool, next_fault_at: float | None, elapsed: float) -> str:
+    if not enabled:
+        return "off"
+    if not next_fault_at:
+        return "on"
+    return f"on, next fault in {max(0.0, next_fault_at - elapsed):.0f}s"
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    """What the runtime knows at one tick, for `build_view`. `syncer` is the last status the
+    syncer served (kept while it is down, so progress stays on screen)."""
+
+    run: str
+    spec: DilocoRunSpec
+    slots: Sequence[UnitSlot]
+    status: DilocoRunStatus
+    syncer: SyncerStatus | None
+    syncer_online: bool
+    paused: Set[str]
+    slowdown: Mapping[str, float]
+    events: Sequence[Event]
+    chaos: str
+    report_dir: str
+
+
+def build_view(snap: RunSnapshot, elapsed: float) -> View:
+    by_name = {u.name: u for u in snap.status.units}
+    learners = snap.syncer.learners if snap.syncer else {}
+    rows: list[UnitRow] = []
+    for slot in snap.slots:
+        unit = by_name.get(slot.name)
+        learner = learners.get(slot.name)
+        rows.append(
+            UnitRow(
+                name=slot.name,
+                group=slot.group,
+                state=unit_state(unit.state if unit else "Pending", slot.name in snap.paused),
+                attempt=unit.attempt if unit else 0,
+                restarts=unit.restarts if unit else 0,
+                step=learner.step if learner else None,
+                tokens_per_sec=learner.tokens_per_sec if learner else None,
+                loss=learner.loss if learner else None,
+                slowdown=snap.slowdown.get(slot.group, 1.0),
+            )
+        )
+    st = snap.syncer or SyncerStatus()
+    training = snap.spec.training
+    return View(
+        run=snap.run,
+        elapsed=elapsed,
+        syncer_state="online" if snap.syncer_online else "offline",
+        outer_step=st.outer_step or 0,
+        steps=st.steps or 0,
+        tokens=st.tokens or 0,
+        token_budget=training.total_tokens,
+        step_budget=training.total_steps,
+        loss=st.loss,
+        train_loss=st.train_loss,
+        units=rows,
+        events=snap.events[-8:],
+        chaos=snap.chaos,
+        report_dir=snap.report_dir,
+    )
 
 
 def _fmt_num(n: float | None, digits: int = 0) -> str:

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco_operator.api import ChaosSpec, DilocoRunSpec, parse_manifest
-from diloco_operator.local.chaos import DEFAULT_CHAOS, ChaosSettings, ScheduledFault
+from diloco_operator.api import DilocoRunSpec, parse_manifest
+from diloco_operator.faults import ChaosSettings, chaos_settings
 from diloco_trainer.config import ConfigError, read_document
+
+__all__ = ["LocalRun", "ManifestError", "chaos_settings", "check_chaos_units", "load_manifest"]
 
 
 class ManifestError(Exception):
@@ -41,40 +43,6 @@ def load_manifest(path: str | Path) -> LocalRun:
         raise ManifestError(str(exc)) from exc
     name = str(doc["metadata"]["name"])
     return LocalRun(name=name, path=p, document=doc, spec=spec)
-
-
-_ACTIONS = {
-    "kill": "kill",
-    "pause": "pause",
-    "killSyncer": "kill-syncer",
-    "nodeNotReady": "node-not-ready",
-}
-
-
-def chaos_settings(spec: ChaosSpec | None, enabled: bool, seed: int | None = None) -> ChaosSettings:
-    """The faults to inject. `enabled` is the --chaos flag: without it nothing is injected; with
-    it, the manifest's chaos block decides, or DEFAULT_CHAOS when there is none."""
-    if not enabled:
-        return ChaosSettings(enabled=False)
-    if spec is None:
-        base = DEFAULT_CHAOS
-        return base if seed is None else ChaosSettings(**{**base.__dict__, "seed": seed})
-    schedule = tuple(
-        ScheduledFault(
-            at=ev.at_seconds,
-            kind=_ACTIONS[ev.action],  # type: ignore[arg-type]
-            unit=ev.unit,
-            pause_seconds=ev.pause_seconds if ev.action == "pause" else None,
-        )
-        for ev in spec.schedule
-    )
-    return ChaosSettings(
-        enabled=True,
-        seed=spec.seed if seed is None else seed,
-        start_after_seconds=0.0,
-        kill_interval_seconds=spec.kill_every_seconds,
-        schedule=schedule,
-    )
 
 
 def check_chaos_units(settings: ChaosSettings, units: int) -> None:

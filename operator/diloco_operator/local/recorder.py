@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from diloco_trainer.status import SyncerStatus
+
 
 @dataclass(frozen=True)
 class GlobalSample:
@@ -100,50 +102,34 @@ class Recorder:
             self._current_state[unit] = state
             self.states.append(StateChange(time=now, unit=unit, state=state))
 
-    def current_state(self, unit: str) -> str | None:
-        return self._current_state.get(unit)
-
     def pause(self, unit: str, start: float, end: float) -> None:
         self.pauses.append((unit, start, end))
 
-    def observe_status(self, now: float, status: dict[str, Any]) -> None:
+    def observe_status(self, now: float, status: SyncerStatus) -> None:
         """Store a status sample and any new learner heartbeats in it."""
         self.samples.append(
             GlobalSample(
                 time=now,
-                outer_step=int(status.get("outerStep") or 0),
-                steps=int(status.get("steps") or 0),
-                tokens=int(status.get("tokens") or 0),
-                loss=_float_or_none(status.get("loss")),
-                train_loss=_float_or_none(status.get("trainLoss")),
-                bytes_sent=int(status.get("bytesSent") or 0),
-                bytes_received=int(status.get("bytesReceived") or 0),
+                outer_step=status.outer_step or 0,
+                steps=status.steps or 0,
+                tokens=status.tokens or 0,
+                loss=status.loss,
+                train_loss=status.train_loss,
+                bytes_sent=status.bytes_sent or 0,
+                bytes_received=status.bytes_received or 0,
             )
         )
-        learners = status.get("learners") or {}
-        for name, info in learners.items():
-            if not isinstance(info, dict):
-                continue
-            beat = _float_or_none(info.get("lastHeartbeat"))
+        for name, learner in status.learners.items():
+            beat = learner.last_heartbeat
             if beat is None or self._last_heartbeat.get(name) == beat:
                 continue
             self._last_heartbeat[name] = beat
             self.heartbeats.append(
                 Heartbeat(
                     unit=name,
-                    attempt=int(info.get("attempt") or 0),
+                    attempt=learner.attempt,
                     time=beat,
-                    step=int(info.get("step") or 0),
-                    tokens=int(info.get("tokens") or 0),
+                    step=learner.step or 0,
+                    tokens=learner.tokens or 0,
                 )
             )
-
-
-def _float_or_none(value: Any) -> float | None:
-    if value is None:
-        return None
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        return None
-    return out if out == out else None  # NaN is "no value"

@@ -201,67 +201,50 @@ def _fault_times(events: Sequence[Event], t0: float) -> list[tuple[float, str]]:
     return [(e.time - t0, e.kind) for e in events if e.kind in FAULT_EVENTS]
 
 
-def write_plots(rec: Recorder, out_dir: Path, ended_at: float) -> list[Path]:
-    """loss_vs_time.png, loss_vs_tokens.png and timeline.png in `out_dir`."""
-    import matplotlib
+def _loss_plot(
+    plt: Any,
+    path: Path,
+    axis: int,
+    xlabel: str,
+    trains: Sequence[tuple[float, float, float]],
+    evals: Sequence[tuple[float, float, float]],
+    faults: Sequence[tuple[float, str]],
+) -> None:
+    """Loss against time (axis 0, with the injected faults) or tokens (axis 1)."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if trains:
+        ax.plot(
+            [p[axis] for p in trains],
+            [p[2] for p in trains],
+            label="train loss (learners)",
+            alpha=0.6,
+        )
+    if evals:
+        ax.plot([p[axis] for p in evals], [p[2] for p in evals], "o-", label="eval loss (global)")
+    if axis == 0:
+        for i, (t, kind) in enumerate(faults):
+            color = (
+                "#d62728" if kind == "chaos-kill" else "#9467bd" if kind == "chaos-pause" else "k"
+            )
+            ax.axvline(
+                t, color=color, lw=0.8, ls="--", alpha=0.6, label="fault" if i == 0 else None
+            )
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"loss vs {'time' if axis == 0 else 'tokens'}")
+    ax.grid(alpha=0.3)
+    if trains or evals:
+        ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _timeline_plot(
+    plt: Any, path: Path, rec: Recorder, ended_at: float, faults: Sequence[tuple[float, str]]
+) -> None:
+    """One row per unit (the syncer first): its states over time, the faults as dotted lines."""
     t0 = rec.started_at
-    written: list[Path] = []
-    faults = _fault_times(rec.events, t0)
-    evals: list[tuple[float, float, float]] = [
-        (s.time - t0, float(s.tokens), s.loss)
-        for s in eval_points(rec.samples)
-        if s.loss is not None
-    ]
-    trains: list[tuple[float, float, float]] = [
-        (s.time - t0, float(s.tokens), s.train_loss)
-        for s in rec.samples
-        if s.train_loss is not None
-    ]
-
-    for name, axis, xlabel in (
-        ("loss_vs_time.png", 0, "wall-clock seconds"),
-        ("loss_vs_tokens.png", 1, "tokens (all learners)"),
-    ):
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        if trains:
-            ax.plot(
-                [p[axis] for p in trains],
-                [p[2] for p in trains],
-                label="train loss (learners)",
-                alpha=0.6,
-            )
-        if evals:
-            ax.plot(
-                [p[axis] for p in evals], [p[2] for p in evals], "o-", label="eval loss (global)"
-            )
-        if axis == 0:
-            for i, (t, kind) in enumerate(faults):
-                color = (
-                    "#d62728"
-                    if kind == "chaos-kill"
-                    else "#9467bd"
-                    if kind == "chaos-pause"
-                    else "k"
-                )
-                ax.axvline(
-                    t, color=color, lw=0.8, ls="--", alpha=0.6, label="fault" if i == 0 else None
-                )
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("loss (nats/token)")
-        ax.set_title(f"loss vs {'time' if axis == 0 else 'tokens'}")
-        ax.grid(alpha=0.3)
-        if trains or evals:
-            ax.legend(loc="upper right")
-        fig.tight_layout()
-        path = out_dir / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-
     spans = state_spans(rec.states, ended_at, t0)
     units = sorted(spans, key=lambda u: (u != "syncer", u))
     fig, ax = plt.subplots(figsize=(9, 0.6 * max(2, len(units)) + 1.2))
@@ -288,10 +271,38 @@ def write_plots(rec: Recorder, out_dir: Path, ended_at: float) -> list[Path]:
         )
     ax.set_xlim(0, max(1.0, ended_at - t0))
     fig.tight_layout()
-    path = out_dir / "timeline.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    written.append(path)
+
+
+def write_plots(rec: Recorder, out_dir: Path, ended_at: float) -> list[Path]:
+    """loss_vs_time.png, loss_vs_tokens.png and timeline.png in `out_dir`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = rec.started_at
+    faults = _fault_times(rec.events, t0)
+    evals: list[tuple[float, float, float]] = [
+        (s.time - t0, float(s.tokens), s.loss)
+        for s in eval_points(rec.samples)
+        if s.loss is not None
+    ]
+    trains: list[tuple[float, float, float]] = [
+        (s.time - t0, float(s.tokens), s.train_loss)
+        for s in rec.samples
+        if s.train_loss is not None
+    ]
+    written: list[Path] = []
+    for name, axis, xlabel in (
+        ("loss_vs_time.png", 0, "wall-clock seconds"),
+        ("loss_vs_tokens.png", 1, "tokens (all learners)"),
+    ):
+        _loss_plot(plt, out_dir / name, axis, xlabel, trains, evals, faults)
+        written.append(out_dir / name)
+    _timeline_plot(plt, out_dir / "timeline.png", rec, ended_at, faults)
+    written.append(out_dir / "timeline.png")
     return written
 
 

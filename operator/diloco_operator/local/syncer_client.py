@@ -1,4 +1,4 @@
-"""The supervisor's view of the syncer: /healthz and /v1/status over loopback HTTP.
+"""The supervisor's view of the syncer: /v1/status over loopback HTTP.
 
 Stdlib only (urllib) and short timeouts: the supervisor's tick must not stall when the syncer is
 down, which under chaos it regularly is.
@@ -10,7 +10,8 @@ import json
 import socket
 import urllib.error
 import urllib.request
-from typing import Any
+
+from diloco_trainer.status import SyncerStatus
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -27,15 +28,8 @@ class SyncerClient:
         self._token = token
         self._timeout = timeout
 
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/healthz", timeout=self._timeout) as resp:
-                return bool(resp.status == 200)
-        except (OSError, urllib.error.URLError):
-            return False
-
-    def status(self) -> dict[str, Any] | None:
-        """The syncer's status JSON (docs/contracts.md), or None when it cannot be reached."""
+    def status(self) -> SyncerStatus | None:
+        """The syncer's status (docs/contracts.md), or None when it cannot be reached."""
         req = urllib.request.Request(
             f"{self.base_url}/v1/status", headers={"Authorization": f"Bearer {self._token}"}
         )
@@ -44,4 +38,4 @@ class SyncerClient:
                 body = json.loads(resp.read())
         except (OSError, urllib.error.URLError, ValueError):
             return None
-        return body if isinstance(body, dict) else None
+        return SyncerStatus.from_json(body) if isinstance(body, dict) else None

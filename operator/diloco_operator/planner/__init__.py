@@ -6,6 +6,9 @@ placement (which units should exist), failure (signals -> Offline -> recreate),
 scaling (add/remove units), completion (Succeeded/Failed), conditions (status conditions).
 """
 
+# The `report` input: the syncer's /v1/status, one typed model for every reader.
+from diloco_trainer.status import LearnerStatus, SyncerStatus
+
 from diloco_operator.planner.model import (
     Action,
     CreateSyncer,
@@ -15,7 +18,6 @@ from diloco_operator.planner.model import (
     ObservedSyncer,
     ObservedUnit,
     Plan,
-    SyncerReport,
 )
 from diloco_operator.planner.placement import UnitSlot, desired_units, unit_name
 from diloco_operator.planner.reconcile import plan
@@ -26,10 +28,11 @@ __all__ = [
     "CreateUnit",
     "DeleteUnit",
     "EmitEvent",
+    "LearnerStatus",
     "ObservedSyncer",
     "ObservedUnit",
     "Plan",
-    "SyncerReport",
+    "SyncerStatus",
     "UnitSlot",
     "desired_units",
     "plan",

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from diloco_trainer.status import SyncerStatus
+
 from diloco_operator.api import RunPhase, UnitStatus
-from diloco_operator.planner.model import SyncerReport
 
 TERMINAL: tuple[RunPhase, ...] = ("Succeeded", "Failed")
 TROUBLED = ("Offline", "Recreating", "Failed")
@@ -20,7 +21,7 @@ TROUBLED = ("Offline", "Recreating", "Failed")
 def run_phase(
     previous: RunPhase,
     units: Sequence[UnitStatus],
-    report: SyncerReport | None,
+    report: SyncerStatus | None,
     quorum: int,
 ) -> tuple[RunPhase, str]:
     """The phase and a one-line reason for it."""

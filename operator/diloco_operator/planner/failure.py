@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diloco_trainer.status import SyncerStatus
+
 from diloco_operator.api import FailurePolicy, UnitFailure, UnitStatus
 from diloco_operator.planner.model import (
     HEARTBEAT_STALE,
@@ -24,7 +26,6 @@ from diloco_operator.planner.model import (
     DeleteUnit,
     EmitEvent,
     ObservedUnit,
-    SyncerReport,
 )
 from diloco_operator.planner.placement import UnitSlot
 from diloco_operator.planner.timefmt import at, seconds_since
@@ -36,20 +37,20 @@ class Signal:
     message: str
 
 
-def heartbeats_trusted(report: SyncerReport | None, policy: FailurePolicy) -> bool:
+def heartbeats_trusted(report: SyncerStatus | None, policy: FailurePolicy) -> bool:
     """Whether stale heartbeats can be blamed on the units. When two or more learners are all
     stale at once, the likelier culprit is the syncer (just restarted from a checkpoint, or cut
     off): restarting every unit would only stop the run, so staleness is ignored then."""
     if report is None or not report.learners:
         return False
-    ages = [entry.age_seconds for entry in report.learners.values()]
+    ages = [entry.age_seconds or 0.0 for entry in report.learners.values()]
     return len(ages) < 2 or min(ages) <= policy.offline_after_seconds
 
 
 def failure_signal(
     obs: ObservedUnit | None,
     unit: UnitStatus,
-    report: SyncerReport | None,
+    report: SyncerStatus | None,
     policy: FailurePolicy,
 ) -> Signal | None:
     """The failure signal of a live unit (Pending/Recreating/Online), or None when healthy."""
@@ -63,22 +64,22 @@ def failure_signal(
         return Signal(POD_FAILED, obs.message or f"unit {unit.name} failed")
     trusted = heartbeats_trusted(report, policy)
     learner = report.learners.get(unit.name) if report and trusted else None
+    age = (learner.age_seconds or 0.0) if learner is not None else 0.0
     if (
         unit.state == "Online"
         and learner is not None
         and learner.attempt == unit.attempt
-        and learner.age_seconds > policy.offline_after_seconds
+        and age > policy.offline_after_seconds
     ):
         return Signal(
             HEARTBEAT_STALE,
-            f"last heartbeat {learner.age_seconds:.1f}s ago "
-            f"(offlineAfterSeconds={policy.offline_after_seconds:g})",
+            f"last heartbeat {age:.1f}s ago (offlineAfterSeconds={policy.offline_after_seconds:g})",
         )
     return None
 
 
 def ran_healthily(
-    unit: UnitStatus, report: SyncerReport | None, policy: FailurePolicy, now: float
+    unit: UnitStatus, report: SyncerStatus | None, policy: FailurePolicy, now: float
 ) -> bool:
     """Whether the failing attempt had run healthily: Online for at least healthyAfterSeconds,
     and past step 0 when the syncer still reports this attempt (a unit that heartbeats at join
@@ -105,7 +106,7 @@ def take_offline(
     signal: Signal,
     policy: FailurePolicy,
     now: float,
-    report: SyncerReport | None = None,
+    report: SyncerStatus | None = None,
 ) -> tuple[UnitStatus, list[Action]]:
     """Mark a failed unit Offline (or Failed when its budget is spent) and delete all of it; the
     crash-loop count restarts from 0 after a healthy run and grows after a quick failure."""

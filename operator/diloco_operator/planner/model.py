@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from diloco_operator.api import DilocoRunStatus
@@ -47,59 +47,6 @@ class ObservedUnit:
 class ObservedSyncer:
     present: bool
     ready: bool
-
-
-@dataclass(frozen=True)
-class LearnerReport:
-    attempt: int
-    age_seconds: float
-    step: int | None = None
-
-
-@dataclass(frozen=True)
-class SyncerReport:
-    """The syncer's GET /v1/status (docs/contracts.md), reduced to what planning needs."""
-
-    outer_step: int | None = None
-    steps: int | None = None
-    tokens: int | None = None
-    loss: float | None = None
-    train_loss: float | None = None
-    complete: bool = False
-    final_loss: float | None = None
-    learners: dict[str, LearnerReport] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> SyncerReport:
-        """Lenient parse: missing or mistyped fields become None rather than errors, because a
-        newer or older syncer must never break reconciliation."""
-
-        def num(key: str, kind: type) -> Any:
-            value = doc.get(key)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                return None
-            return kind(value)
-
-        learners = {}
-        for name, entry in (doc.get("learners") or {}).items():
-            if not isinstance(entry, dict):
-                continue
-            age = entry.get("ageSeconds")
-            learners[str(name)] = LearnerReport(
-                attempt=int(entry.get("attempt") or 0),
-                age_seconds=float(age) if isinstance(age, int | float) else 0.0,
-                step=entry.get("step") if isinstance(entry.get("step"), int) else None,
-            )
-        return cls(
-            outer_step=num("outerStep", int),
-            steps=num("steps", int),
-            tokens=num("tokens", int),
-            loss=num("loss", float),
-            train_loss=num("trainLoss", float),
-            complete=doc.get("complete") is True,
-            final_loss=num("finalLoss", float),
-            learners=learners,
-        )
 
 
 @dataclass(frozen=True)

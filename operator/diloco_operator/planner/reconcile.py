@@ -8,13 +8,17 @@ in deterministic names and attempt labels, not only in status.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
+
+from diloco_trainer.status import SyncerStatus
 
 from diloco_operator.api import (
     LABEL_GROUP,
     LABEL_RUN,
+    Condition,
     DilocoRunSpec,
     DilocoRunStatus,
+    RunPhase,
     UnitStatus,
 )
 from diloco_operator.planner.completion import TERMINAL, TROUBLED, run_phase
@@ -35,7 +39,6 @@ from diloco_operator.planner.model import (
     ObservedSyncer,
     ObservedUnit,
     Plan,
-    SyncerReport,
 )
 from diloco_operator.planner.placement import UnitSlot, desired_units
 from diloco_operator.planner.scaling import remove, surplus
@@ -61,7 +64,7 @@ def _step_unit(
     obs: ObservedUnit | None,
     slot: UnitSlot,
     spec: DilocoRunSpec,
-    report: SyncerReport | None,
+    report: SyncerStatus | None,
     now: float,
 ) -> tuple[UnitStatus, list[Action], float | None]:
     policy = spec.failure_policy
@@ -116,47 +119,50 @@ def _create(slot: UnitSlot, attempt: int, spec: DilocoRunSpec) -> CreateUnit:
     )
 
 
-def plan(
-    run: str,
+# Progress the syncer reports, copied into the run's status (the same names on both): a report
+# without a value keeps the previous one, so an unreachable syncer does not blank the status.
+PROGRESS_FIELDS = ("outer_step", "steps", "tokens", "loss", "train_loss", "final_loss")
+
+
+def _progress(report: SyncerStatus | None, prev: DilocoRunStatus) -> dict[str, Any]:
+    out = {}
+    for name in PROGRESS_FIELDS:
+        value = getattr(report, name) if report is not None else None
+        out[name] = value if value is not None else getattr(prev, name)
+    return out
+
+
+def _new_unit(slot: UnitSlot, now: float) -> UnitStatus:
+    return UnitStatus(
+        name=slot.name,
+        group=slot.group,
+        index=slot.index,
+        global_index=slot.global_index,
+        state="Pending",
+        since=at(now),
+    )
+
+
+def _desired(
+    slots: Sequence[UnitSlot],
     spec: DilocoRunSpec,
-    observed: Sequence[ObservedUnit],
-    status: DilocoRunStatus | None,
+    prev_by: dict[str, UnitStatus],
+    obs_by: dict[str, ObservedUnit],
+    report: SyncerStatus | None,
     now: float,
-    *,
-    syncer: ObservedSyncer,
-    report: SyncerReport | None = None,
-    generation: int | None = None,
-) -> Plan:
-    """Plan one reconciliation pass of run `run` at time `now` (seconds since the epoch)."""
-    prev = status or DilocoRunStatus()
-    obs_by = {o.name: o for o in observed if o.phase != "Missing"}
-    prev_by = {u.name: u for u in prev.units}
-    slots = desired_units(run, spec)
-    slot_by = {s.name: s for s in slots}
+    terminal: bool,
+) -> tuple[list[UnitStatus], list[Action], list[float]]:
+    """Step every unit the spec wants; a finished run only carries their status over."""
+    units: list[UnitStatus] = []
     actions: list[Action] = []
     waits: list[float] = []
-    units: list[UnitStatus] = []
-    terminal = prev.phase in TERMINAL or (report is not None and report.complete)
-
-    if not terminal and not syncer.present:
-        actions.append(CreateSyncer())
-
     for slot in slots:
         unit = prev_by.get(slot.name)
         obs = obs_by.get(slot.name)
         if unit is None and obs is None:
-            if terminal:
-                continue
-            unit = UnitStatus(
-                name=slot.name,
-                group=slot.group,
-                index=slot.index,
-                global_index=slot.global_index,
-                state="Pending",
-                since=at(now),
-            )
-            actions.append(_create(slot, 0, spec))
-            units.append(unit)
+            if not terminal:
+                units.append(_new_unit(slot, now))
+                actions.append(_create(slot, 0, spec))
             continue
         if unit is None:
             assert obs is not None
@@ -169,10 +175,23 @@ def plan(
         actions.extend(unit_actions)
         if wait is not None:
             waits.append(wait)
+    return units, actions, waits
 
+
+def _surplus(
+    slots: Sequence[UnitSlot],
+    prev: DilocoRunStatus,
+    prev_by: dict[str, UnitStatus],
+    obs_by: dict[str, ObservedUnit],
+    now: float,
+) -> tuple[list[UnitStatus], list[Action], list[float]]:
+    """Remove the units the spec no longer wants (scaled down), highest index first."""
+    units: list[UnitStatus] = []
+    actions: list[Action] = []
+    waits: list[float] = []
     order = {u.name: u.global_index for u in prev.units}
     order.update({o.name: o.index for o in obs_by.values() if o.name not in order})
-    for name in surplus(set(prev_by) | set(obs_by), set(slot_by), order):
+    for name in surplus(set(prev_by) | set(obs_by), {s.name for s in slots}, order):
         obs = obs_by.get(name)
         unit = prev_by.get(name) or (_adopt(obs, order[name], now) if obs else None)
         if unit is None:
@@ -182,22 +201,97 @@ def plan(
         if kept is not None:
             units.append(kept)
             waits.append(1.0)
+    return units, actions, waits
+
+
+def _settle(
+    phase: RunPhase,
+    actions: list[Action],
+    units: list[UnitStatus],
+    obs_by: dict[str, ObservedUnit],
+) -> tuple[list[Action], list[UnitStatus]]:
+    """Nothing new starts in a finished run; every unit still running is stopped, and in a
+    succeeded one every live unit counts as Completed."""
+    if phase not in TERMINAL:
+        return actions, units
+    actions = [a for a in actions if not isinstance(a, CreateUnit | CreateSyncer)]
+    deleting = {a.name for a in actions if isinstance(a, DeleteUnit)}
+    for name, obs in obs_by.items():
+        if obs.phase not in ("Terminating", "Succeeded") and name not in deleting:
+            actions.append(DeleteUnit(name, f"Run{phase}"))
+    if phase == "Succeeded":
+        units = [
+            u.model_copy(update={"state": "Completed"})
+            if u.state in ("Pending", "Recreating", "Online")
+            else u
+            for u in units
+        ]
+    return actions, units
+
+
+def _conditions(
+    prev: DilocoRunStatus,
+    phase: RunPhase,
+    why: str,
+    units: Sequence[UnitStatus],
+    syncer: ObservedSyncer,
+    now: float,
+    generation: int | None,
+) -> list[Condition]:
+    online = sum(u.state == "Online" for u in units)
+    active = [u for u in units if u.state != "Removing"]
+    troubled = [u.name for u in active if u.state in TROUBLED]
+    ready = phase == "Running" and online == len(active) and syncer.ready
+    not_ready = "SyncerNotReady" if not syncer.ready else "UnitsNotOnline"
+    syncer_word = "ready" if syncer.ready else "not ready"
+    conds = set_condition(
+        list(prev.conditions),
+        "Ready",
+        ready,
+        "AllUnitsOnline" if ready else not_ready,
+        f"{online}/{len(active)} units online; syncer {syncer_word}",
+        now,
+        generation,
+    )
+    degraded = "UnitsOffline" if troubled else "AllUnitsHealthy"
+    conds = set_condition(
+        conds, "Degraded", bool(troubled), degraded, ", ".join(troubled[:10]), now, generation
+    )
+    conds = set_condition(
+        conds, "Progressing", phase not in TERMINAL, f"Run{phase}", why, now, generation
+    )
+    return set_condition(
+        conds, "Complete", phase == "Succeeded", f"Run{phase}", why, now, generation
+    )
+
+
+def plan(
+    run: str,
+    spec: DilocoRunSpec,
+    observed: Sequence[ObservedUnit],
+    status: DilocoRunStatus | None,
+    now: float,
+    *,
+    syncer: ObservedSyncer,
+    report: SyncerStatus | None = None,
+    generation: int | None = None,
+) -> Plan:
+    """Plan one reconciliation pass of run `run` at time `now` (seconds since the epoch)."""
+    prev = status or DilocoRunStatus()
+    obs_by = {o.name: o for o in observed if o.phase != "Missing"}
+    prev_by = {u.name: u for u in prev.units}
+    slots = desired_units(run, spec)
+    terminal = prev.phase in TERMINAL or (report is not None and report.complete)
+
+    actions: list[Action] = [] if terminal or syncer.present else [CreateSyncer()]
+    units, unit_actions, waits = _desired(slots, spec, prev_by, obs_by, report, now, terminal)
+    removed, removal_actions, removal_waits = _surplus(slots, prev, prev_by, obs_by, now)
+    actions += unit_actions + removal_actions
+    units += removed
+    waits += removal_waits
 
     phase, why = run_phase(prev.phase, units, report, spec.training.quorum)
-    if phase in TERMINAL:
-        # Nothing new starts in a finished run; every unit still running is stopped.
-        actions = [a for a in actions if not isinstance(a, CreateUnit | CreateSyncer)]
-        deleting = {a.name for a in actions if isinstance(a, DeleteUnit)}
-        for name, obs in obs_by.items():
-            if obs.phase not in ("Terminating", "Succeeded") and name not in deleting:
-                actions.append(DeleteUnit(name, f"Run{phase}"))
-        if phase == "Succeeded":
-            units = [
-                u.model_copy(update={"state": "Completed"})
-                if u.state in ("Pending", "Recreating", "Online")
-                else u
-                for u in units
-            ]
+    actions, units = _settle(phase, actions, units, obs_by)
     if phase != prev.phase:
         kind: Literal["Normal", "Warning"] = (
             "Warning" if phase in ("Failed", "Degraded") else "Normal"
@@ -206,56 +300,15 @@ def plan(
 
     units.sort(key=lambda u: u.global_index)
     first = spec.unit_groups[0].name
-    online = sum(u.state == "Online" for u in units)
-    active = [u for u in units if u.state != "Removing"]
-    troubled = [u.name for u in active if u.state in TROUBLED]
-    conds = list(prev.conditions)
-    ready = phase == "Running" and online == len(active) and syncer.ready
-    conds = set_condition(
-        conds,
-        "Ready",
-        ready,
-        "AllUnitsOnline" if ready else ("SyncerNotReady" if not syncer.ready else "UnitsNotOnline"),
-        f"{online}/{len(active)} units online; syncer {'ready' if syncer.ready else 'not ready'}",
-        now,
-        generation,
-    )
-    conds = set_condition(
-        conds,
-        "Degraded",
-        bool(troubled),
-        "UnitsOffline" if troubled else "AllUnitsHealthy",
-        ", ".join(troubled[:10]),
-        now,
-        generation,
-    )
-    conds = set_condition(
-        conds, "Progressing", phase not in TERMINAL, f"Run{phase}", why, now, generation
-    )
-    conds = set_condition(
-        conds, "Complete", phase == "Succeeded", f"Run{phase}", why, now, generation
-    )
-
     new_status = DilocoRunStatus(
         phase=phase,
-        conditions=conds,
+        conditions=_conditions(prev, phase, why, units, syncer, now, generation),
         units=units,
-        units_online=online,
-        replicas=sum(1 for u in active if u.group == first),
+        units_online=sum(u.state == "Online" for u in units),
+        replicas=sum(1 for u in units if u.state != "Removing" and u.group == first),
         selector=f"{LABEL_RUN}={run},{LABEL_GROUP}={first}",
-        outer_step=report.outer_step
-        if report and report.outer_step is not None
-        else prev.outer_step,
-        steps=report.steps if report and report.steps is not None else prev.steps,
-        tokens=report.tokens if report and report.tokens is not None else prev.tokens,
-        loss=report.loss if report and report.loss is not None else prev.loss,
-        train_loss=report.train_loss
-        if report and report.train_loss is not None
-        else prev.train_loss,
-        final_loss=report.final_loss
-        if report and report.final_loss is not None
-        else prev.final_loss,
         observed_generation=generation if generation is not None else prev.observed_generation,
         message=why,
+        **_progress(report, prev),
     )
     return Plan(tuple(actions), new_status, min(waits) if waits else None)

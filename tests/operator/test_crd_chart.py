@@ -15,9 +15,9 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "diloco-operator"
-OPERATOR = Path(__file__).resolve().parents[1] / "operator" / "diloco_operator"
+OPERATOR = Path(__file__).resolve().parents[2] / "operator" / "diloco_operator"
 
 # (apiGroup, resource, verb) the operator needs inside a managed namespace, and why.
 NEEDED = {

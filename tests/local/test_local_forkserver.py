@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 from diloco_operator.local.forkserver import ForkedChild, ForkServer
-from diloco_operator.local.runtime import child_env
+from diloco_operator.local.programs import child_env
 
 CONFIG = (
     "totalSteps: 10\nmodel: {preset: tiny, dModel: 32, nLayers: 1, nHeads: 2, seqLen: 32}\n"

@@ -12,10 +12,11 @@ from diloco_operator.planner import (
     CreateUnit,
     DeleteUnit,
     EmitEvent,
+    LearnerStatus,
     ObservedSyncer,
     ObservedUnit,
     Plan,
-    SyncerReport,
+    SyncerStatus,
     desired_units,
     plan,
 )
@@ -25,7 +26,6 @@ from diloco_operator.planner.model import (
     NODE_DELETED,
     NODE_NOT_READY,
     POD_DELETED,
-    LearnerReport,
 )
 
 T0 = 1_700_000_000.0
@@ -138,12 +138,12 @@ def test_every_failure_signal_takes_only_that_unit_offline(
 def test_stale_heartbeat_is_a_failure_but_only_for_the_current_attempt() -> None:
     spec = make_spec(2)
     observed, status = online_run(spec)
-    fresh = SyncerReport(learners={"r-default-0": LearnerReport(attempt=0, age_seconds=3)})
+    fresh = SyncerStatus(learners={"r-default-0": LearnerStatus(attempt=0, age_seconds=3)})
     assert plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=fresh).actions == ()
-    old_attempt = SyncerReport(learners={"r-default-0": LearnerReport(attempt=7, age_seconds=99)})
+    old_attempt = SyncerStatus(learners={"r-default-0": LearnerStatus(attempt=7, age_seconds=99)})
     p = plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=old_attempt)
     assert not p.of_type(DeleteUnit)
-    stale = SyncerReport(learners={"r-default-0": LearnerReport(attempt=0, age_seconds=31)})
+    stale = SyncerStatus(learners={"r-default-0": LearnerStatus(attempt=0, age_seconds=31)})
     p = plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=stale)
     assert unit(p, "r-default-0").last_failure.reason == "HeartbeatStale"
     assert [d.name for d in p.of_type(DeleteUnit)] == ["r-default-0"]
@@ -183,10 +183,10 @@ def test_unit_that_ran_healthily_is_recreated_at_once() -> None:
     spec = make_spec(2)  # restartBackoffSeconds 10, healthyAfterSeconds 10 (default)
     observed, status = online_run(spec)  # Online since T0+1
     healthy, victim = observed[0], "r-default-1"
-    progress = SyncerReport(
+    progress = SyncerStatus(
         learners={
-            "r-default-0": LearnerReport(attempt=0, age_seconds=1, step=500),
-            victim: LearnerReport(attempt=0, age_seconds=1, step=480),
+            "r-default-0": LearnerStatus(attempt=0, age_seconds=1, step=500),
+            victim: LearnerStatus(attempt=0, age_seconds=1, step=480),
         }
     )
     now = T0 + 60
@@ -233,7 +233,7 @@ def test_crash_loop_backs_off_doubling_capped_and_a_healthy_run_resets_it() -> N
     # Attempt 5 comes Online and trains for a while: its failure is a fresh incident.
     p = plan("r", spec, [healthy, running(victim, attempt=5)], p.status, now, syncer=SYNCER_UP)
     assert unit(p, victim).state == "Online"
-    trained = SyncerReport(learners={victim: LearnerReport(attempt=5, age_seconds=1, step=40)})
+    trained = SyncerStatus(learners={victim: LearnerStatus(attempt=5, age_seconds=1, step=40)})
     p = plan("r", spec, [healthy], p.status, now + 30, syncer=SYNCER_UP, report=trained)
     assert unit(p, victim).quick_failures == 0 and p.requeue_after == 0.0
 
@@ -244,7 +244,7 @@ def test_online_unit_that_never_made_progress_is_a_quick_failure() -> None:
     spec = make_spec(2)
     observed, status = online_run(spec)
     victim = "r-default-1"
-    stuck = SyncerReport(learners={victim: LearnerReport(attempt=0, age_seconds=1, step=0)})
+    stuck = SyncerStatus(learners={victim: LearnerStatus(attempt=0, age_seconds=1, step=0)})
     p = plan("r", spec, [observed[0]], status, T0 + 300, syncer=SYNCER_UP, report=stuck)
     assert unit(p, victim).quick_failures == 1
     assert p.requeue_after == pytest.approx(10.0)
@@ -313,7 +313,7 @@ def test_scale_down_removes_highest_indices_first_then_forgets_them() -> None:
 def test_syncer_reported_completion_succeeds_the_run_and_stops_units() -> None:
     spec = make_spec(2)
     observed, status = online_run(spec)
-    report = SyncerReport(outer_step=40, steps=1000, tokens=5000, loss=2.5, complete=True)
+    report = SyncerStatus(outer_step=40, steps=1000, tokens=5000, loss=2.5, complete=True)
     p = plan("r", spec, observed, status, T0 + 9, syncer=SYNCER_UP, report=report)
     assert p.status.phase == "Succeeded"
     assert sorted(d.name for d in p.of_type(DeleteUnit)) == ["r-default-0", "r-default-1"]
@@ -322,7 +322,7 @@ def test_syncer_reported_completion_succeeds_the_run_and_stops_units() -> None:
     complete = next(c for c in p.status.conditions if c.type == "Complete")
     assert complete.status == "True"
     assert p.status.final_loss is None  # the syncer's final evaluation comes a moment later
-    final = SyncerReport.from_json({"complete": True, "loss": 2.6, "finalLoss": 2.4})
+    final = SyncerStatus.from_json({"complete": True, "loss": 2.6, "finalLoss": 2.4})
     p = plan("r", spec, [], p.status, T0 + 9.5, syncer=SYNCER_UP, report=final)
     assert (p.status.loss, p.status.final_loss) == (2.6, 2.4)
     # Terminal: a unit vanishing afterwards creates nothing.
@@ -386,8 +386,8 @@ def test_mixed_groups_give_fixed_groups_the_low_global_indices() -> None:
 def test_all_learners_stale_at_once_blames_the_syncer_not_the_units() -> None:
     spec = make_spec(3)
     observed, status = online_run(spec)
-    everyone_stale = SyncerReport(
-        learners={o.name: LearnerReport(attempt=0, age_seconds=500) for o in observed}
+    everyone_stale = SyncerStatus(
+        learners={o.name: LearnerStatus(attempt=0, age_seconds=500) for o in observed}
     )
     p = plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=everyone_stale)
     assert not p.of_type(DeleteUnit)

@@ -15,6 +15,7 @@ from diloco_operator.local.report import (
     state_spans,
     write_report,
 )
+from diloco_trainer.status import SyncerStatus
 
 
 def hb(unit: str, attempt: int, t: float, step: int) -> Heartbeat:
@@ -111,15 +112,17 @@ def test_write_report_files(tmp_path: Path) -> None:
         "bytesReceived": 456,
         "learners": {"u0": {"attempt": 0, "lastHeartbeat": 1001.0, "step": 1}},
     }
-    rec.observe_status(1001.0, status)
+    rec.observe_status(1001.0, SyncerStatus.from_json(status))
     rec.observe_status(
         1003.0,
-        {
-            **status,
-            "loss": 4.1,
-            "tokens": 8000,
-            "learners": {"u0": {"attempt": 0, "lastHeartbeat": 1003.0, "step": 9}},
-        },
+        SyncerStatus.from_json(
+            {
+                **status,
+                "loss": 4.1,
+                "tokens": 8000,
+                "learners": {"u0": {"attempt": 0, "lastHeartbeat": 1003.0, "step": 9}},
+            }
+        ),
     )
     rec.state(1000.0, "u0", "pending")
     rec.state(1001.0, "u0", "online")
@@ -151,7 +154,7 @@ def test_write_report_files(tmp_path: Path) -> None:
 
 def test_summary_prefers_the_syncers_final_evaluation() -> None:
     rec = Recorder(started_at=1000.0)
-    rec.observe_status(1001.0, {"loss": 4.5, "tokens": 10})
+    rec.observe_status(1001.0, SyncerStatus(loss=4.5, tokens=10))
     summary = build_summary(
         rec,
         run_name="r",

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 from diloco_operator import simulator as sim
 from diloco_operator.simulator import Assumptions, Scenario, simulate
+from diloco_operator.simulator.model import split_slices, unsynced_seconds
 
 HOUR = 3600.0
 
@@ -86,19 +87,19 @@ def test_elastic_pause_matches_the_renewal_formula() -> None:
 def test_unsynced_work_follows_the_staggered_push_schedule() -> None:
     a = Assumptions(inner_steps=24, fragments=24, step_seconds=1.0)
     # Before the first push of any fragment, everything since the start is lost.
-    assert sim.unsynced_seconds(0.5, a) == pytest.approx(0.5)
+    assert unsynced_seconds(0.5, a) == pytest.approx(0.5)
     # After one full period each fragment was pushed at a different offset; averaged over the
     # learner's age the loss approaches H/2 steps.
-    ages = [sim.unsynced_seconds(100.0 + 0.01 * k, a) for k in range(2_400)]
+    ages = [unsynced_seconds(100.0 + 0.01 * k, a) for k in range(2_400)]
     assert sum(ages) / len(ages) == pytest.approx(12.0, rel=0.05)
     assert max(ages) <= 24.0
 
 
 def test_split_slices_is_balanced() -> None:
-    assert sim.split_slices(10, 3) == [4, 3, 3]
-    assert sum(sim.split_slices(4_687, 16)) == 4_687
+    assert split_slices(10, 3) == [4, 3, 3]
+    assert sum(split_slices(4_687, 16)) == 4_687
     with pytest.raises(ValueError, match="groups need at least"):
-        sim.split_slices(2, 3)
+        split_slices(2, 3)
 
 
 def test_default_calibration_is_within_three_points_of_the_paper() -> None:

@@ -13,7 +13,7 @@ from diloco_operator.cli import main
 from diloco_operator.local.chaos import DEFAULT_CHAOS
 from diloco_operator.local.manifest import chaos_settings, load_manifest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "local.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local.yaml"
 
 
 def example() -> dict[str, Any]:
@@ -39,7 +39,7 @@ def broken(change: str) -> dict[str, Any]:
     elif change == "typo":
         spec["training"]["innerStep"] = 5
     elif change == "slowdown":
-        spec["unitGroups"][1]["slowdown"] = 0.5
+        spec["chaos"]["slowdown"]["slow"] = 0.5
     elif change == "budget":
         del spec["training"]["totalTokens"]
     elif change == "chaos":
@@ -54,7 +54,7 @@ CASES = {
     "quorum": "training.quorum",
     "innerSteps": "spec.training.innerSteps",
     "typo": "spec.training.innerStep",
-    "slowdown": "spec.unitGroups.1.slowdown",
+    "slowdown": "spec.chaos.slowdown.slow",
     "budget": "totalTokens",
     "chaos": "spec.chaos.schedule.0.action",
     "kind": "kind: expected DilocoRun",
@@ -124,3 +124,22 @@ def test_chaos_flag_selects_the_manifest_block_or_the_default() -> None:
     assert [f.kind for f in from_block.schedule] == ["kill", "pause", "kill", "kill", "kill-syncer"]
     assert chaos_settings(None, enabled=True) == DEFAULT_CHAOS
     assert chaos_settings(None, enabled=True, seed=5).seed == 5
+
+
+def test_a_chaos_block_with_only_a_slowdown_leaves_the_faults_to_the_flag() -> None:
+    doc = example()
+    doc["spec"]["chaos"] = {"slowdown": {"slow": 3}}
+    spec = parse_manifest(doc)
+    assert spec.chaos is not None and spec.chaos.slowdown == {"slow": 3.0}
+    assert not spec.chaos.has_fault_settings
+    assert chaos_settings(spec.chaos, enabled=True) == DEFAULT_CHAOS  # as without a block
+    assert not chaos_settings(spec.chaos, enabled=False).enabled
+    doc["spec"]["chaos"]["seed"] = 4  # a block that speaks about faults decides them
+    assert not chaos_settings(parse_manifest(doc).chaos, enabled=True).kill_interval_seconds
+
+
+def test_a_slowdown_for_a_group_the_run_lacks_is_rejected() -> None:
+    doc = example()
+    doc["spec"]["chaos"]["slowdown"] = {"fats": 2}
+    with pytest.raises(ValueError, match=r"chaos\.slowdown\.fats: no unit group of that name"):
+        parse_manifest(doc)

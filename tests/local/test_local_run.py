@@ -42,7 +42,7 @@ def manifest(tmp_path: Path, **training: Any) -> Path:
             # (fast-0 = 1). The slow unit alone needs long for the budget, so the killed fast
             # unit surely rejoins before the run completes, and finishes it once back.
             "replicas": 1,
-            "unitGroups": [{"name": "fast"}, {"name": "slow", "replicas": 1, "slowdown": 50}],
+            "unitGroups": [{"name": "fast"}, {"name": "slow", "replicas": 1}],
             "training": {
                 "model": {"preset": "tiny", "dModel": 32, "nLayers": 1, "nHeads": 2, "seqLen": 32},
                 "data": {"batchSize": 4, "maxBytes": 65536},
@@ -56,7 +56,10 @@ def manifest(tmp_path: Path, **training: Any) -> Path:
             },
             "failurePolicy": {"restartBackoffSeconds": 0.5, "offlineAfterSeconds": 60},
             # Kill the fast unit as soon as it is online (chaos waits for its target).
-            "chaos": {"schedule": [{"atSeconds": 0, "action": "kill", "unit": 1}]},
+            "chaos": {
+                "schedule": [{"atSeconds": 0, "action": "kill", "unit": 1}],
+                "slowdown": {"slow": 50},
+            },
         },
     }
     path = tmp_path / "run.yaml"

@@ -27,6 +27,7 @@ from diloco_trainer.merge import Contribution, merge_fragment
 from diloco_trainer.model import init_params
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer import Syncer
+from diloco_trainer.syncer_http import build_app
 from diloco_trainer.wire import PushHeader, decode_download, encode_push, encode_tensors
 
 T = TypeVar("T")
@@ -55,7 +56,7 @@ class LiveSyncer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.runner = web.AppRunner(syncer.app())
+        self.runner = web.AppRunner(build_app(syncer))
         self.port: int = self.run(self._start())
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -68,7 +69,9 @@ class LiveSyncer:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
     def client(self, unit: str = "unit-0", attempt: int = 0, token: str = TOKEN) -> SyncerClient:
-        return SyncerClient(self.url, token, unit, attempt)
+        # A learner encodes its pushes as its own config says: the run's config, as here.
+        compression = self.syncer.cfg.compression
+        return SyncerClient(self.url, token, unit, attempt, compression=compression)
 
     def raw(
         self, method: str, path: str, body: bytes | None = None, token: str | None = TOKEN
@@ -136,7 +139,6 @@ def test_join_and_pull_give_the_initial_model(live: LiveSyncer) -> None:
     init = init_params(cfg.model, cfg.seed)
     assert reply.run == "test-run" and reply.versions == [0, 0, 0] and not reply.complete
     assert reply.layout == pack_fragments({k: v.shape for k, v in init.items()}, 3)
-    assert reply.scheme == "none" and reply.max_staleness == 1
     params, versions = live.client().pull_all()
     assert versions == [0, 0, 0]
     for k, v in init.items():
@@ -159,7 +161,7 @@ def test_push_merges_and_long_poll_delivers(live: LiveSyncer) -> None:
         np.testing.assert_allclose(
             value, before[name] - lr * (1 + mu) * delta[name], rtol=1e-5, atol=1e-7
         )
-    assert live.client("x").status()["fragments"][1]["version"] == 1
+    assert live.client("x").status().fragments[1].version == 1
 
 
 def _valid_push(
@@ -431,20 +433,19 @@ def test_heartbeats_count_across_attempts_and_complete_the_run(live: LiveSyncer)
     r = other.heartbeat(30, 30 * 64, 1100.0, float("nan"))
     assert not r.complete
     status = other.status()
-    assert set(status) == {
+    _, served = live.raw("GET", "/v1/status")  # the wire document the model is read from
+    assert set(served) == {
         "run", "outerStep", "steps", "tokens", "loss", "trainLoss", "complete", "finalLoss",
         "finalEval", "time", "fragments", "learners", "bytesReceived", "bytesSent",
     }  # fmt: skip
-    assert status["steps"] == 90 and status["tokens"] == 90 * 64
-    assert (
-        status["learners"]["unit-0"]["step"] == 60 and status["learners"]["unit-0"]["attempt"] == 1
-    )
-    assert set(status["learners"]["unit-0"]) == {
+    assert status.steps == 90 and status.tokens == 90 * 64
+    assert status.learners["unit-0"].step == 60 and status.learners["unit-0"].attempt == 1
+    assert set(served["learners"]["unit-0"]) == {
         "attempt", "group", "lastHeartbeat", "ageSeconds", "step", "tokens", "tokensPerSec", "loss",
     }  # fmt: skip
-    assert status["learners"]["unit-1"]["loss"] is None
-    assert status["trainLoss"] == pytest.approx(2.5)
-    assert status["loss"] is None and status["complete"] is False
+    assert status.learners["unit-1"].loss is None
+    assert status.train_loss == pytest.approx(2.5)
+    assert status.loss is None and status.complete is False
     assert other.heartbeat(40, 40 * 64, 1100.0, 2.0).complete  # 100 = totalSteps
     assert live.client("late").join().complete
 
@@ -506,9 +507,9 @@ def test_periodic_eval_reports_the_global_models_held_out_loss() -> None:
     server = LiveSyncer(Syncer(cfg, TOKEN, store=None))  # the real default eval_fn
     try:
         observer = server.client()
-        wait_until(lambda: observer.status()["loss"] is not None, timeout=120)
+        wait_until(lambda: observer.status().loss is not None, timeout=120)
         expected = eval_loss(init_params(cfg.model, cfg.seed), cfg, 1)
-        assert observer.status()["loss"] == pytest.approx(expected, rel=1e-5)
+        assert observer.status().loss == pytest.approx(expected, rel=1e-5)
         assert 4.0 < expected < 7.0  # ~ln(256) for an untrained byte-level model
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
         conn.request("GET", "/metrics")
@@ -519,9 +520,10 @@ def test_periodic_eval_reports_the_global_models_held_out_loss() -> None:
 
 def test_joined_learner_shows_a_sign_of_life_before_its_first_heartbeat(live: LiveSyncer) -> None:
     live.client("unit-5").join()
-    entry = live.client("x").status()["learners"]["unit-5"]
-    assert entry["lastHeartbeat"] is not None and 0 <= entry["ageSeconds"] < 5
-    assert entry["step"] == 0
+    entry = live.client("x").status().learners["unit-5"]
+    assert entry.last_heartbeat is not None
+    assert entry.age_seconds is not None and 0 <= entry.age_seconds < 5
+    assert entry.step == 0
 
 
 @pytest.mark.parametrize(
@@ -641,18 +643,18 @@ def test_final_eval_after_the_budget_waits_for_the_last_merge_and_survives_a_res
         learner.join()
         other.join()  # online and silent: the merge of unit-0's push waits out the 0.5 s grace
         status = learner.status()
-        assert status["finalLoss"] is None and status["finalEval"] == "waiting"
+        assert status.final_loss is None and status.final_eval == "waiting"
         learner.push(0, 0, fragment_delta(first, 0, scale=0.1), 100, 6400)
         assert learner.heartbeat(100, 6400, 1000.0, 3.0).complete  # merge still in its grace
-        wait_until(lambda: learner.status()["finalEval"] == "done")
+        wait_until(lambda: learner.status().final_eval == "done")
         status = learner.status()
-        assert status["complete"] and [f["version"] for f in status["fragments"]] == [1, 0, 0]
+        assert status.complete and [f.version for f in status.fragments] == [1, 0, 0]
         params, _ = learner.pull_all()
-        assert status["finalLoss"] == pytest.approx(fake_eval(params, cfg, 1))
-        assert status["loss"] is None  # the periodic curve (off here) is untouched
-        final = status["finalLoss"]
+        assert status.final_loss == pytest.approx(fake_eval(params, cfg, 1))
+        assert status.loss is None  # the periodic curve (off here) is untouched
+        final = status.final_loss
         learner.heartbeat(101, 6464, 1000.0, 3.0)
-        assert learner.status()["finalLoss"] == final  # evaluated once, at the first completion
+        assert learner.status().final_loss == final  # evaluated once, at the first completion
         assert len(calls) == 2  # the syncer's one evaluation plus ours above
     finally:
         first.close()
@@ -661,8 +663,8 @@ def test_final_eval_after_the_budget_waits_for_the_last_merge_and_survives_a_res
     second = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=fake_eval))
     try:
         status = second.client("observer").status()
-        assert status["complete"] and status["finalLoss"] == final
-        assert status["finalEval"] == "done" and calls == []
+        assert status.complete and status.final_loss == final
+        assert status.final_eval == "done" and calls == []
     finally:
         second.close()
 
@@ -674,7 +676,7 @@ def test_a_run_restored_complete_without_a_final_eval_evaluates_at_startup(
     first = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
     try:
         assert first.client("unit-0").heartbeat(100, 6400, 1000.0, 3.0).complete
-        assert first.client("observer").status()["finalEval"] == "off"  # no eval function
+        assert first.client("observer").status().final_eval == "off"  # no eval function
         first.run(first.syncer.save_checkpoint(force=True))
     finally:
         first.close()
@@ -683,8 +685,8 @@ def test_a_run_restored_complete_without_a_final_eval_evaluates_at_startup(
     )
     try:
         observer = second.client("observer")
-        wait_until(lambda: observer.status()["finalEval"] == "done")
-        assert observer.status()["finalLoss"] == 4.25
+        wait_until(lambda: observer.status().final_eval == "done")
+        assert observer.status().final_loss == 4.25
     finally:
         second.close()
 
@@ -710,7 +712,7 @@ def test_join_reply_carries_the_units_step_across_restarts(tmp_path: Path) -> No
         assert first.client("unit-1").join().resume_step == 150
         first.client("unit-1").heartbeat(10, 10 * 64, 1.0, 3.0)
         assert first.client("unit-1", attempt=1).join().resume_step == 160
-        assert first.client("observer").status()["learners"]["unit-0"]["tokens"] == 150 * 64
+        assert first.client("observer").status().learners["unit-0"].tokens == 150 * 64
         first.run(first.syncer.save_checkpoint(force=True))
     finally:
         first.close()
@@ -719,7 +721,7 @@ def test_join_reply_carries_the_units_step_across_restarts(tmp_path: Path) -> No
     try:
         assert second.client("unit-0", attempt=3).join().resume_step == 150
         assert second.client("unit-1", attempt=2).join().resume_step == 160
-        assert second.client("observer").status()["tokens"] == 160 * 64
+        assert second.client("observer").status().tokens == 160 * 64
     finally:
         second.close()
 
@@ -760,8 +762,6 @@ def test_compressed_downlink_sends_a_step_to_a_learner_holding_the_previous_vers
     follower, newcomer = live.client("unit-0"), live.client("unit-1")
     for c in (follower, newcomer):
         c.join()
-    joined = live.raw("POST", "/v1/join", json.dumps({"unit": "unit-2", "attempt": 0}).encode())
-    assert joined[1]["compression"] == {"scheme": "none", "blockSize": 128, "downlink": "int4"}
     follower.pull_all()  # holds version 0 of every fragment
     follower.push(1, 0, fragment_delta(live, 1), c_steps=5, c_tokens=320)
     received = follower.bytes_received
@@ -859,3 +859,20 @@ def test_phase_locked_push_that_missed_the_merge_rides_with_the_next_round(
         "diloco_syncer_merge_contributions_sum"
     )
     assert contributions == 3.0  # 1 in the first merge, then a's and b's together
+
+
+@pytest.mark.parametrize(
+    "live", [{"compression": {"scheme": "int4", "blockSize": 64}}], indirect=True
+)
+def test_pushes_are_encoded_as_the_learners_own_config_says(live: LiveSyncer) -> None:
+    """The join reply carries no compression: the learner reads it from the config it holds."""
+    _, joined = live.raw("POST", "/v1/join", json.dumps({"unit": "unit-0", "attempt": 0}).encode())
+    assert set(joined) == {
+        "run", "layout", "versions", "complete", "outerStep", "resumeStep", "shapes",
+    }  # fmt: skip
+    quantized, plain = live.client("unit-0"), SyncerClient(live.url, TOKEN, "unit-1", 0)
+    delta = fragment_delta(live, 0)
+    first = quantized.push(0, 0, delta, c_steps=1, c_tokens=64)
+    assert first.accepted and first.quant_error > 0  # int4 with 64 values per scale
+    second = plain.push(1, 0, fragment_delta(live, 1), c_steps=1, c_tokens=64)
+    assert second.accepted and second.quant_error == 0.0  # no config given: float32

@@ -14,7 +14,7 @@ import yaml
 from crd_schema import openapi_schema, schema_errors
 from diloco_operator.api import parse_manifest
 
-BAD = sorted((Path(__file__).parent / "manifests" / "bad").glob("*.yaml"))
+BAD = sorted((Path(__file__).parents[1] / "manifests" / "bad").glob("*.yaml"))
 
 
 def header(path: Path) -> dict[str, str]:

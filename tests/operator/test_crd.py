@@ -122,7 +122,7 @@ def test_apiserver_validation_accepts_the_crd_and_examples_and_rejects_the_catal
         for p in sorted((ROOT / "examples").glob("*.yaml"))
         if "kind: DilocoRun" in p.read_text()
     ]
-    bad = sorted((Path(__file__).parent / "manifests" / "bad").glob("*.yaml"))
+    bad = sorted((Path(__file__).parents[1] / "manifests" / "bad").glob("*.yaml"))
     out = subprocess.run(
         [str(CRDCHECK), str(ROOT / "crds" / crdgen.CRD_FILE), *examples, *map(str, bad)],
         check=True,

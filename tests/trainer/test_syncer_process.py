@@ -133,8 +133,8 @@ def test_sigkill_then_restart_loses_no_checkpointed_version(
     quiet = write_config(tmp_path / "quiet.yaml", checkpoint={"everySeconds": 3600, "keep": 2})
     second = start(procs, quiet, ckpt, log, port=first.port)
     status = learner.status()
-    assert [f["version"] for f in status["fragments"]] == [3, 3]
-    assert status["steps"] == 12 and status["outerStep"] == 6
+    assert [f.version for f in status.fragments] == [3, 3]
+    assert status.steps == 12 and status.outer_step == 6
     params, versions = learner.pull_all()
     assert versions == [3, 3]
     for name, value in snap.params.items():

@@ -1,0 +1,119 @@
+"""The syncer of a local run as a process: started (and restarted) on a loopback port, polled for
+its /v1/status each tick, and given up on when it cannot start."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from pathlib import Path
+
+from diloco_operator.local.outcome import RunAborted
+from diloco_operator.local.processes import ProcessTable
+from diloco_operator.local.programs import child_env, exit_description, headline, log_tail
+from diloco_operator.local.recorder import Recorder
+from diloco_operator.local.syncer_client import SyncerClient, free_port
+from diloco_operator.planner import SyncerStatus
+
+SYNCER = "syncer"
+
+
+class SyncerProcess:
+    """`healthy`: it answered the last poll. `report`: its status as the planner sees it (None
+    while the process is down). `last_status`: the last status it served, kept while it is down
+    (the display's and the report's)."""
+
+    def __init__(
+        self,
+        procs: ProcessTable,
+        recorder: Recorder,
+        *,
+        argv: tuple[str, ...],
+        config: Path,
+        checkpoint_dir: Path,
+        logs_dir: Path,
+        max_restarts: int,
+        start_timeout: float,
+    ) -> None:
+        self.procs = procs
+        self.recorder = recorder
+        self.argv_prefix = argv
+        self.config = config
+        self.checkpoint_dir = checkpoint_dir
+        self.log_path = logs_dir / "syncer.log"
+        self.max_restarts = max_restarts
+        self.start_timeout = start_timeout
+        self.token = secrets.token_urlsafe(24)
+        self.port = free_port()
+        self.client = SyncerClient(f"http://127.0.0.1:{self.port}", self.token)
+        self.ever_healthy = False
+        self.restarts = 0
+        self.healthy = False
+        self.report: SyncerStatus | None = None
+        self.last_status: SyncerStatus | None = None
+
+    def alive(self) -> bool:
+        proc = self.procs.get(SYNCER)
+        return proc is not None and proc.alive()
+
+    def start(self, now: float) -> None:
+        """Start it, or restart it after it died; a no-op while it runs."""
+        current = self.procs.get(SYNCER)
+        if current is not None and current.alive():
+            return
+        restarting = current is not None
+        if restarting:
+            self.restarts += 1
+            if self.restarts > self.max_restarts:
+                raise RunAborted(f"the syncer died {self.restarts} times; giving up")
+        argv = [*self.argv_prefix, "--config", str(self.config), "--host", "127.0.0.1"]
+        argv += ["--port", str(self.port), "--checkpoint-dir", str(self.checkpoint_dir)]
+        env = child_env(dict(os.environ))
+        env["DILOCO_TOKEN"] = self.token
+        self.procs.spawn(SYNCER, argv, env, self.log_path)
+        self.healthy = False
+        kind = "syncer-restarted" if restarting else "syncer-started"
+        self.recorder.event(now, kind, SYNCER, f"syncer on port {self.port}")
+        self.recorder.state(now, SYNCER, "starting")
+
+    def exited(self, code: int, now: float) -> None:
+        """The process exited: a syncer that never served means the run cannot start."""
+        self.recorder.state(now, SYNCER, "offline")
+        if not self.ever_healthy:
+            path = self.log_path
+            raise RunAborted(
+                f"the syncer failed to start ({exit_description(code)}): "
+                f"{headline(path, 'diloco-syncer:')}\nlast lines of {path}:\n{log_tail(path)}"
+            )
+        self.recorder.event(now, "syncer-exited", SYNCER, exit_description(code))
+
+    def poll(self, now: float) -> None:
+        proc = self.procs.get(SYNCER)
+        alive = proc is not None and proc.alive()
+        status = self.client.status() if alive else None
+        self.healthy = status is not None
+        if status is not None:
+            if not self.ever_healthy:
+                self.recorder.event(
+                    now, "syncer-ready", SYNCER, f"serving on {self.client.base_url}"
+                )
+            self.ever_healthy = True
+            self.recorder.state(now, SYNCER, "online")
+            self.report = self.last_status = status
+            self.recorder.observe_status(now, status)
+        elif alive and not self.ever_healthy and proc is not None:
+            waited = time.monotonic() - proc.started_at
+            if waited > self.start_timeout:
+                raise RunAborted(
+                    f"the syncer did not serve /v1/status within {waited:.0f}s; last lines of "
+                    f"{self.log_path}:\n{log_tail(self.log_path)}"
+                )
+        if not alive:
+            self.report = None  # the planner must not act on a dead syncer's last word
+
+    def refresh(self) -> SyncerStatus | None:
+        """Ask for its status outside a tick (after the budget); kept as `last_status`."""
+        status = self.client.status()
+        if status is not None:
+            self.last_status = status
+        return status

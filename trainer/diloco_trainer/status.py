@@ -1,0 +1,162 @@
+"""The syncer's `GET /v1/status` document (docs/contracts.md) as one typed model.
+
+The syncer builds it and serves `to_json()`; every reader (the operator's handlers, the local
+runtime, the trainer's client) parses the JSON with `SyncerStatus.from_json`, so the field names
+live here only. Stdlib only, no JAX or numpy: the operator image imports this module.
+
+Parsing is lenient: a missing or mistyped field becomes its default rather than an error, because
+a newer or older syncer must never break a supervisor's reconciliation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+FinalEval = Literal["waiting", "running", "done", "failed", "off"]
+FINAL_EVAL_STATES: tuple[FinalEval, ...] = ("waiting", "running", "done", "failed", "off")
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value)
+
+
+def _float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    out = float(value)
+    return out if out == out else None  # NaN is "no value"
+
+
+@dataclass(frozen=True)
+class LearnerStatus:
+    """One learner unit as the syncer last heard from it. `age_seconds` is the time since its
+    last sign of life (a heartbeat, else a join or push); `step` and `tokens` are summed over
+    the unit's attempts, `tokens_per_sec` and `loss` are from its latest heartbeat."""
+
+    attempt: int = 0
+    age_seconds: float | None = None
+    step: int | None = None
+    group: str = "default"
+    last_heartbeat: float | None = None
+    tokens: int | None = None
+    tokens_per_sec: float | None = None
+    loss: float | None = None
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> LearnerStatus:
+        step = doc.get("step")
+        return cls(
+            attempt=_int(doc.get("attempt")) or 0,
+            age_seconds=_float(doc.get("ageSeconds")),
+            step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+            group=str(doc.get("group") or "default"),
+            last_heartbeat=_float(doc.get("lastHeartbeat")),
+            tokens=_int(doc.get("tokens")),
+            tokens_per_sec=_float(doc.get("tokensPerSec")),
+            loss=_float(doc.get("loss")),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "attempt": self.attempt,
+            "group": self.group,
+            "lastHeartbeat": self.last_heartbeat,
+            "ageSeconds": self.age_seconds,
+            "step": self.step,
+            "tokens": self.tokens,
+            "tokensPerSec": self.tokens_per_sec,
+            "loss": self.loss,
+        }
+
+
+@dataclass(frozen=True)
+class FragmentStatus:
+    index: int
+    version: int
+    last_merge: float | None = None
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> FragmentStatus:
+        return cls(
+            index=_int(doc.get("index")) or 0,
+            version=_int(doc.get("version")) or 0,
+            last_merge=_float(doc.get("lastMerge")),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "version": self.version, "lastMerge": self.last_merge}
+
+
+@dataclass(frozen=True)
+class SyncerStatus:
+    """The whole status document. Counters are None when a reader got a document without them
+    (the planner then keeps the values it had)."""
+
+    run: str = ""
+    outer_step: int | None = None
+    steps: int | None = None
+    tokens: int | None = None
+    loss: float | None = None
+    train_loss: float | None = None
+    complete: bool = False
+    final_loss: float | None = None
+    final_eval: FinalEval | None = None
+    time: float | None = None
+    fragments: tuple[FragmentStatus, ...] = ()
+    learners: dict[str, LearnerStatus] = field(default_factory=dict)
+    bytes_received: int | None = None
+    bytes_sent: int | None = None
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> SyncerStatus:
+        learners = doc.get("learners")
+        fragments = doc.get("fragments")
+        final_eval = doc.get("finalEval")
+        return cls(
+            run=str(doc.get("run") or ""),
+            outer_step=_int(doc.get("outerStep")),
+            steps=_int(doc.get("steps")),
+            tokens=_int(doc.get("tokens")),
+            loss=_float(doc.get("loss")),
+            train_loss=_float(doc.get("trainLoss")),
+            complete=doc.get("complete") is True,
+            final_loss=_float(doc.get("finalLoss")),
+            final_eval=cast(FinalEval, final_eval) if final_eval in FINAL_EVAL_STATES else None,
+            time=_float(doc.get("time")),
+            fragments=tuple(
+                FragmentStatus.from_json(f) for f in fragments or () if isinstance(f, Mapping)
+            )
+            if isinstance(fragments, list)
+            else (),
+            learners={
+                str(name): LearnerStatus.from_json(entry)
+                for name, entry in learners.items()
+                if isinstance(entry, Mapping)
+            }
+            if isinstance(learners, Mapping)
+            else {},
+            bytes_received=_int(doc.get("bytesReceived")),
+            bytes_sent=_int(doc.get("bytesSent")),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "outerStep": self.outer_step,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "loss": self.loss,
+            "trainLoss": self.train_loss,
+            "complete": self.complete,
+            "finalLoss": self.final_loss,
+            "finalEval": self.final_eval,
+            "time": self.time,
+            "fragments": [f.to_json() for f in self.fragments],
+            "learners": {name: entry.to_json() for name, entry in self.learners.items()},
+            "bytesReceived": self.bytes_received,
+            "bytesSent": self.bytes_sent,
+        }
