@@ -87,12 +87,12 @@ class _Accumulator:
 
     Each block is scaled into a small scratch buffer and added to the accumulator there, so the
     work stays in the core's cache and no fragment-sized temporary is made. numpy ufuncs run on
-    the calling thread: BLAS saxpy (the earlier kernel) splits large vectors across OpenBLAS
-    threads, which on cores shared with other processes made the merge 10-30x slower.
+    the calling thread: BLAS saxpy (the earlier kernel) splits vectors of over 10,000 elements
+    across OpenBLAS threads, which on cores shared with other processes made whole merges 4-10x
+    slower (docs/design.md, "Syncer merge speed").
     """
 
     def __init__(self, shape: tuple[int, ...], scratch: np.ndarray) -> None:
-        self.shape = shape
         self.acc = aligned_empty(shape)
         self.flat = self.acc.reshape(-1)
         self.scratch = scratch
@@ -145,7 +145,7 @@ def rda(
     cancel out, the direction is undefined and the result is zero: no confident step to take.
 
     Each delta's coefficient w/|d| needs only its own norm, so a delta is added to the direction
-    right after its norm is taken, while it is still in cache: one read from memory per delta.
+    right after its norm is taken: the second read of the leaf comes from cache when it fits.
     """
     shape = tuple(deltas[0].shape)
     acc = _Accumulator(shape, _scratch(math.prod(shape)) if scratch is None else scratch)
