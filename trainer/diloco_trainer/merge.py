@@ -87,9 +87,9 @@ class _Accumulator:
 
     Each block is scaled into a small scratch buffer and added to the accumulator there, so the
     work stays in the core's cache and no fragment-sized temporary is made. numpy ufuncs run on
-    the calling thread: BLAS saxpy (the earlier kernel) splits vectors of over 10,000 elements
-    across OpenBLAS threads, which on cores shared with other processes made whole merges 4-10x
-    slower (docs/design.md, "Syncer merge speed").
+    the calling thread: BLAS saxpy (the earlier kernel) splits large vectors across OpenBLAS
+    threads, which on cores shared with other processes made whole merges 4-10x slower
+    (docs/design.md, "Syncer merge speed").
     """
 
     def __init__(self, shape: tuple[int, ...], scratch: np.ndarray) -> None:
