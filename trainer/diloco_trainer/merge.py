@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from scipy.linalg.blas import saxpy
 
 MergeMethod = Literal["rda", "mean"]
 EMBED_PREFIX = "embed"
+BLOCK = 1 << 16  # float32 elements per block of the accumulation: 256 KiB, held in L2
+ALIGN_FLOATS = 16  # 64 bytes
 
 
 @dataclass(frozen=True)
@@ -64,39 +65,102 @@ def merge_weights(counters: Sequence[tuple[int, int]], token_weighting: bool = T
 def l2_norm(x: np.ndarray) -> float:
     # BLAS dot of the flat float32 view: no temporaries; its blocked accumulation keeps the
     # relative error near 1e-6 even for tens of millions of elements.
-    flat = np.ascontiguousarray(x, dtype=np.float32).ravel()
+    flat = _flat32(x)
     return math.sqrt(max(0.0, float(np.dot(flat, flat))))
 
 
-def _accumulate(deltas: Sequence[np.ndarray], coeffs: Sequence[float]) -> np.ndarray:
-    """sum_i coeffs[i] * deltas[i] in float32, in place through BLAS saxpy (merge is memory-bound:
-    axpy reads each delta once and updates the accumulator in place, no scratch buffer; float64
-    temporaries made it ~3x slower on 20M-element fragments)."""
-    shape = deltas[0].shape
-    acc = np.zeros(int(np.prod(shape)), dtype=np.float32)
-    for c, d in zip(coeffs, deltas, strict=True):
-        if c != 0.0:
-            acc = saxpy(np.ascontiguousarray(d, dtype=np.float32).ravel(), acc, a=c)
-    return acc.reshape(shape)
+def _flat32(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).ravel()
 
 
-def weighted_mean(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
-    return _accumulate(deltas, [float(w) for w in weights])
+def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialised float32 array whose data starts on a 64-byte boundary: the outer step
+    hands such arrays to XLA without copying them (numpy only guarantees 16 bytes)."""
+    size = math.prod(shape)
+    raw = np.empty(size + ALIGN_FLOATS, dtype=np.float32)
+    start = (-raw.ctypes.data % (4 * ALIGN_FLOATS)) // 4
+    return raw[start : start + size].reshape(shape)
 
 
-def rda(deltas: Sequence[np.ndarray], weights: np.ndarray, eps: float = 1e-12) -> np.ndarray:
+class _Accumulator:
+    """sum_i coeff_i * delta_i in float32, one delta at a time, in blocks of BLOCK elements.
+
+    Each block is scaled into a small scratch buffer and added to the accumulator there, so the
+    work stays in the core's cache and no fragment-sized temporary is made. numpy ufuncs run on
+    the calling thread: BLAS saxpy (the earlier kernel) splits large vectors across OpenBLAS
+    threads, which on cores shared with other processes made whole merges 4-10x slower
+    (docs/design.md, "Syncer merge speed").
+    """
+
+    def __init__(self, shape: tuple[int, ...], scratch: np.ndarray) -> None:
+        self.acc = aligned_empty(shape)
+        self.flat = self.acc.reshape(-1)
+        self.scratch = scratch
+        self.empty = True
+
+    def add(self, flat: np.ndarray, coeff: float) -> None:
+        c = np.float32(coeff)
+        if self.empty:
+            np.multiply(flat, c, out=self.flat)
+            self.empty = False
+            return
+        size = self.flat.size
+        for start in range(0, size, BLOCK):
+            stop = min(start + BLOCK, size)
+            part = self.scratch[: stop - start]
+            np.multiply(flat[start:stop], c, out=part)
+            acc = self.flat[start:stop]
+            np.add(acc, part, out=acc)
+
+    def result(self) -> np.ndarray:
+        if self.empty:
+            self.flat.fill(0.0)
+        return self.acc
+
+
+def _scratch(size: int) -> np.ndarray:
+    return np.empty(min(size, BLOCK), dtype=np.float32)
+
+
+def weighted_mean(
+    deltas: Sequence[np.ndarray], weights: np.ndarray, scratch: np.ndarray | None = None
+) -> np.ndarray:
+    shape = tuple(deltas[0].shape)
+    acc = _Accumulator(shape, _scratch(math.prod(shape)) if scratch is None else scratch)
+    for w, d in zip(weights, deltas, strict=True):
+        if w != 0.0:
+            acc.add(_flat32(d), float(w))
+    return acc.result()
+
+
+def rda(
+    deltas: Sequence[np.ndarray],
+    weights: np.ndarray,
+    eps: float = 1e-12,
+    scratch: np.ndarray | None = None,
+) -> np.ndarray:
     """Radial-directional average of same-shaped tensors with normalised weights.
 
     Zero deltas add nothing to the direction but count (as 0) in the radius. If the unit vectors
     cancel out, the direction is undefined and the result is zero: no confident step to take.
+
+    Each delta's coefficient w/|d| needs only its own norm, so a delta is added to the direction
+    right after its norm is taken: the second read of the leaf comes from cache when it fits.
     """
-    norms = [l2_norm(d) for d in deltas]
-    radius = float(sum(w * n for w, n in zip(weights, norms, strict=True)))
-    coeffs = [float(w / n) if n > eps else 0.0 for w, n in zip(weights, norms, strict=True)]
-    direction = _accumulate(deltas, coeffs)
+    shape = tuple(deltas[0].shape)
+    acc = _Accumulator(shape, _scratch(math.prod(shape)) if scratch is None else scratch)
+    radius = 0.0
+    for w, d in zip(weights, deltas, strict=True):
+        flat = _flat32(d)
+        norm = l2_norm(flat)
+        radius += float(w) * norm
+        if norm > eps and w != 0.0:
+            acc.add(flat, float(w / norm))
+    direction = acc.result()
     dnorm = l2_norm(direction)
     if dnorm <= eps or radius <= eps:
-        return np.zeros(deltas[0].shape, dtype=np.float32)
+        direction.fill(0.0)
+        return direction
     direction *= np.float32(radius / dnorm)
     return direction
 
@@ -122,7 +186,7 @@ def participation_share(contributing: int, online: int) -> float:
 def scale_delta(delta: Mapping[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:
     # float32 * float32 scalar is already float32: no second copy of a fragment-sized array.
     return {
-        name: np.multiply(leaf, np.float32(factor), dtype=np.float32)
+        name: np.multiply(leaf, np.float32(factor), out=aligned_empty(tuple(leaf.shape)))
         for name, leaf in delta.items()
     }
 
@@ -141,10 +205,12 @@ def merge_fragment(
             raise ValueError("merge_fragment: contributions carry different leaves")
     weights = merge_weights([(c.c_steps, c.c_tokens) for c in contributions], token_weighting)
     merged: dict[str, np.ndarray] = {}
+    largest = max((math.prod(np.shape(contributions[0].delta[n])) for n in names), default=1)
+    scratch = _scratch(largest)
     for name in names:
         leaves = [np.asarray(c.delta[name], dtype=np.float32) for c in contributions]
         if method == "rda" and not is_embedding(name):
-            merged[name] = rda(leaves, weights)
+            merged[name] = rda(leaves, weights, scratch=scratch)
         else:
-            merged[name] = weighted_mean(leaves, weights)
+            merged[name] = weighted_mean(leaves, weights, scratch)
     return merged

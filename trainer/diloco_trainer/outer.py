@@ -8,6 +8,7 @@ because fragments step at different times.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -17,6 +18,18 @@ import numpy as np
 import optax
 
 Params = dict[str, np.ndarray]
+
+# Older JAX copies every host array it is given; newer can alias a 64-byte-aligned one.
+_CAN_ALIAS = "may_alias" in inspect.signature(jax.device_put).parameters
+
+
+def _on_device(x: np.ndarray) -> jax.Array:
+    """A host array as a jax.Array without a copy where the runtime allows (CPU, 64-byte aligned:
+    the merge's outputs and the previous step's params). The step only reads its inputs, and the
+    caller keeps ownership: nothing is donated."""
+    if _CAN_ALIAS:
+        return jax.device_put(x, may_alias=True)
+    return jnp.asarray(x)
 
 
 class RoundMomentumState(NamedTuple):
@@ -113,8 +126,8 @@ class OuterOptimizer:
         the step's output buffers, so treat them as read-only)."""
         if sorted(fragment_params) != sorted(merged_delta):
             raise ValueError("outer step: merged delta leaves differ from the fragment's leaves")
-        params = {k: jnp.asarray(v) for k, v in fragment_params.items()}
-        grads = {k: jnp.asarray(merged_delta[k], dtype=jnp.float32) for k in params}
+        params = {k: _on_device(v) for k, v in fragment_params.items()}
+        grads = {k: _on_device(np.asarray(merged_delta[k], np.float32)) for k in params}
         new_params, new_state = self._step(params, state, grads, jnp.float32(share))
         return {k: np.asarray(v) for k, v in new_params.items()}, new_state
 
