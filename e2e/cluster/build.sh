@@ -124,7 +124,7 @@ build_k8s() {
     k8s.io/kubernetes/cmd/kubectl \
     k8s.io/kubernetes/cmd/kubelet \
     k8s.io/kubernetes/cmd/kube-proxy)
-  "$d/bin/kube-apiserver" --version | grep -q "$K8S_VERSION" || die "kube-apiserver reports a wrong version"
+  [[ "$("$d/bin/kube-apiserver" --version 2>&1)" == *"$K8S_VERSION"* ]] || die "kube-apiserver reports a wrong version"
   stamp "$d" "$t0"
 }
 
@@ -140,7 +140,7 @@ build_etcd() {
   log "etcd $ETCD_VERSION: go build"
   (cd "$d/src" && nice -n "$NICE" go build -trimpath -ldflags "-s -w" -o "$d/bin/etcd" \
     go.etcd.io/etcd/server/v3)
-  "$d/bin/etcd" --version | grep -q "${ETCD_VERSION#v}" || die "etcd reports a wrong version"
+  [[ "$("$d/bin/etcd" --version 2>&1)" == *"${ETCD_VERSION#v}"* ]] || die "etcd reports a wrong version"
   stamp "$d" "$t0"
 }
 
@@ -181,7 +181,7 @@ build_helm() {
   GOFLAGS= GOBIN="$d/bin" nice -n "$NICE" go install -trimpath \
     -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
     "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
-  "$d/bin/helm" version --short | grep -q "$HELM_VERSION" || die "helm reports a wrong version"
+  [[ "$("$d/bin/helm" version --short 2>&1)" == *"$HELM_VERSION"* ]] || die "helm reports a wrong version"
   stamp "$d" "$t0"
 }
 
@@ -193,7 +193,7 @@ build_coredns() {
   log "coredns $COREDNS_VERSION: go install"
   GOFLAGS= GOBIN="$d/bin" nice -n "$NICE" go install -trimpath -ldflags "-s -w" \
     "github.com/coredns/coredns@$COREDNS_VERSION"
-  "$d/bin/coredns" -version | grep -q "${COREDNS_VERSION#v}" || die "coredns reports a wrong version"
+  [[ "$("$d/bin/coredns" -version 2>&1)" == *"${COREDNS_VERSION#v}"* ]] || die "coredns reports a wrong version"
   stamp "$d" "$t0"
 }
 
@@ -210,6 +210,8 @@ build_pause() {
 components=("$@")
 [[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause)
 mkdir -p "$CACHE"
+# (version checks read the whole output first: `cmd | grep -q` under pipefail fails when grep
+# exits before cmd has written everything and cmd dies of SIGPIPE)
 # one build at a time per cache (make e2e-deps and a test fixture may both call this)
 exec 9>"$CACHE/.build.lock"
 if ! flock -n 9; then log "another build.sh holds $CACHE/.build.lock; waiting"; flock 9; fi
