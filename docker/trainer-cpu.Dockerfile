@@ -31,11 +31,13 @@ RUN /opt/diloco/bin/pip install --no-deps --no-index --no-cache-dir /tmp/dist/*.
  && rm -rf /tmp/dist
 # uid 65532 has no passwd entry: give it a HOME and caches it can write (the operator also mounts
 # an emptyDir at DILOCO_CACHE_DIR; this default serves `docker run`).
-ENV PATH=/opt/diloco/bin:$PATH PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu \
+ENV PATH=/opt/diloco/bin:$PATH PYTHONUNBUFFERED=1 USER=diloco LOGNAME=diloco JAX_PLATFORMS=cpu \
     HOME=/home/diloco DILOCO_CACHE_DIR=/home/diloco/.cache/diloco
 RUN python3 -c "import diloco_trainer.config, jax" \
  && mkdir -p /var/lib/diloco/checkpoints /home/diloco/.cache/diloco \
  && chown -R 65532:65532 /var/lib/diloco /home/diloco
+# uid 65532 has no passwd entry: USER/LOGNAME above answer getpass.getuser() (kopf names its
+# peering identity with it and crashed without).
 USER 65532:65532
 EXPOSE 8470
 CMD ["diloco-learner", "--help"]

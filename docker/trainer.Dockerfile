@@ -26,12 +26,14 @@ COPY --from=deps /opt/diloco /opt/diloco
 COPY --from=code /dist /tmp/dist
 RUN /opt/diloco/bin/pip install --no-deps --no-index --no-cache-dir /tmp/dist/*.whl \
  && rm -rf /tmp/dist
-ENV PATH=/opt/diloco/bin:$PATH PYTHONUNBUFFERED=1 \
+ENV PATH=/opt/diloco/bin:$PATH PYTHONUNBUFFERED=1 USER=diloco LOGNAME=diloco \
     HOME=/home/diloco DILOCO_CACHE_DIR=/home/diloco/.cache/diloco
 RUN python3 -c "import diloco_trainer.config, jax" \
  && mkdir -p /var/lib/diloco/checkpoints /home/diloco/.cache/diloco \
  && chown -R 65532:65532 /var/lib/diloco /home/diloco
 # TPU device access needs the pod's privileges from GKE (google.com/tpu limits), not root.
+# uid 65532 has no passwd entry: USER/LOGNAME above answer getpass.getuser() (kopf names its
+# peering identity with it and crashed without).
 USER 65532:65532
 EXPOSE 8470
 # The operator sets the command (diloco-learner or diloco-syncer --config /etc/diloco/run.yaml).

@@ -434,6 +434,12 @@ class PKI:
             self.leaf("kubelet", f"/O=system:nodes/CN=system:node:{node}", "clientAuth")
             self.leaf("kube-proxy", "/CN=system:kube-proxy", "clientAuth")
             self.leaf("coredns", "/O=system:masters/CN=coredns", "clientAuth")
+            # the apiserver's identity towards kubelets (kubectl logs/exec)
+            self.leaf(
+                "apiserver-kubelet-client",
+                "/O=system:masters/CN=kube-apiserver-kubelet-client",
+                "clientAuth",
+            )
         self._openssl(
             "genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key"
         )
@@ -748,6 +754,8 @@ class LocalCluster(_ClusterBase):
                         f"--advertise-address={real_node.GATEWAY}",
                         "--bind-address=0.0.0.0",
                         "--kubelet-preferred-address-types=InternalIP,Hostname",
+                        f"--kubelet-client-certificate={pki.path('apiserver-kubelet-client.crt')}",
+                        f"--kubelet-client-key={pki.path('apiserver-kubelet-client.key')}",
                     ]
                     if REAL_NODE
                     else [

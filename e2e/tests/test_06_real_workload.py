@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -35,6 +36,9 @@ from conftest import CHART, RELEASE, SYSTEM_NS, Operator, get_json, kubectl, say
 
 from e2e.cluster import harness
 from e2e.cluster import node as real_node
+
+# The first test also waits for the cluster, the node and (after a source change) the images.
+pytestmark = pytest.mark.timeout(1500)
 
 RUN = "real"
 UNITS = 2
@@ -242,12 +246,10 @@ def pod_log(c: harness._ClusterBase, ns: str, pod: str) -> str:
 
 
 def joined_with_global_params(log: str) -> bool:
-    """The learner's join line names the versions it pulled: all zero only at the run's start."""
-    for line in log.splitlines():
-        if "event=joined" in line:
-            versions = line.split("versions=", 1)[1].split(" resume_step")[0]
-            return any(int(v) > 0 for v in json.loads(versions))
-    return False
+    """The learner's join line names the versions it pulled: all zero only at the run's start.
+    (Text or JSON log lines: the message is the same key=value text.)"""
+    m = re.search(r"event=joined .*?versions=\[([0-9, ]*)\]", log)
+    return bool(m) and any(int(v) > 0 for v in m.group(1).split(",") if v.strip())
 
 
 def wait_replaced(
@@ -402,7 +404,9 @@ def test_syncer_pod_deleted_resumes_from_its_checkpoint_volume(
 
     log = wait_for("the new syncer restored its checkpoint", restored_log, 120)
     run["timings"]["syncer_restore_s"] = time.monotonic() - t0
-    restored = int(log.split("event=checkpoint_loaded", 1)[1].split("outer_step=", 1)[1].split()[0])
+    m = re.search(r"event=checkpoint_loaded .*?outer_step=(\d+)", log)
+    assert m, log[-2000:]
+    restored = int(m.group(1))
     say(f"syncer deleted at outer step {before}; the new one restored {restored} "
         f"({time.monotonic() - t0:.1f}s)")  # fmt: skip
     # at most one checkpoint period lost: learners push every innerSteps, a period holds a few
