@@ -46,6 +46,7 @@ from diloco_operator.planner import (
     plan,
 )
 from diloco_operator.planner.model import PROCESS_EXITED
+from diloco_trainer.auth import unit_token
 from rich.console import Console
 from rich.live import Live
 
@@ -230,6 +231,7 @@ class LocalRuntime:
         ]
         env = child_env(dict(os.environ))
         env["DILOCO_TOKEN"] = self.token
+        env["DILOCO_MAX_UNITS"] = str(self.run.spec.total_units)
         self.procs.spawn(SYNCER, argv, env, self.logs_dir / "syncer.log")
         self.syncer_healthy = False
         kind = "syncer-restarted" if restarting else "syncer-started"
@@ -238,7 +240,7 @@ class LocalRuntime:
 
     def _learner_env(self) -> dict[str, str]:
         env = child_env(dict(os.environ))
-        env.update({"DILOCO_SYNCER_ADDR": self.client.base_url, "DILOCO_TOKEN": self.token})
+        env.update({"DILOCO_SYNCER_ADDR": self.client.base_url})  # no token: spares get theirs
         return env
 
     def _start_unit(self, action: CreateUnit, now: float) -> None:
@@ -257,6 +259,7 @@ class LocalRuntime:
                     "DILOCO_ATTEMPT": str(action.attempt),
                     "DILOCO_GROUP": action.group,
                     "DILOCO_SLOWDOWN": f"{slowdown:g}",
+                    "DILOCO_TOKEN": unit_token(self.token, action.name),
                 }
             )
             args = ["--config", str(self.run.path.resolve())]
@@ -281,6 +284,7 @@ class LocalRuntime:
             "attempt": action.attempt,
             "group": action.group,
             "slowdown": slowdown,
+            "token": unit_token(self.token, action.name),
             "log": str(log_path.resolve()),
         }
         line = (json.dumps(identity) + "\n").encode()
