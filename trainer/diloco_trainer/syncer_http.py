@@ -145,8 +145,11 @@ def _identity(request: web.Request, data: dict[str, Any]) -> tuple[str, int, str
     caller: Caller = request[CALLER_KEY]
     if unit != caller.unit:
         raise Reject(403, "identity_mismatch", f"unit {unit!r} != caller {caller.unit!r}")
+    group = _field(data, "group", str, "default")
+    if len(group) > 63:  # a DNS label, like every group name; status and logs carry it
+        raise Reject(400, "bad_request", f"group: at most 63 characters, got {len(group)}")
     request.app[SYNCER_KEY].admit(unit)
-    return unit, _counter(data, "attempt", 0), _field(data, "group", str, "default")
+    return unit, _counter(data, "attempt", 0), group
 
 
 async def join(request: web.Request) -> web.Response:
