@@ -38,10 +38,11 @@ from diloco_trainer.syncer_fragment import (
     InitFn,
     Pending,
     Reject,
-    all_finite,
+    decode_measured,
     default_eval,
     default_init,
     expected_arrival,
+    finite_norm,
     l2_norm,
     parse_fragment_index,
     put_back,
@@ -53,7 +54,6 @@ from diloco_trainer.syncer_metrics import SyncerMetrics
 from diloco_trainer.wire import (
     PayloadMismatch,
     WireError,
-    decode_push,
     encode_params,
     encode_step,
 )
@@ -271,7 +271,9 @@ class Syncer:
         loop = asyncio.get_running_loop()
         self._decoding += 1
         try:
-            header, delta = await loop.run_in_executor(self._decode_pool, decode_push, body)
+            header, delta, norm = await loop.run_in_executor(
+                self._decode_pool, decode_measured, body
+            )
         except PayloadMismatch as exc:
             raise Reject(422, "mismatch", str(exc)) from exc
         except WireError as exc:
@@ -291,7 +293,7 @@ class Syncer:
             )
         # Content first: a payload that can never be merged is refused even when its key
         # repeats an accepted push's.
-        validate_content(f, header, delta, self.shapes, self.cfg.merge.max_push_norm)
+        validate_content(f, header, delta, self.shapes, self.cfg.merge.max_push_norm, norm)
         # A retry repeats the same push exactly: the learner's step names it. (A learner that
         # predates the field sends step 0; then a later push on the same base has more c_steps.)
         key = (
@@ -465,7 +467,8 @@ class Syncer:
         new_params, new_state = await loop.run_in_executor(
             self._merge_pool, self._merge_compute, f.params, f.opt_state, contributions, share
         )
-        if not all_finite(new_params):
+        norm = await loop.run_in_executor(self._merge_pool, finite_norm, new_params)
+        if norm is None:
             return None
         new_version = f.version + 1
         if self.store is not None:
@@ -481,7 +484,7 @@ class Syncer:
                 self._merge_pool,
                 publication.advance, new_params, new_version, comp.downlink, comp.block_size,
             )  # fmt: skip
-        return new_params, new_state, publication, l2_norm(new_params)
+        return new_params, new_state, publication, norm
 
     def _merge_compute(
         self,

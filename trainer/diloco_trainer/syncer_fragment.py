@@ -13,7 +13,7 @@ import numpy as np
 
 from diloco_trainer.config import ModelConfig, TrainingConfig
 from diloco_trainer.downlink import Publication
-from diloco_trainer.wire import PushHeader, parse_count
+from diloco_trainer.wire import PushHeader, decode_push, parse_count
 
 InitFn = Callable[[ModelConfig, int], dict[str, np.ndarray]]
 EvalFn = Callable[[Mapping[str, np.ndarray], TrainingConfig, int], float]
@@ -102,9 +102,11 @@ def validate_content(
     delta: Mapping[str, np.ndarray],
     shapes: Mapping[str, tuple[int, ...]],
     max_norm_ratio: float | None,
+    norm: float | None = None,
 ) -> None:
     """What makes a decoded push unusable whatever the syncer's state: wrong fragment or tensors,
-    non-finite values, a delta too large for the fragment. Raises Reject, changes nothing."""
+    non-finite values, a delta too large for the fragment. `norm`: the delta's L2 norm if known
+    (`decode_measured` takes it off the event loop). Raises Reject, changes nothing."""
     if header.fragment != f.index:
         raise Reject(
             400, "malformed", f"payload fragment {header.fragment} != URL fragment {f.index}"
@@ -130,7 +132,8 @@ def validate_content(
             raise Reject(422, "non_finite", f"tensor {name}: contains NaN or Inf")
     if max_norm_ratio is not None:
         reference = norm_reference(f)
-        norm, bound = l2_norm(delta), max_norm_ratio * reference
+        norm = l2_norm(delta) if norm is None else norm
+        bound = max_norm_ratio * reference
         if not norm <= bound:
             raise Reject(
                 422,
@@ -178,6 +181,12 @@ def l2_norm(tensors: Mapping[str, np.ndarray]) -> float:
     return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in tensors.values()))
 
 
+def decode_measured(body: bytes) -> tuple[PushHeader, dict[str, np.ndarray], float]:
+    """A push body's header, delta and the delta's L2 norm (run in a worker thread)."""
+    header, delta = decode_push(body)
+    return header, delta, l2_norm(delta)
+
+
 def norm_reference(f: FragmentState) -> float:
     """What a push's norm is compared with: the fragment's L2 norm, but at least that of a
     fragment whose values all had magnitude NORM_FLOOR (a fragment near zero would otherwise
@@ -186,8 +195,11 @@ def norm_reference(f: FragmentState) -> float:
     return max(f.norm, NORM_FLOOR * math.sqrt(elements))
 
 
-def all_finite(tensors: Mapping[str, np.ndarray]) -> bool:
-    return all(bool(np.all(np.isfinite(v))) for v in tensors.values())
+def finite_norm(tensors: Mapping[str, np.ndarray]) -> float | None:
+    """The L2 norm of float32 tensors, or None when any value is NaN or Inf (in float64 the
+    squares of finite float32 values cannot overflow, so a finite sum means finite values)."""
+    norm = l2_norm(tensors)
+    return norm if math.isfinite(norm) else None
 
 
 def parse_fragment_index(raw: str, count: int) -> int | None:
