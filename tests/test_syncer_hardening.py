@@ -514,3 +514,29 @@ def test_the_version_journal_is_fsynced_with_its_directory(
     CheckpointStore(tmp_path).record_versions([3, 1])
     assert synced == [str(tmp_path / ".versions.json.tmp"), str(tmp_path)]
     assert json.loads((tmp_path / "versions.json").read_text()) == {"versions": [3, 1]}
+
+
+def test_readiness_stays_down_while_any_fragment_cannot_merge(
+    live: LiveSyncer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A merge of another fragment succeeding does not clear a fragment's failure."""
+    syncer = live.syncer
+    broken = set(syncer.frags[0].names)
+    real = syncer._merge_compute
+
+    def fails_for_fragment_0(params: Any, *rest: Any) -> Any:
+        if set(params) == broken:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(params, *rest)
+
+    monkeypatch.setattr(syncer, "_merge_compute", fails_for_fragment_0)
+    learner = live.client("unit-0")
+    learner.join()
+    learner.push(0, 0, fragment_delta(live, 0), 1, 8)
+    wait_until(lambda: live.raw("GET", "/readyz")[0] == 503)
+    learner.push(1, 0, fragment_delta(live, 1), 1, 8)
+    wait_until(lambda: syncer.frags[1].version == 1)
+    assert live.raw("GET", "/readyz")[0] == 503  # fragment 0 still fails
+    monkeypatch.setattr(syncer, "_merge_compute", real)
+    wait_until(lambda: syncer.frags[0].version == 1)
+    assert live.raw("GET", "/readyz")[0] == 200

@@ -180,6 +180,14 @@ def test_config_errors_exit_2_naming_the_field(
     monkeypatch.setenv("DILOCO_SYNCER_PORT", "http")
     assert syncer_main.main(["--config", str(good), "--token", "t"]) == 2
     assert "DILOCO_SYNCER_PORT" in capsys.readouterr().err
+    monkeypatch.delenv("DILOCO_SYNCER_PORT")
+    for bad_units in ("0", "two", "+3"):
+        monkeypatch.setenv("DILOCO_MAX_UNITS", bad_units)
+        assert syncer_main.main(["--config", str(good), "--token", "t"]) == 2
+        assert "DILOCO_MAX_UNITS" in capsys.readouterr().err
+    assert syncer_main.resolve_max_units(None, {"DILOCO_MAX_UNITS": "4"}) == 4
+    assert syncer_main.resolve_max_units("2", {"DILOCO_MAX_UNITS": "4"}) == 2
+    assert syncer_main.resolve_max_units(None, {}) is None
 
 
 def test_token_file_and_run_name_from_manifest(

@@ -401,7 +401,8 @@ class Syncer:
                     await asyncio.wait_for(f.all_in.wait(), grace)
             await self._merge(f)
             f.merge_failures = 0
-            self.health.recovered("merge")
+            if all(g.merge_failures == 0 for g in self.frags):  # no other fragment failing
+                self.health.recovered("merge")
         except Exception as exc:
             f.merge_failures += 1
             self.health.failed("merge", exc)

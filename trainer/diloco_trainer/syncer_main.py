@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from diloco_trainer.checkpoint import CheckpointError, CheckpointStore
@@ -63,7 +64,7 @@ def resolve_port(flag: int | None) -> int:
     return port
 
 
-def resolve_max_units(flag: str | None, env: dict[str, str] | os._Environ[str]) -> int | None:
+def resolve_max_units(flag: str | None, env: Mapping[str, str]) -> int | None:
     raw = flag if flag is not None else env.get("DILOCO_MAX_UNITS")
     if raw is None or raw == "":
         return None
