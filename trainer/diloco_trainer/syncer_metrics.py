@@ -68,6 +68,11 @@ class SyncerMetrics:
         self.checkpoints = Counter(
             "diloco_syncer_checkpoints_total", "Checkpoints written", registry=r
         )
+        self._add_fault_metrics(r)
+
+    def _add_fault_metrics(self, r: CollectorRegistry) -> None:
+        """What the syncer failed to do: merges, checkpoint writes, and checkpoints it had to
+        roll back past (docs/protocol.md, "Readiness")."""
         self.failing = Gauge(
             "diloco_syncer_failing",
             "1 while the syncer cannot merge (what=merge) or write checkpoints "
