@@ -883,11 +883,14 @@ def test_phase_locked_push_that_missed_the_merge_rides_with_the_next_round(
 )
 def test_pushes_are_encoded_as_the_learners_own_config_says(live: LiveSyncer) -> None:
     """The join reply carries no compression: the learner reads it from the config it holds."""
-    _, joined = live.raw("POST", "/v1/join", json.dumps({"unit": "unit-0", "attempt": 0}).encode())
+    _, joined = live.raw(
+        "POST", "/v1/join", json.dumps({"unit": "unit-0", "attempt": 0}).encode(), unit="unit-0"
+    )
     assert set(joined) == {
         "run", "layout", "versions", "complete", "outerStep", "resumeStep", "shapes",
     }  # fmt: skip
-    quantized, plain = live.client("unit-0"), SyncerClient(live.url, TOKEN, "unit-1", 0)
+    quantized = live.client("unit-0")
+    plain = SyncerClient(live.url, unit_token(TOKEN, "unit-1"), "unit-1", 0)  # no compression
     delta = fragment_delta(live, 0)
     first = quantized.push(0, 0, delta, c_steps=1, c_tokens=64)
     assert first.accepted and first.quant_error > 0  # int4 with 64 values per scale

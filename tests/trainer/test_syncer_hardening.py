@@ -157,8 +157,8 @@ def test_a_checkpoint_holding_an_out_of_range_counter_still_restarts(
         restarted = Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None)
     try:
         status = restarted.status()
-        assert status["tokens"] == 640  # unit-0's counters kept, unit-1's bogus attempt dropped
-        assert status["learners"]["unit-0"]["step"] == 10
+        assert status.tokens == 640  # unit-0's counters kept, unit-1's bogus attempt dropped
+        assert status.learners["unit-0"].step == 10
         lines = [r.message for r in caplog.records if r.levelno == logging.ERROR]
         assert any("unit=unit-1 field=attempts.0.tokens" in m for m in lines), lines
         assert any("unit=unit-1 field=startStep" in m for m in lines), lines
@@ -199,7 +199,8 @@ def test_a_failed_merge_puts_its_contributions_back_and_readiness_says_so(
         assert not learner.push(0, 0, delta, 3, 96, step=3).duplicate
         wait_until(lambda: metric(server, 'diloco_syncer_failing{what="merge"}') == 1)
         assert server.raw("GET", "/readyz")[0] == 503
-        assert "merge" in server.client("x").status()["health"]["problems"]
+        health = server.client("x").status().health
+        assert health is not None and not health.ready and "merge" in health.problems
         assert server.raw("GET", "/healthz")[0] == 200  # alive: a restart would not help
         assert server.syncer.frags[0].version == 0
         # The retry is a duplicate of a contribution that is still pending, not a dropped one.
@@ -491,7 +492,9 @@ def test_a_rollback_past_a_corrupt_newest_checkpoint_is_an_error_in_log_status_a
         errors = [r.message for r in caplog.records if r.levelno == logging.ERROR]
         assert any("event=checkpoint_skipped seq=2" in m for m in errors), errors
         assert any("event=checkpoint_loaded seq=1" in m for m in errors), errors
-        skipped = restarted.client("x").status()["checkpoint"]["skippedAtStart"]
+        checkpoint = restarted.client("x").status().checkpoint
+        assert checkpoint is not None
+        skipped = checkpoint.skipped_at_start
         assert len(skipped) == 1 and "checksum mismatch" in skipped[0]
         assert metric(restarted, "diloco_syncer_checkpoints_skipped") == 1
     finally:

@@ -276,7 +276,7 @@ def test_a_read_only_checkpoint_dir_stops_merges_without_losing_them(
         assert "Read-only file system" in json.loads(body)["problems"]["merge"]
         metrics = _http(f"{syncer.url}/metrics")[1]
         assert 'diloco_syncer_failing{what="merge"} 1.0' in metrics
-        assert learner.status()["fragments"][0]["version"] == 0
+        assert learner.status().fragments[0].version == 0
     got = learner.poll(0, 0, wait=30)  # the kept contribution merges once the disk is back
     assert got is not None and got[0] == 1
     deadline = time.monotonic() + 20
