@@ -10,6 +10,7 @@ its client actually sent (pushes, heartbeats, joins, polls).
 
 from __future__ import annotations
 
+from diloco_trainer.auth import unit_token
 from diloco_trainer.config import SCHEMES, ModelConfig, TrainingConfig
 from diloco_trainer.learner import LearnerOptions, run_learner
 from diloco_trainer.model import param_shapes
@@ -46,7 +47,12 @@ def measure(cfg: TrainingConfig, steps: int) -> tuple[int, int, int, float, dict
     one real learner run."""
     with syncer(cfg) as sy:
         opts = LearnerOptions(
-            syncer=sy.url, token=TOKEN, unit=0, num_units=1, log_every=10_000, max_steps=steps
+            syncer=sy.url,
+            token=unit_token(TOKEN, "unit-0"),
+            unit=0,
+            num_units=1,
+            log_every=10_000,
+            max_steps=steps,
         )
         r = run_learner(cfg, opts)
     return r.bytes_sent, r.bytes_received - r.bytes_joined, r.tokens, r.seconds, r.link_stats

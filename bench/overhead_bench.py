@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import jax
+from diloco_trainer.auth import unit_token
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data import train_batches
 from diloco_trainer.learner import LearnerOptions, learner_horizon, run_learner
@@ -84,7 +85,7 @@ def run(ctx: BenchContext) -> Section:
             bare_rates.append(bare.run(steps))
             opts = LearnerOptions(
                 syncer=sy.url,
-                token=TOKEN,
+                token=unit_token(TOKEN, "unit-0"),
                 unit=0,
                 num_units=1,
                 attempt=r,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from diloco_trainer.auth import unit_token
 from diloco_trainer.client import SyncerClient
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data import train_batches
@@ -183,7 +184,7 @@ def decoupled(
                     "--syncer",
                     sy.url,
                     "--token",
-                    TOKEN,
+                    unit_token(TOKEN, f"unit-{m}"),
                     "--unit",
                     str(m),
                     "--num-units",

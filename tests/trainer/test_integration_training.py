@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from diloco_trainer.auth import unit_token
 
 pytestmark = pytest.mark.slow
 
@@ -116,6 +117,7 @@ def test_syncer_and_three_learners_train_together(tmp_path: Path) -> None:
                 DILOCO_UNIT=str(unit),
                 DILOCO_NUM_UNITS=str(UNITS),
                 DILOCO_SLOWDOWN=SLOWDOWN,
+                DILOCO_TOKEN=unit_token(TOKEN, f"unit-{unit}"),  # its own, not the run secret
             )
             with (tmp_path / f"learner-{unit}.log").open("wb") as out:
                 learners.append(

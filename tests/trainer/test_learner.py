@@ -239,3 +239,32 @@ def test_standby_warms_up_then_validates_its_identity_like_flags(tmp_path: Path)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "event=standby_ready" in done.stderr
     assert "--unit 5 must be < --num-units 2" in done.stderr
+
+
+def test_the_unit_token_is_read_from_a_file_by_flag_or_environment(tmp_path: Path) -> None:
+    """Kubernetes mounts each unit's token as a file (issue 18, item 5)."""
+    from diloco_trainer.learner_main import resolve
+
+    config = _write(tmp_path, "totalSteps: 10\n")
+    token_file = tmp_path / "token"
+    token_file.write_text("unit-token-from-file\n")
+    base = ["--config", config, "--unit", "0", "--syncer", "http://x:1"]
+    parser = build_parser({})
+    by_flag = resolve(parser.parse_args([*base, "--token-file", str(token_file)]), {})
+    assert by_flag[1]["token"] == "unit-token-from-file"
+    # An explicit flag wins over the environment's token.
+    env = {"DILOCO_TOKEN": "from-env"}
+    assert (
+        resolve(parser.parse_args([*base, "--token-file", str(token_file)]), env)[1]["token"]
+        == "unit-token-from-file"
+    )
+    by_env = resolve(parser.parse_args(base), {"DILOCO_TOKEN_FILE": str(token_file)})
+    assert by_env[1]["token"] == "unit-token-from-file"
+    token_file.write_text("\n")
+    assert main([*base, "--token-file", str(token_file)], {}) == 2
+
+
+def test_a_spare_takes_its_units_token_from_the_identity() -> None:
+    args = build_parser({}).parse_args(["--config", "x", "--standby"])
+    take_identity(args, {"unit": 1, "unitName": "r-default-1", "token": "t1"})
+    assert args.token == "t1"

@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from diloco_trainer.status import LearnerStatus, SyncerStatus
+from diloco_trainer.status import CheckpointStatus, HealthStatus, LearnerStatus, SyncerStatus
 
 CONTRACTS = Path(__file__).resolve().parents[2] / "docs" / "contracts.md"
 
 
 def documented_example() -> dict[str, Any]:
     text = CONTRACTS.read_text()
-    section = text[text.index("`GET /v1/status` (bearer auth)") :]
+    section = text[text.index("`GET /v1/status` (bearer auth") :]
     found = re.search(r"```json\n(.*?)```", section, re.S)
     assert found is not None, "no JSON example under GET /v1/status in docs/contracts.md"
     doc: dict[str, Any] = json.loads(found.group(1))
@@ -42,6 +42,8 @@ def test_the_documented_document_round_trips_field_for_field() -> None:
         loss=2.41,
     )
     assert status.fragments[0].version == 3
+    assert status.health == HealthStatus(ready=True, problems={})
+    assert status.checkpoint == CheckpointStatus(skipped_at_start=())
 
 
 def test_missing_and_mistyped_fields_become_unknown() -> None:
@@ -61,6 +63,32 @@ def test_missing_and_mistyped_fields_become_unknown() -> None:
     assert status.complete is False and status.final_eval is None and status.fragments == ()
     assert status.learners == {"u": LearnerStatus(attempt=2)}
     assert SyncerStatus.from_json({}) == SyncerStatus()
+
+
+def test_health_and_checkpoint_are_read_leniently() -> None:
+    """A syncer older than them sends neither (None: unknown); a failing one names its problems,
+    and a problem with a mistyped `ready` still reads as not ready."""
+    assert SyncerStatus.from_json({"health": "ok", "checkpoint": 3}).health is None
+    failing = SyncerStatus.from_json(
+        {
+            "health": {"ready": False, "problems": {"merge": "OSError: disk full"}},
+            "checkpoint": {"skippedAtStart": ["seq 7: checksum mismatch"]},
+        }
+    )
+    assert failing.health == HealthStatus(False, {"merge": "OSError: disk full"})
+    assert failing.checkpoint == CheckpointStatus(("seq 7: checksum mismatch",))
+    assert failing.to_json()["health"] == {
+        "ready": False,
+        "problems": {"merge": "OSError: disk full"},
+    }
+    mistyped = SyncerStatus.from_json(
+        {
+            "health": {"ready": "no", "problems": {"checkpoint": "x"}},
+            "checkpoint": {"skippedAtStart": "x"},
+        }
+    )
+    assert mistyped.health == HealthStatus(False, {"checkpoint": "x"})
+    assert mistyped.checkpoint == CheckpointStatus(())
 
 
 def test_the_model_imports_without_jax_or_numpy() -> None:

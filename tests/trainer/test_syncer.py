@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
-from aiohttp import web
+from diloco_trainer.auth import UNIT_HEADER, unit_token
 from diloco_trainer.checkpoint import CheckpointStore
 from diloco_trainer.client import SyncerClient, SyncerRejected, SyncerUnavailable
 from diloco_trainer.config import TrainingConfig
@@ -27,7 +27,7 @@ from diloco_trainer.merge import Contribution, merge_fragment
 from diloco_trainer.model import init_params
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer import Syncer
-from diloco_trainer.syncer_http import build_app
+from diloco_trainer.syncer_http import start_server
 from diloco_trainer.wire import PushHeader, decode_download, encode_push, encode_tensors
 
 T = TypeVar("T")
@@ -56,28 +56,33 @@ class LiveSyncer:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.runner = web.AppRunner(build_app(syncer))
-        self.port: int = self.run(self._start())
+        self.runner, self.port = self.run(start_server(syncer, "127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.port}"
-
-    async def _start(self) -> int:
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return int(self.runner.addresses[0][1])
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
-    def client(self, unit: str = "unit-0", attempt: int = 0, token: str = TOKEN) -> SyncerClient:
+    def client(
+        self, unit: str = "unit-0", attempt: int = 0, token: str | None = None
+    ) -> SyncerClient:
         # A learner encodes its pushes as its own config says: the run's config, as here.
         compression = self.syncer.cfg.compression
+        token = token or unit_token(TOKEN, unit)
         return SyncerClient(self.url, token, unit, attempt, compression=compression)
 
     def raw(
-        self, method: str, path: str, body: bytes | None = None, token: str | None = TOKEN
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        token: str | None = TOKEN,
+        unit: str | None = None,
     ) -> tuple[int, dict[str, Any]]:
+        """A request with `token`, or with `unit`'s token and name when `unit` is given."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
         headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        if unit is not None:
+            headers = {"Authorization": f"Bearer {unit_token(TOKEN, unit)}", UNIT_HEADER: unit}
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
         data = resp.read()
@@ -286,9 +291,14 @@ def _nan_scale(payload: bytes) -> bytes:
 
 
 def test_every_bad_push_is_refused_and_never_applied(live: LiveSyncer) -> None:
+    live.client("unit-0").join()
     before = global_state(live)
     for label, path, body, token, status, reason in bad_requests(live):
-        got_status, reply = live.raw("POST", path, body, token)
+        # TOKEN in the table: unit-0's own credentials (the payloads speak for unit-0).
+        if token == TOKEN:
+            got_status, reply = live.raw("POST", path, body, unit="unit-0")
+        else:
+            got_status, reply = live.raw("POST", path, body, token)
         assert (got_status, reply.get("reason")) == (status, reason), label
         assert reply.get("error"), f"{label}: the 4xx must carry a message"
     assert_unchanged(live, before)
@@ -316,12 +326,15 @@ def test_stale_base_is_refused(live: LiveSyncer) -> None:
 
 def test_bad_json_endpoints_name_the_field(live: LiveSyncer) -> None:
     status, reply = live.raw(
-        "POST", "/v1/heartbeat", json.dumps({"unit": "u", "step": "many", "tokens": 1}).encode()
+        "POST",
+        "/v1/heartbeat",
+        json.dumps({"unit": "u", "step": "many", "tokens": 1}).encode(),
+        unit="u",
     )
     assert status == 400 and "step" in reply["error"]
-    status, reply = live.raw("POST", "/v1/join", b"{not json")
+    status, reply = live.raw("POST", "/v1/join", b"{not json", unit="u")
     assert status == 400 and reply["reason"] == "malformed"
-    status, reply = live.raw("POST", "/v1/join", json.dumps({"attempt": 0}).encode())
+    status, reply = live.raw("POST", "/v1/join", json.dumps({"attempt": 0}).encode(), unit="u")
     assert status == 400 and "unit" in reply["error"]
     status, _ = live.raw("GET", "/v1/fragments/0?after=0&wait=-1")
     assert status == 400
@@ -338,8 +351,8 @@ def test_duplicate_push_is_idempotent_and_unmerged_pushes_of_a_learner_add_up(
     c = live.client()
     c.join()
     body = _valid_push(live)
-    s1, r1 = live.raw("POST", "/v1/fragments/0/push", body)
-    s2, r2 = live.raw("POST", "/v1/fragments/0/push", body)
+    s1, r1 = live.raw("POST", "/v1/fragments/0/push", body, unit="unit-0")
+    s2, r2 = live.raw("POST", "/v1/fragments/0/push", body, unit="unit-0")
     assert (s1, r1["duplicate"], s2, r2["duplicate"]) == (200, False, 200, True)
     assert len(live.syncer.frags[0].pending) == 1
     first = live.syncer.frags[0].pending["unit-0"].delta
@@ -436,7 +449,8 @@ def test_heartbeats_count_across_attempts_and_complete_the_run(live: LiveSyncer)
     _, served = live.raw("GET", "/v1/status")  # the wire document the model is read from
     assert set(served) == {
         "run", "outerStep", "steps", "tokens", "loss", "trainLoss", "complete", "finalLoss",
-        "finalEval", "time", "fragments", "learners", "bytesReceived", "bytesSent",
+        "finalEval", "time", "fragments", "learners", "bytesReceived", "bytesSent", "health",
+        "checkpoint",
     }  # fmt: skip
     assert status.steps == 90 and status.tokens == 90 * 64
     assert status.learners["unit-0"].step == 60 and status.learners["unit-0"].attempt == 1
@@ -452,10 +466,13 @@ def test_heartbeats_count_across_attempts_and_complete_the_run(live: LiveSyncer)
 
 def test_metrics_count_rejections_and_merges(live: LiveSyncer) -> None:
     c = live.client()
-    live.raw("POST", "/v1/fragments/0/push", b"junk")
+    c.join()
+    live.raw("POST", "/v1/fragments/0/push", b"junk", unit="unit-0")
     c.push(0, 0, fragment_delta(live, 0), 1, 8)
     wait_until(lambda: live.syncer.frags[0].version == 1)
-    status, _ = live.raw("POST", "/v1/fragments/1/push", _valid_push(live, p=1, scheme="int8"))
+    status, _ = live.raw(
+        "POST", "/v1/fragments/1/push", _valid_push(live, p=1, scheme="int8"), unit="unit-0"
+    )
     assert status == 200
     conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=5)
     conn.request("GET", "/metrics")
@@ -740,7 +757,7 @@ def test_a_restarted_learner_continues_its_lr_schedule_and_counts_its_own_steps(
     cfg = live.syncer.cfg
     live.client("unit-0").heartbeat(120, 120 * cfg.tokens_per_step, 1.0, 3.0)
     opts = LearnerOptions(
-        syncer=live.url, token=TOKEN, unit=0, num_units=1, unit_name="unit-0", attempt=1,
+        syncer=live.url, token=unit_token(TOKEN, "unit-0"), unit=0, num_units=1, unit_name="unit-0", attempt=1,
         log_every=2, max_steps=40, slowdown=3.0,
     )  # fmt: skip
     with caplog.at_level(logging.INFO, logger="diloco_trainer.learner"):
@@ -866,11 +883,14 @@ def test_phase_locked_push_that_missed_the_merge_rides_with_the_next_round(
 )
 def test_pushes_are_encoded_as_the_learners_own_config_says(live: LiveSyncer) -> None:
     """The join reply carries no compression: the learner reads it from the config it holds."""
-    _, joined = live.raw("POST", "/v1/join", json.dumps({"unit": "unit-0", "attempt": 0}).encode())
+    _, joined = live.raw(
+        "POST", "/v1/join", json.dumps({"unit": "unit-0", "attempt": 0}).encode(), unit="unit-0"
+    )
     assert set(joined) == {
         "run", "layout", "versions", "complete", "outerStep", "resumeStep", "shapes",
     }  # fmt: skip
-    quantized, plain = live.client("unit-0"), SyncerClient(live.url, TOKEN, "unit-1", 0)
+    quantized = live.client("unit-0")
+    plain = SyncerClient(live.url, unit_token(TOKEN, "unit-1"), "unit-1", 0)  # no compression
     delta = fragment_delta(live, 0)
     first = quantized.push(0, 0, delta, c_steps=1, c_tokens=64)
     assert first.accepted and first.quant_error > 0  # int4 with 64 values per scale

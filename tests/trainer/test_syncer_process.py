@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
@@ -9,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +20,7 @@ import numpy as np
 import pytest
 import yaml
 from diloco_trainer import syncer_main
+from diloco_trainer.auth import unit_token
 from diloco_trainer.checkpoint import CheckpointStore
 from diloco_trainer.client import SyncerClient, SyncerUnavailable
 
@@ -108,7 +113,7 @@ def test_sigkill_then_restart_loses_no_checkpointed_version(
         tmp_path / "syncer.log",
     )
     first = start(procs, config, ckpt, log)
-    learner = SyncerClient(first.url, TOKEN, "unit-0", 0, timeout=5)
+    learner = SyncerClient(first.url, unit_token(TOKEN, "unit-0"), "unit-0", 0, timeout=5)
     join = learner.join()
     for i in range(3):  # fragment 0 -> version 3, fragment 1 -> version 3
         for p in range(2):
@@ -145,7 +150,7 @@ def test_sigkill_then_restart_loses_no_checkpointed_version(
     got = learner.poll(0, 3, wait=10)
     assert got is not None and got[0] == 4
     # SIGTERM with a long-poll in flight: the poll is answered and the process exits promptly.
-    poller = SyncerClient(second.url, TOKEN, "unit-0", 0, timeout=5)
+    poller = SyncerClient(second.url, unit_token(TOKEN, "unit-0"), "unit-0", 0, timeout=5)
     polled: list[object] = []
     thread = threading.Thread(target=lambda: polled.append(poller.poll(1, 3, wait=50)))
     thread.start()
@@ -175,6 +180,14 @@ def test_config_errors_exit_2_naming_the_field(
     monkeypatch.setenv("DILOCO_SYNCER_PORT", "http")
     assert syncer_main.main(["--config", str(good), "--token", "t"]) == 2
     assert "DILOCO_SYNCER_PORT" in capsys.readouterr().err
+    monkeypatch.delenv("DILOCO_SYNCER_PORT")
+    for bad_units in ("0", "two", "+3"):
+        monkeypatch.setenv("DILOCO_MAX_UNITS", bad_units)
+        assert syncer_main.main(["--config", str(good), "--token", "t"]) == 2
+        assert "DILOCO_MAX_UNITS" in capsys.readouterr().err
+    assert syncer_main.resolve_max_units(None, {"DILOCO_MAX_UNITS": "4"}) == 4
+    assert syncer_main.resolve_max_units("2", {"DILOCO_MAX_UNITS": "4"}) == 2
+    assert syncer_main.resolve_max_units(None, {}) is None
 
 
 def test_token_file_and_run_name_from_manifest(
@@ -203,3 +216,71 @@ def test_checkpoint_dir_with_foreign_files_refuses_to_start(
     args = ["--config", str(config), "--token", "t", "--checkpoint-dir", str(ckpt)]
     assert syncer_main.main(args) == 1
     assert "no valid checkpoint" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def read_only(path: Path) -> Iterator[None]:
+    """Make the directory `path` read-only for real: a read-only bind mount over itself as root
+    (root ignores permission bits), mode 0555 otherwise."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        try:
+            yield
+        finally:
+            path.chmod(0o755)
+        return
+    bind = subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True)
+    if bind.returncode != 0:
+        pytest.skip(f"root without the right to mount: {bind.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def _http(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_a_read_only_checkpoint_dir_stops_merges_without_losing_them(
+    tmp_path: Path, procs: list[SyncerProcess]
+) -> None:
+    """Issue 18, item 4: the disk under the checkpoint directory turns read-only. Merges (whose
+    versions must be journaled first) and checkpoints fail: /readyz says 503 and names them,
+    the metric says so, pushes are kept pending; once the disk is writable again the round
+    merges and the syncer is ready again."""
+    config, ckpt, log = (
+        write_config(tmp_path / "run.yaml"),
+        tmp_path / "ckpt",
+        tmp_path / "syncer.log",
+    )
+    syncer = start(procs, config, ckpt, log)
+    learner = SyncerClient(syncer.url, unit_token(TOKEN, "unit-0"), "unit-0", 0, timeout=5)
+    join = learner.join()
+    assert _http(f"{syncer.url}/readyz") == (200, "ready")
+    with read_only(ckpt):
+        learner.push(0, 0, delta_for(learner, join.layout, 0, 1), c_steps=4, c_tokens=256)
+        learner.heartbeat(4, 256, 100.0, 3.0)  # changes the state: a checkpoint is due
+        deadline = time.monotonic() + 20
+        while True:
+            code, body = _http(f"{syncer.url}/readyz")
+            if code == 503 and {"merge", "checkpoint"} <= set(json.loads(body)["problems"]):
+                break
+            assert time.monotonic() < deadline, f"still {code} {body}"
+            time.sleep(0.1)
+        assert "Read-only file system" in json.loads(body)["problems"]["merge"]
+        metrics = _http(f"{syncer.url}/metrics")[1]
+        assert 'diloco_syncer_failing{what="merge"} 1.0' in metrics
+        assert learner.status().fragments[0].version == 0
+    got = learner.poll(0, 0, wait=30)  # the kept contribution merges once the disk is back
+    assert got is not None and got[0] == 1
+    deadline = time.monotonic() + 20
+    while _http(f"{syncer.url}/readyz")[0] != 200:
+        assert time.monotonic() < deadline, "not ready again"
+        time.sleep(0.1)
+    assert CheckpointStore(ckpt).recorded_versions() == [1, 0]

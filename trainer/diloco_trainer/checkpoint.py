@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 log = logging.getLogger("diloco.checkpoint")
@@ -90,6 +91,10 @@ class CheckpointStore:
             raise ValueError(f"checkpoint.keep: must be >= 1, got {keep}")
         self.root = Path(root)
         self.keep = keep
+        # What the last load_latest found unusable among newer checkpoints than the one it
+        # loaded (one line each): a rollback past them, reported in status and a metric.
+        self.skipped: list[str] = []
+        self._verified: set[Path] = set()  # checkpoints this process has read back intact
 
     def _existing(self) -> list[tuple[int, Path]]:
         if not self.root.is_dir():
@@ -139,16 +144,41 @@ class CheckpointStore:
         final = self.root / f"ckpt-{seq:010d}"
         os.rename(tmp, final)
         _fsync_dir(self.root)
-        for _, old in self._existing()[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        self._prune()
         return final
+
+    def _newest_loadable(self) -> Path | None:
+        for _, path in reversed(self._existing()):
+            if path in self._verified:
+                return path
+            try:
+                self.verify(path)
+            except CheckpointError as exc:
+                log.error("event=checkpoint_unreadable path=%s reason=%r", path, str(exc))
+                continue
+            self._verified.add(path)
+            return path
+        return None
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` checkpoints, and in any case the newest one that reads back
+        intact: if the ones just written are damaged, the last good one is all a restart has."""
+        good = self._newest_loadable()
+        for _, old in self._existing()[: -self.keep]:
+            if old != good:
+                shutil.rmtree(old, ignore_errors=True)
+                self._verified.discard(old)
 
     def record_versions(self, versions: list[int]) -> None:
         """Journal the published versions (atomic replace; survives a process kill)."""
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{JOURNAL}.tmp"
-        tmp.write_text(json.dumps({"versions": versions}))
+        with tmp.open("w") as f:
+            f.write(json.dumps({"versions": versions}))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.root / JOURNAL)
+        _fsync_dir(self.root)  # the rename itself survives a power loss
 
     def recorded_versions(self) -> list[int] | None:
         path = self.root / JOURNAL
@@ -162,11 +192,12 @@ class CheckpointStore:
             return None
 
     @staticmethod
-    def read(path: Path) -> Snapshot:
-        """Read and verify one checkpoint directory; raises CheckpointError if it is unusable."""
+    def verify(path: Path) -> dict[str, Any]:
+        """The manifest of one checkpoint directory whose files match their checksums; raises
+        CheckpointError otherwise."""
         try:
             manifest = json.loads((path / "manifest.json").read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise CheckpointError(f"{path}: manifest.json unreadable: {exc}") from exc
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CheckpointError(f"{path}: not a {FORMAT} checkpoint")
@@ -176,8 +207,14 @@ class CheckpointStore:
                 actual = _sha256(path / name)
             except OSError as exc:
                 raise CheckpointError(f"{path}: {name} unreadable: {exc}") from exc
-            if actual != sums.get(name):
+            if not isinstance(sums, dict) or actual != sums.get(name):
                 raise CheckpointError(f"{path}: {name} checksum mismatch (partial or corrupt)")
+        return manifest
+
+    @classmethod
+    def read(cls, path: Path) -> Snapshot:
+        """Read and verify one checkpoint directory; raises CheckpointError if it is unusable."""
+        manifest = cls.verify(path)
         try:
             params = dict(load_file(path / "params.safetensors"))
             outer = dict(load_file(path / "outer.safetensors"))
@@ -192,7 +229,7 @@ class CheckpointStore:
                 extra=dict(manifest.get("extra") or {}),
                 seq=int(manifest["seq"]),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, SafetensorError) as exc:
             raise CheckpointError(f"{path}: inconsistent checkpoint: {exc!r}") from exc
         return snap
 
@@ -215,17 +252,23 @@ class CheckpointStore:
             if entry.name.startswith(".tmp-"):
                 log.warning("event=checkpoint_stray_tmp path=%s action=removed", entry)
                 shutil.rmtree(entry, ignore_errors=True)
-        problems = []
+        problems: list[str] = []
+        self.skipped = []
         for seq, path in reversed(self._existing()):
             try:
                 snap = self.read(path)
             except CheckpointError as exc:
-                log.warning("event=checkpoint_skipped seq=%d reason=%r", seq, str(exc))
+                # ERROR: loading an older checkpoint than the newest throws work away.
+                log.error("event=checkpoint_skipped seq=%d reason=%r", seq, str(exc))
                 problems.append(str(exc))
                 continue
-            log.info(
-                "event=checkpoint_loaded seq=%d path=%s outer_step=%d", seq, path, snap.outer_step
-            )
+            self.skipped = problems
+            self._verified.add(path)
+            log.log(
+                logging.ERROR if problems else logging.INFO,
+                "event=checkpoint_loaded seq=%d path=%s outer_step=%d rolled_back_past=%d",
+                seq, path, snap.outer_step, len(problems),
+            )  # fmt: skip
             return snap
         leftovers = sorted(
             e.name

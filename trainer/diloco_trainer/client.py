@@ -18,6 +18,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from diloco_trainer.auth import UNIT_HEADER
 from diloco_trainer.config import CompressionConfig
 from diloco_trainer.downlink import apply_step, checksum
 from diloco_trainer.status import SyncerStatus
@@ -143,6 +144,8 @@ class SyncerClient:
         timeout: float | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         headers = {"Authorization": f"Bearer {self.token}"}
+        if self.unit:
+            headers[UNIT_HEADER] = self.unit  # the token is good only with its unit's name
         if body is not None:
             headers["Content-Type"] = content_type
         # One retry on a fresh connection: a kept-alive socket may have been closed by the server.
@@ -230,9 +233,16 @@ class SyncerClient:
             step=step,
         )
         body, quant_error = encode_push(header, delta, self.compression.block_size)
-        _, _, data = self._request(
-            "POST", f"/v1/fragments/{fragment}/push", body, "application/octet-stream"
-        )
+        path = f"/v1/fragments/{fragment}/push"
+        try:
+            _, _, data = self._request("POST", path, body, "application/octet-stream")
+        except SyncerRejected as exc:
+            if exc.reason != "not_joined":
+                raise
+            # The syncer does not know this attempt joined (it restarted from a checkpoint
+            # older than the join): join again, then send the same push.
+            self.join()
+            _, _, data = self._request("POST", path, body, "application/octet-stream")
         r = json.loads(data)
         return PushReply(
             bool(r["accepted"]),

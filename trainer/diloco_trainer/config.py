@@ -173,6 +173,16 @@ class MergeConfig(Strict):
             " M separate one-learner merges add up to one averaged outer step, not M full ones."
         ),
     )
+    max_push_norm: float | None = Field(
+        10.0,
+        gt=0,
+        le=1e6,
+        description="Refuse a push whose delta's L2 norm exceeds this multiple of its "
+        "fragment's L2 norm (a value of at least 0.01 per element counts as the fragment's "
+        "norm); null disables. A finite but huge delta (a diverging learner) would otherwise "
+        "be merged into the global model. Measured pushes of the default config stay below "
+        "0.6 times their fragment's norm.",
+    )
 
 
 # How a tensor travels: float32 values, or int8 / int4 with one scale per block (quantize.py).
@@ -301,22 +311,31 @@ def training_block(doc: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return doc, ""
 
 
-def resolve_token(flag: str | None, env: Mapping[str, str]) -> str:
-    """The run's bearer token: the flag, else DILOCO_TOKEN, else the file named by
-    DILOCO_TOKEN_FILE (a mounted Secret). Learner and syncer resolve it the same way."""
+def resolve_token(flag: str | None, env: Mapping[str, str], file_flag: str | None = None) -> str:
+    """A bearer token: the flag, else the file named by --token-file, else DILOCO_TOKEN, else
+    the file named by DILOCO_TOKEN_FILE (a mounted Secret). For the syncer it is the run secret;
+    for a learner, its unit's token (auth.unit_token). Both resolve it the same way."""
     if flag:
         return flag
+    if file_flag:
+        return _read_token_file(file_flag, "--token-file")
     if env.get("DILOCO_TOKEN"):
         return env["DILOCO_TOKEN"]
     token_file = env.get("DILOCO_TOKEN_FILE")
     if token_file:
-        try:
-            return Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"DILOCO_TOKEN_FILE: cannot read {token_file}: {exc.strerror}"
-            ) from exc
+        return _read_token_file(token_file, "DILOCO_TOKEN_FILE")
     raise ConfigError("--token (or DILOCO_TOKEN / DILOCO_TOKEN_FILE) is required")
+
+
+def _read_token_file(path: str, source: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"{source}: cannot read {path}: {reason}") from exc
+    if not token:
+        raise ConfigError(f"{source}: {path} is empty")
+    return token
 
 
 def load_training_config(path: str | Path) -> TrainingConfig:

@@ -44,7 +44,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--config", required=True, help="DilocoRun manifest or bare training block (YAML/JSON)")
     add("--syncer", default=_env_default(env, "DILOCO_SYNCER_ADDR"), help="syncer base URL")
-    add("--token", default=_env_default(env, "DILOCO_TOKEN"), help="bearer token of the run")
+    add("--token", default=None, help="this unit's bearer token (else DILOCO_TOKEN)")
+    add(
+        "--token-file",
+        default=None,
+        help="file holding this unit's bearer token (else DILOCO_TOKEN, DILOCO_TOKEN_FILE)",
+    )
     add("--unit", default=_env_default(env, "DILOCO_UNIT"), help="global unit index 0..N-1")
     add("--unit-name", default=_env_default(env, "DILOCO_UNIT_NAME", ""), help="name in status")
     add("--num-units", default=_env_default(env, "DILOCO_NUM_UNITS"), help="units in the run")
@@ -96,7 +101,7 @@ def resolve(
         raise UsageError(f"--slowdown (or DILOCO_SLOWDOWN) must be >= 1, got {slowdown}")
     if not args.syncer:
         raise UsageError("--syncer (or DILOCO_SYNCER_ADDR) is required")
-    token = resolve_token(args.token, env)
+    token = resolve_token(args.token, env, args.token_file)
     options = {
         "syncer": args.syncer,
         "token": token,

@@ -7,11 +7,15 @@ we keep the maxima seen, and a unit's total is the sum over its attempts.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_trainer.grace import Ema
 from diloco_trainer.status import LearnerStatus
+from diloco_trainer.wire import MAX_COUNTER
+
+log = logging.getLogger("diloco.syncer")
 
 
 @dataclass
@@ -20,6 +24,7 @@ class LearnerRecord:
     group: str = "default"
     attempt: int = 0
     attempts: dict[int, list[int]] = field(default_factory=dict)  # attempt -> [steps, tokens]
+    joined: set[int] = field(default_factory=set)  # attempts that joined (a push needs it)
     # Where the unit's LR schedule began: 0 for the run's first units, the run's progress for a
     # unit that joined a running run (LearnerRegistry.get).
     start_step: int = 0
@@ -176,21 +181,53 @@ class LearnerRegistry:
                 "attempts": {str(a): c for a, c in r.attempts.items()},
                 "startStep": r.start_step,
                 "loss": r.loss,
+                "joined": sorted(r.joined),
             }
             for u, r in self.records.items()
         }
 
     def load_json(self, data: dict[str, Any], now: float | None = None) -> None:
         """Restore counters. Restored learners count as last seen `now` (the restart), so the
-        supervisor's staleness clock for them starts at the syncer's restart, not at null."""
+        supervisor's staleness clock for them starts at the syncer's restart, not at null.
+
+        A counter outside 0..MAX_COUNTER (written by a syncer that did not bound them, or a
+        damaged file) would fail every status and metrics read, and every restart after it: it
+        is dropped with an ERROR line naming unit and field, and the rest of the record kept."""
         for unit, raw in data.items():
+            if not isinstance(raw, dict):
+                log.error("event=checkpoint_counter_dropped unit=%s field=(record)", unit)
+                continue
             rec = self.get(unit)
             rec.last_seen = now
             rec.attempt_since = 0.0  # it holds versions already: in phase (`in_phase`)
             rec.group = str(raw.get("group", "default"))
-            rec.attempt = int(raw.get("attempt", 0))
-            rec.attempts = {
-                int(a): [int(c[0]), int(c[1])] for a, c in raw.get("attempts", {}).items()
-            }
-            rec.start_step = int(raw.get("startStep", 0))  # absent before the field existed
-            rec.loss = raw.get("loss")
+            rec.attempt = _counter(raw.get("attempt", 0), unit, "attempt") or 0
+            rec.attempts = {}
+            for a, c in (raw.get("attempts") or {}).items():
+                attempt = _counter(a, unit, "attempts")
+                pair = c if isinstance(c, list) and len(c) == 2 else [None, None]
+                steps = _counter(pair[0], unit, f"attempts.{a}.steps")
+                tokens = _counter(pair[1], unit, f"attempts.{a}.tokens")
+                if attempt is not None and steps is not None and tokens is not None:
+                    rec.attempts[attempt] = [steps, tokens]
+            # absent before the field existed
+            rec.start_step = _counter(raw.get("startStep", 0), unit, "startStep") or 0
+            loss = raw.get("loss")
+            rec.loss = float(loss) if isinstance(loss, int | float) else None
+            # Absent before the field existed: then every attempt the checkpoint knows joined.
+            joined = raw.get("joined", list(rec.attempts))
+            rec.joined = {j for a in joined if (j := _counter(a, unit, "joined")) is not None}
+
+
+def _counter(value: Any, unit: str, name: str) -> int | None:
+    """A checkpointed counter as an int in 0..MAX_COUNTER, else None with an ERROR line."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)  # attempt numbers are JSON object keys, hence strings
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNTER:
+        return value
+    log.error(
+        "event=checkpoint_counter_dropped unit=%s field=%s value=%.40r reason=not an integer "
+        "in 0..%d",
+        unit, name, value, MAX_COUNTER,
+    )  # fmt: skip
+    return None

@@ -8,7 +8,8 @@ machine (the local runtime) keeps such a process waiting:
     warm_up(cfg, num_units)      build the step program, run one step on a real-shaped batch
     wait_for_identity(stdin)     block until the supervisor writes one JSON line:
         {"unit": 2, "unitName": "run-default-2", "numUnits": 4, "attempt": 1,
-         "group": "default", "slowdown": 1.0, "log": "/path/run-default-2.log"}
+         "group": "default", "slowdown": 1.0, "token": "<unit token>",
+         "log": "/path/run-default-2.log"}
     take_identity(args, ...)     from here on it IS that unit: its log, then join, pull, train
 
 End of input (the supervisor no longer needs a spare) ends the process with exit 0. On
@@ -44,6 +45,7 @@ IDENTITY_ARGS = {
     "attempt": "attempt",
     "group": "group",
     "slowdown": "slowdown",
+    "token": "token",  # the unit's own token (auth.unit_token): a spare holds none before
 }
 
 

@@ -92,9 +92,46 @@ class FragmentStatus:
 
 
 @dataclass(frozen=True)
+class HealthStatus:
+    """What `/readyz` reports: `ready` while the syncer can merge and write checkpoints, else
+    `problems` maps each failing component (`merge`, `checkpoint`) to its last error."""
+
+    ready: bool = True
+    problems: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> HealthStatus:
+        raw = doc.get("problems")
+        problems = {str(k): str(v) for k, v in raw.items()} if isinstance(raw, Mapping) else {}
+        ready = doc.get("ready")
+        return cls(ready=ready if isinstance(ready, bool) else not problems, problems=problems)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ready": self.ready, "problems": dict(self.problems)}
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """`skipped_at_start`: one reason per newer checkpoint the syncer found unusable at its
+    start and rolled back past (empty normally)."""
+
+    skipped_at_start: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> CheckpointStatus:
+        raw = doc.get("skippedAtStart")
+        skipped = tuple(str(r) for r in raw) if isinstance(raw, list) else ()
+        return cls(skipped_at_start=skipped)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"skippedAtStart": list(self.skipped_at_start)}
+
+
+@dataclass(frozen=True)
 class SyncerStatus:
     """The whole status document. Counters are None when a reader got a document without them
-    (the planner then keeps the values it had)."""
+    (the planner then keeps the values it had); `health` and `checkpoint` are None when the
+    document has none (a syncer older than them)."""
 
     run: str = ""
     outer_step: int | None = None
@@ -110,12 +147,15 @@ class SyncerStatus:
     learners: dict[str, LearnerStatus] = field(default_factory=dict)
     bytes_received: int | None = None
     bytes_sent: int | None = None
+    health: HealthStatus | None = None
+    checkpoint: CheckpointStatus | None = None
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> SyncerStatus:
         learners = doc.get("learners")
         fragments = doc.get("fragments")
         final_eval = doc.get("finalEval")
+        health, checkpoint = doc.get("health"), doc.get("checkpoint")
         return cls(
             run=str(doc.get("run") or ""),
             outer_step=_int(doc.get("outerStep")),
@@ -141,6 +181,10 @@ class SyncerStatus:
             else {},
             bytes_received=_int(doc.get("bytesReceived")),
             bytes_sent=_int(doc.get("bytesSent")),
+            health=HealthStatus.from_json(health) if isinstance(health, Mapping) else None,
+            checkpoint=CheckpointStatus.from_json(checkpoint)
+            if isinstance(checkpoint, Mapping)
+            else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -159,4 +203,6 @@ class SyncerStatus:
             "learners": {name: entry.to_json() for name, entry in self.learners.items()},
             "bytesReceived": self.bytes_received,
             "bytesSent": self.bytes_sent,
+            "health": self.health.to_json() if self.health else None,
+            "checkpoint": self.checkpoint.to_json() if self.checkpoint else None,
         }

@@ -31,7 +31,7 @@ from diloco_trainer.grace import Ema, grace_window, slack_seconds
 from diloco_trainer.learners import LearnerRegistry
 from diloco_trainer.merge import Contribution, merge_fragment, participation_share, scale_delta
 from diloco_trainer.outer import OuterOptimizer
-from diloco_trainer.status import FinalEval, FragmentStatus, SyncerStatus
+from diloco_trainer.status import CheckpointStatus, FinalEval, FragmentStatus, SyncerStatus
 from diloco_trainer.syncer_fragment import (
     SEEN_PER_FRAGMENT,
     EvalFn,
@@ -39,16 +39,22 @@ from diloco_trainer.syncer_fragment import (
     InitFn,
     Pending,
     Reject,
+    decode_measured,
     default_eval,
     default_init,
     expected_arrival,
-    validate_push,
+    finite_norm,
+    l2_norm,
+    parse_fragment_index,
+    put_back,
+    validate_content,
+    validate_version,
 )
+from diloco_trainer.syncer_health import Health, retry_delay
 from diloco_trainer.syncer_metrics import SyncerMetrics
 from diloco_trainer.wire import (
     PayloadMismatch,
     WireError,
-    decode_push,
     encode_params,
     encode_step,
 )
@@ -72,11 +78,14 @@ class Syncer:
         init_fn: InitFn = default_init,
         eval_fn: EvalFn | None = default_eval,
         restore: Snapshot | None = None,
+        max_units: int | None = None,
     ) -> None:
         if not token:
             raise ValueError("token: a bearer token is required")
         self.cfg, self.token, self.run, self.store, self.eval_fn = cfg, token, run, store, eval_fn
+        self.max_units = max_units  # distinct learner units admitted; None: any number
         self.metrics = SyncerMetrics()
+        self.health = Health(self.metrics)
         self.learners = LearnerRegistry(
             cfg.grace.ema, offline_after=max(5.0, 3 * cfg.heartbeat_seconds)
         )
@@ -104,7 +113,7 @@ class Syncer:
         self._decode_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="decode")
         self._ckpt_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._eval_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eval")
-        self._saved_mark: tuple[int, int, int] | None = None
+        self._saved_mark: tuple[int, ...] | None = None
         self._save_lock = asyncio.Lock()
         self._background: list[asyncio.Task[None]] = []
         self.closing = False
@@ -113,6 +122,9 @@ class Syncer:
         snap = restore if restore is not None else (store.load_latest() if store else None)
         if snap is not None:
             syncer_persist.restore(self, snap)
+        for f in self.frags:
+            f.norm = l2_norm(f.params)
+        self.metrics.checkpoints_skipped.set(len(store.skipped) if store else 0)
         if self.final_loss is not None:
             self.final_eval = "done"
         elif eval_fn is None:
@@ -143,9 +155,12 @@ class Syncer:
         """References to the current state (taken on the loop thread; arrays are never mutated)."""
         return syncer_persist.snapshot(self)
 
-    def _mark(self) -> tuple[int, int, int]:
+    def _mark(self) -> tuple[int, ...]:
+        """What a checkpoint must keep up with: versions, counters, and joins (a push needs its
+        attempt's join, so a clean restart must not forget one)."""
         steps, tokens = self.learners.totals()
-        return self.outer_step, steps, tokens
+        joins = sum(len(r.joined) for r in self.learners.records.values())
+        return self.outer_step, steps, tokens, joins
 
     async def save_checkpoint(self, force: bool = False) -> None:
         if self.store is None:
@@ -156,9 +171,14 @@ class Syncer:
                 return
             snap = self.snapshot()
             started = time.perf_counter()
-            path = await asyncio.get_running_loop().run_in_executor(
-                self._ckpt_pool, self.store.save, snap
-            )
+            try:
+                path = await asyncio.get_running_loop().run_in_executor(
+                    self._ckpt_pool, self.store.save, snap
+                )
+            except Exception as exc:
+                self.health.failed("checkpoint", exc)
+                raise
+            self.health.recovered("checkpoint")
             self._saved_mark = mark
             self.metrics.checkpoints.inc()
             log.info(
@@ -210,15 +230,14 @@ class Syncer:
             learners=self.learners.status(now),
             bytes_received=self.bytes_received,
             bytes_sent=self.bytes_sent,
+            health=self.health.status(),
+            checkpoint=CheckpointStatus(tuple(self.store.skipped) if self.store else ()),
         )
 
     # ---------------------------------------------------------------- push path
     def fragment(self, raw: str) -> FragmentState:
-        try:
-            index = int(raw)
-        except ValueError:
-            index = -1
-        if not 0 <= index < len(self.frags):
+        index = parse_fragment_index(raw, len(self.frags))
+        if index is None:
             raise Reject(
                 404,
                 "unknown_fragment",
@@ -226,7 +245,21 @@ class Syncer:
             )
         return self.frags[index]
 
-    async def accept_push(self, f: FragmentState, body: bytes) -> dict[str, Any]:
+    def admit(self, unit: str) -> None:
+        """Refuse a unit new to the run once `max_units` distinct units are known."""
+        known = self.learners.records
+        if self.max_units is not None and unit not in known and len(known) >= self.max_units:
+            raise Reject(
+                403,
+                "too_many_units",
+                f"unit {unit!r}: this run admits {self.max_units} units, all known already",
+            )
+
+    async def accept_push(
+        self, f: FragmentState, body: bytes, caller: str | None = None
+    ) -> dict[str, Any]:
+        """Decode, check and queue one push. `caller`: the authenticated unit, which must be
+        the payload's (None skips that check: in-process callers)."""
         if len(body) > f.max_body:
             raise Reject(
                 413,
@@ -236,13 +269,29 @@ class Syncer:
         loop = asyncio.get_running_loop()
         self._decoding += 1
         try:
-            header, delta = await loop.run_in_executor(self._decode_pool, decode_push, body)
+            header, delta, norm = await loop.run_in_executor(
+                self._decode_pool, decode_measured, body
+            )
         except PayloadMismatch as exc:
             raise Reject(422, "mismatch", str(exc)) from exc
         except WireError as exc:
             raise Reject(400, "malformed", str(exc)) from exc
         finally:
             self._decoding -= 1
+        if caller is not None and header.unit != caller:
+            raise Reject(
+                403, "identity_mismatch", f"payload unit {header.unit!r} != caller {caller!r}"
+            )
+        record = self.learners.records.get(header.unit)
+        if record is None or header.attempt not in record.joined:
+            raise Reject(
+                409,
+                "not_joined",
+                f"unit {header.unit!r} attempt {header.attempt} has not joined: join first",
+            )
+        # Content first: a payload that can never be merged is refused even when its key
+        # repeats an accepted push's.
+        validate_content(f, header, delta, self.shapes, self.cfg.merge.max_push_norm, norm)
         # A retry repeats the same push exactly: the learner's step names it. (A learner that
         # predates the field sends step 0; then a later push on the same base has more c_steps.)
         key = (
@@ -257,7 +306,7 @@ class Syncer:
                 "version": f.version,
                 "pending": len(f.pending),
             }
-        validate_push(f, header, delta, self.shapes, self.cfg.max_staleness)
+        validate_version(f, header, self.cfg.max_staleness)
         now = time.time()
         f.seen[key] = f.version
         while len(f.seen) > SEEN_PER_FRAGMENT:
@@ -349,8 +398,18 @@ class Syncer:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(f.all_in.wait(), grace)
             await self._merge(f)
-        except Exception:
-            log.exception("event=merge_failed fragment=%d", f.index)
+            f.merge_failures = 0
+            if all(g.merge_failures == 0 for g in self.frags):  # no other fragment failing
+                self.health.recovered("merge")
+        except Exception as exc:
+            f.merge_failures += 1
+            self.health.failed("merge", exc)
+            delay = retry_delay(f.merge_failures)
+            log.exception(
+                "event=merge_failed fragment=%d failures=%d retry_in=%.1f pending=%d",
+                f.index, f.merge_failures, delay, len(f.pending),
+            )  # fmt: skip
+            await asyncio.sleep(delay)  # still the fragment's merge task: no merge meanwhile
         finally:
             f.merge_task = None
         if len(f.pending) >= self.cfg.quorum:
@@ -367,25 +426,23 @@ class Syncer:
             online = set(self._contributors(f, time.time())) | set(pending)
             share = participation_share(len(contributions), len(online))
         started = time.perf_counter()
-        new_params, new_state = await asyncio.get_running_loop().run_in_executor(
-            self._merge_pool, self._merge_compute, f.params, f.opt_state, contributions, share
-        )
-        new_version = f.version + 1
-        if self.store is not None:
-            # Journal first, announce second: a number a learner has seen is never reissued.
-            self._published[f.index] = max(self._published[f.index], new_version)
-            await asyncio.get_running_loop().run_in_executor(
-                self._journal_pool, self.store.record_versions, list(self._published)
-            )
-        publication = f.publication
-        if publication is not None:
-            comp = self.cfg.compression
-            publication = await asyncio.get_running_loop().run_in_executor(
-                self._merge_pool,
-                publication.advance, new_params, new_version, comp.downlink, comp.block_size,
+        try:
+            computed = await self._merge_steps(f, contributions, share)
+        except BaseException:
+            put_back(f, pending)  # nothing was installed: the round merges on the next try
+            raise
+        if computed is None:
+            self.metrics.merges_refused.labels(str(f.index)).inc()
+            log.error(
+                "event=merge_refused fragment=%d version=%d reason=non_finite units=%s "
+                "action=contributions_dropped",
+                f.index, f.version, ",".join(sorted(pending)),
             )  # fmt: skip
+            return
+        new_params, new_state, publication, norm = computed
+        new_version = f.version + 1
         elapsed = time.perf_counter() - started
-        f.params, f.opt_state, f.publication = new_params, new_state, publication
+        f.params, f.opt_state, f.publication, f.norm = new_params, new_state, publication, norm
         f.version = new_version
         f.last_merge = time.time()
         self.sync_time.update(elapsed)
@@ -399,6 +456,34 @@ class Syncer:
             "event=merged fragment=%d version=%d contributions=%d share=%.3f units=%s seconds=%.4f",
             f.index, f.version, len(contributions), share, ",".join(sorted(pending)), elapsed,
         )  # fmt: skip
+
+    async def _merge_steps(
+        self, f: FragmentState, contributions: list[Contribution], share: float
+    ) -> tuple[dict[str, np.ndarray], Any, Publication | None, float] | None:
+        """The merge's new parameters, optimizer state, publication and norm, with the new
+        version journaled; None (nothing journaled) when the parameters are not finite."""
+        loop = asyncio.get_running_loop()
+        new_params, new_state = await loop.run_in_executor(
+            self._merge_pool, self._merge_compute, f.params, f.opt_state, contributions, share
+        )
+        norm = await loop.run_in_executor(self._merge_pool, finite_norm, new_params)
+        if norm is None:
+            return None
+        new_version = f.version + 1
+        if self.store is not None:
+            # Journal first, announce second: a number a learner has seen is never reissued.
+            self._published[f.index] = max(self._published[f.index], new_version)
+            await loop.run_in_executor(
+                self._journal_pool, self.store.record_versions, list(self._published)
+            )
+        publication = f.publication
+        if publication is not None:
+            comp = self.cfg.compression
+            publication = await loop.run_in_executor(
+                self._merge_pool,
+                publication.advance, new_params, new_version, comp.downlink, comp.block_size,
+            )  # fmt: skip
+        return new_params, new_state, publication, norm
 
     def _merge_compute(
         self,

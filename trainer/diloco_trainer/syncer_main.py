@@ -1,10 +1,11 @@
 """`diloco-syncer`: run the syncer service.
 
     diloco-syncer --config run.yaml [--host 0.0.0.0] [--port 8470] [--token T] [--checkpoint-dir D]
+                  [--max-units N]
 
-Environment (docs/contracts.md): DILOCO_TOKEN / DILOCO_TOKEN_FILE, DILOCO_SYNCER_PORT,
-DILOCO_CHECKPOINT_PATH, and DILOCO_RUN (run name; defaults to the manifest's metadata.name or the
-config file's stem). Exit 2 on a config error (the message names the field). SIGTERM/SIGINT stop
+Environment (docs/contracts.md): DILOCO_TOKEN / DILOCO_TOKEN_FILE (the run secret),
+DILOCO_SYNCER_PORT, DILOCO_CHECKPOINT_PATH, DILOCO_MAX_UNITS, and DILOCO_RUN (run name; defaults
+to the manifest's metadata.name or the config file's stem). Exit 2 on a config error (the message names the field). SIGTERM/SIGINT stop
 serving, write a final checkpoint and exit 0.
 """
 
@@ -16,9 +17,8 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-
-from aiohttp import web
 
 from diloco_trainer.checkpoint import CheckpointError, CheckpointStore
 from diloco_trainer.config import (
@@ -40,6 +40,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--token", default=None, help="bearer token (else DILOCO_TOKEN[_FILE])")
     p.add_argument("--checkpoint-dir", default=None, help="overrides training.checkpoint.path")
     p.add_argument("--run", default=None, help="run name shown in status")
+    p.add_argument(
+        "--max-units",
+        default=None,
+        help="distinct learner units admitted (else DILOCO_MAX_UNITS; unset: any number)",
+    )
     p.add_argument("--log-level", default=os.environ.get("DILOCO_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
 
@@ -59,6 +64,15 @@ def resolve_port(flag: int | None) -> int:
     return port
 
 
+def resolve_max_units(flag: str | None, env: Mapping[str, str]) -> int | None:
+    raw = flag if flag is not None else env.get("DILOCO_MAX_UNITS")
+    if raw is None or raw == "":
+        return None
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+        raise ConfigError(f"--max-units (or DILOCO_MAX_UNITS): not an integer >= 1: {raw!r}")
+    return int(raw)
+
+
 def run_name(flag: str | None, config_path: str) -> str:
     if flag or os.environ.get("DILOCO_RUN"):
         return flag or os.environ["DILOCO_RUN"]
@@ -69,19 +83,14 @@ def run_name(flag: str | None, config_path: str) -> str:
 
 async def serve(syncer: object, host: str, port: int) -> None:
     from diloco_trainer.syncer import Syncer
-    from diloco_trainer.syncer_http import build_app
+    from diloco_trainer.syncer_http import start_server
 
     assert isinstance(syncer, Syncer)
-    runner = web.AppRunner(build_app(syncer), access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    # runner.addresses gives the real port when --port 0 asked for any free one.
-    bound = [addr[1] for addr in runner.addresses if isinstance(addr, tuple)]
+    runner, bound = await start_server(syncer, host, port)
     log.info(
         "event=listening host=%s port=%s run=%s fragments=%d",
         host,
-        bound[0] if bound else port,
+        bound,
         syncer.run,
         len(syncer.frags),
     )
@@ -106,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_training_config(args.config)
         token = resolve_token(args.token, os.environ)
         port = resolve_port(args.port)
+        max_units = resolve_max_units(args.max_units, os.environ)
         name = run_name(args.run, args.config)
         ckpt_path = (
             args.checkpoint_dir or os.environ.get("DILOCO_CHECKPOINT_PATH") or cfg.checkpoint.path
@@ -122,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     from diloco_trainer.syncer import Syncer
 
     try:
-        syncer = Syncer(cfg, token, run=name, store=store, restore=snapshot)
+        syncer = Syncer(cfg, token, run=name, store=store, restore=snapshot, max_units=max_units)
     except ValueError as exc:  # a checkpoint that does not fit this config
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 2

@@ -68,3 +68,34 @@ class SyncerMetrics:
         self.checkpoints = Counter(
             "diloco_syncer_checkpoints_total", "Checkpoints written", registry=r
         )
+        self._add_fault_metrics(r)
+
+    def _add_fault_metrics(self, r: CollectorRegistry) -> None:
+        """What the syncer failed to do: merges, checkpoint writes, and checkpoints it had to
+        roll back past (docs/protocol.md, "Readiness")."""
+        self.failing = Gauge(
+            "diloco_syncer_failing",
+            "1 while the syncer cannot merge (what=merge) or write checkpoints "
+            "(what=checkpoint); /readyz answers 503 meanwhile",
+            ["what"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "diloco_syncer_failures_total",
+            "Failed merges (what=merge) and checkpoint writes (what=checkpoint)",
+            ["what"],
+            registry=r,
+        )
+        self.merges_refused = Counter(
+            "diloco_syncer_merges_refused_total",
+            "Merges whose result was not finite, refused (their contributions dropped)",
+            ["fragment"],
+            registry=r,
+        )
+        self.checkpoints_skipped = Gauge(
+            "diloco_syncer_checkpoints_skipped",
+            "Newer checkpoints found unusable at startup (the syncer rolled back past them)",
+            registry=r,
+        )
+        for what in ("merge", "checkpoint"):
+            self.failing.labels(what).set(0)

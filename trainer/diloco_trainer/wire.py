@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -27,6 +28,11 @@ from diloco_trainer.config import SCHEMES, Scheme
 from diloco_trainer.quantize import QMAX, Quantized, dequantize, quantize
 
 FORMAT = "diloco/1"
+# The largest counter (step, token count, version, attempt) accepted anywhere on the wire: every
+# number up to it is exact in a float64 (Prometheus, JSON readers in other languages), so sums
+# and gauges of them never overflow or round to something else.
+MAX_COUNTER = 2**53 - 1
+_DIGITS = re.compile(r"[0-9]{1,16}")
 
 
 class WireError(ValueError):
@@ -67,7 +73,7 @@ def decode_tensors(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, str
     if header_len <= 0 or 8 + header_len > len(payload):
         raise WireError(f"safetensors header length {header_len} exceeds payload")
     try:
-        header = json.loads(payload[8 : 8 + header_len])
+        header = loads_json(payload[8 : 8 + header_len])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WireError(f"safetensors header is not JSON: {exc}") from exc
     if not isinstance(header, dict):
@@ -82,13 +88,36 @@ def decode_tensors(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, str
     return dict(tensors), {str(k): str(v) for k, v in metadata.items()}
 
 
+def parse_count(raw: str) -> int | None:
+    """A non-negative decimal integer written in ASCII digits only, at most MAX_COUNTER; None for
+    anything else (signs, spaces, underscores and non-ASCII digits, which `int` accepts)."""
+    if not _DIGITS.fullmatch(raw):
+        return None
+    value = int(raw)
+    return value if value <= MAX_COUNTER else None
+
+
+def loads_json(data: str | bytes) -> Any:
+    """`json.loads`, with what json reports other than JSONDecodeError (RecursionError for deep
+    nesting, ValueError for an integer of more than 4300 digits) raised as a JSONDecodeError, so
+    a hostile document is a malformed one, not a crash."""
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError:
+        raise
+    except (RecursionError, ValueError) as exc:
+        reason = "nesting too deep" if isinstance(exc, RecursionError) else str(exc)[:80]
+        raise json.JSONDecodeError(reason, "", 0) from None
+
+
 def _int_field(meta: Mapping[str, str], key: str, minimum: int = 0) -> int:
     if key not in meta:
         raise WireError(f"payload metadata.{key}: missing")
-    try:
-        value = int(meta[key])
-    except ValueError as exc:
-        raise WireError(f"payload metadata.{key}: not an integer: {meta[key]!r}") from exc
+    value = parse_count(meta[key])
+    if value is None:
+        raise WireError(
+            f"payload metadata.{key}: not an integer in 0..{MAX_COUNTER}: {meta[key][:40]!r}"
+        )
     if value < minimum:
         raise WireError(f"payload metadata.{key}: must be >= {minimum}, got {value}")
     return value
@@ -196,7 +225,7 @@ def _dequantize_all(
     tensors: Mapping[str, np.ndarray], meta: Mapping[str, str], scheme: Scheme, block_size: int
 ) -> dict[str, np.ndarray]:
     try:
-        shapes_raw: Any = json.loads(meta.get("shapes", ""))
+        shapes_raw: Any = loads_json(meta.get("shapes", ""))
     except json.JSONDecodeError as exc:
         raise WireError(f"payload metadata.shapes: not JSON: {exc}") from exc
     if not isinstance(shapes_raw, dict):
@@ -288,7 +317,7 @@ def decode_download(payload: bytes) -> Download:
     if kind not in ("params", "step"):
         raise WireError("payload metadata.kind must be 'params' or 'step'")
     try:
-        versions = json.loads(meta.get("versions", ""))
+        versions = loads_json(meta.get("versions", ""))
     except json.JSONDecodeError as exc:
         raise WireError(f"payload metadata.versions: not JSON: {exc}") from exc
     if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):

@@ -55,6 +55,7 @@ from diloco_operator.planner import (
     desired_units,
     plan,
 )
+from diloco_trainer.auth import unit_token
 from rich.console import Console
 
 __all__ = ["LocalRuntime", "RunAborted", "RunOptions", "RunResult"]
@@ -117,6 +118,7 @@ class LocalRuntime:
             config=self.config,
             checkpoint_dir=self.checkpoint_dir,
             logs_dir=self.logs_dir,
+            max_units=run.spec.total_units,
             max_restarts=options.max_syncer_restarts,
             start_timeout=options.syncer_start_timeout,
         )
@@ -146,9 +148,10 @@ class LocalRuntime:
     # --- process actions ------------------------------------------------------------------
 
     def _learner_env(self) -> dict[str, str]:
+        """The env every learner shares; no token: each unit gets its own (`unit_token`), a
+        spare its unit's in the identity line."""
         env = child_env(dict(os.environ))
         env.update({"DILOCO_SYNCER_ADDR": self.syncer.client.base_url})
-        env["DILOCO_TOKEN"] = self.syncer.token
         return env
 
     def _start_unit(self, action: CreateUnit, now: float) -> None:
@@ -157,7 +160,8 @@ class LocalRuntime:
             return  # idempotent: the planner may ask again before it observes the process
         slowdown = self.slowdown.get(action.group, 1.0)
         log_path = self.logs_dir / f"{action.name}.log"
-        if not self.spares.take(action, slowdown, log_path, now):
+        token = unit_token(self.syncer.token, action.name)
+        if not self.spares.take(action, slowdown, token, log_path, now):
             env = self._learner_env()
             env.update(
                 {
@@ -167,6 +171,7 @@ class LocalRuntime:
                     "DILOCO_ATTEMPT": str(action.attempt),
                     "DILOCO_GROUP": action.group,
                     "DILOCO_SLOWDOWN": f"{slowdown:g}",
+                    "DILOCO_TOKEN": token,
                 }
             )
             args = ["--config", str(self.config)]

@@ -39,7 +39,8 @@ def is_spare(key: str) -> bool:
 
 class SparePool:
     """Keeps `wanted` spares waiting and owns the fork server. `learner_env` gives the env every
-    learner shares (syncer address, token); `config` is the manifest path the learners read."""
+    learner shares (the syncer address; no token: a spare gets its unit's with the identity);
+    `config` is the manifest path the learners read."""
 
     def __init__(
         self,
@@ -79,9 +80,12 @@ class SparePool:
             self.server = ForkServer(self.learner_env())
         return self.server
 
-    def take(self, action: CreateUnit, slowdown: float, log_path: Path, now: float) -> bool:
+    def take(
+        self, action: CreateUnit, slowdown: float, token: str, log_path: Path, now: float
+    ) -> bool:
         """Make the oldest live spare this unit (it has imported JAX and compiled the train step
-        already); False when there is none, and the caller starts a fresh process."""
+        already), with `token`, the unit's own bearer token; False when there is none, and the
+        caller starts a fresh process."""
         identity = {
             "unit": action.global_index,
             "unitName": action.name,
@@ -89,6 +93,7 @@ class SparePool:
             "attempt": action.attempt,
             "group": action.group,
             "slowdown": slowdown,
+            "token": token,
             "log": str(log_path.resolve()),
         }
         line = (json.dumps(identity) + "\n").encode()

@@ -32,6 +32,7 @@ class SyncerProcess:
         config: Path,
         checkpoint_dir: Path,
         logs_dir: Path,
+        max_units: int,
         max_restarts: int,
         start_timeout: float,
     ) -> None:
@@ -41,6 +42,7 @@ class SyncerProcess:
         self.config = config
         self.checkpoint_dir = checkpoint_dir
         self.log_path = logs_dir / "syncer.log"
+        self.max_units = max_units
         self.max_restarts = max_restarts
         self.start_timeout = start_timeout
         self.token = secrets.token_urlsafe(24)
@@ -69,7 +71,8 @@ class SyncerProcess:
         argv = [*self.argv_prefix, "--config", str(self.config), "--host", "127.0.0.1"]
         argv += ["--port", str(self.port), "--checkpoint-dir", str(self.checkpoint_dir)]
         env = child_env(dict(os.environ))
-        env["DILOCO_TOKEN"] = self.token
+        env["DILOCO_TOKEN"] = self.token  # the run secret; each unit gets unit_token(secret, name)
+        env["DILOCO_MAX_UNITS"] = str(self.max_units)
         self.procs.spawn(SYNCER, argv, env, self.log_path)
         self.healthy = False
         kind = "syncer-restarted" if restarting else "syncer-started"
