@@ -291,7 +291,8 @@ def test_operator_sigkilled_mid_change_no_duplicates(
     assert children["jobs"] == units
     assert children["svc"] == sorted([*units, f"{RUN}-syncer"])
     assert children["deploy"] == [f"{RUN}-syncer"]
-    assert children["secrets"] == [f"{RUN}-token"]
+    # the run secret and one token per unit, each once
+    assert children["secrets"] == sorted([f"{RUN}-token", *(f"{u}-token" for u in units)])
     assert children["configmaps"] == [f"{RUN}-config"]
     assert [u["name"] for u in status(cluster, namespace, RUN)["units"]].count(unit(3)) == 1
     same = cluster.kubectl_json("get", "secret", f"{RUN}-token", "-n", namespace)["data"]["token"]

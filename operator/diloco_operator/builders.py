@@ -12,6 +12,7 @@ import secrets
 from typing import Any
 
 import yaml
+from diloco_trainer.auth import unit_token
 
 from diloco_operator.accelerators import (
     ACCELERATOR_LABEL,
@@ -196,7 +197,11 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
             }
         )
         mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})
+    # Readiness is /readyz: a syncer that cannot merge or persist shows NotReady (and the run's
+    # Ready condition says SyncerNotReady) while its Service keeps sending it pushes and polls;
+    # liveness stays /healthz, so a full disk does not restart it and lose what it holds.
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5}
+    readiness = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5}
     pod_labels = labels(run, SYNCER)
     pod_spec: dict[str, Any] = {
         "containers": [
@@ -207,7 +212,7 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
                 "command": ["diloco-syncer", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
                 "env": env,
                 "ports": [{"name": "http", "containerPort": port}],
-                "readinessProbe": probe,
+                "readinessProbe": readiness,
                 "livenessProbe": {**probe, "failureThreshold": 6, "initialDelaySeconds": 10},
                 "resources": _resources(spec.syncer.resources),
                 "volumeMounts": mounts,
@@ -244,6 +249,8 @@ def syncer_service(run: Run) -> dict[str, Any]:
         "spec": {
             "selector": {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER},
             "ports": [{"name": "http", "port": run.spec.syncer.port, "targetPort": "http"}],
+            # an unready syncer (cannot merge or persist) still takes pushes it can keep
+            "publishNotReadyAddresses": True,
         },
     }
 
@@ -366,7 +373,7 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         pod_spec["affinity"] = _affinity(run, unit)
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
-    secure_pod(pod_spec, run.token_secret)
+    secure_pod(pod_spec, unit_token_secret_name(unit.name))
     job_labels = unit_labels(run, unit)
     return {
         "apiVersion": "batch/v1",
@@ -411,6 +418,29 @@ def run_objects(run: Run, token: str | None = None) -> list[dict[str, Any]]:
     return objs
 
 
-def unit_objects(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
-    """The children of one unit, Service first so the pods' names resolve from the start."""
-    return [unit_service(run, unit), unit_job(run, unit)]
+def unit_token_secret(run: Run, unit: CreateUnit, run_token: str) -> dict[str, Any]:
+    """The unit's own credential (HMAC of the run secret and its name, docs/protocol.md): a
+    learner pod holds this, never the run secret, so it can speak only as its own unit."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(
+            run, unit_token_secret_name(unit.name), LEARNER, **{LABEL_UNIT: unit.name}
+        ),
+        "stringData": {TOKEN_KEY: unit_token(run_token, unit.name)},
+    }
+
+
+def unit_token_secret_name(unit: str) -> str:
+    return f"{unit}-token"
+
+
+def unit_objects(run: Run, unit: CreateUnit, run_token: str) -> list[dict[str, Any]]:
+    """The children of one unit, Service first so the pods' names resolve from the start, and
+    the unit's token before the Job whose pods mount it."""
+    return [
+        unit_service(run, unit),
+        unit_token_secret(run, unit, run_token),
+        unit_job(run, unit),
+    ]

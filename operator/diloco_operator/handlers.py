@@ -206,15 +206,23 @@ def learner_pod_deleted(
         wake(namespace, labels.get(LABEL_RUN))
 
 
-async def syncer_report(run: builders.Run) -> SyncerStatus | None:
-    """GET /v1/status of the run's syncer; None when unreachable (the run keeps reconciling)."""
+async def read_run_token(run: builders.Run) -> str | None:
+    """The run secret (cached per run): the operator's credential for status reads and the key
+    each unit's own token is derived from."""
     key = (run.namespace, run.name)
     token = STATE.tokens.get(key)
     if token is None:
         token = await kube.read_token(run.namespace, run.token_secret, builders.TOKEN_KEY)
-        if token is None:
-            return None
-        STATE.tokens[key] = token
+        if token is not None:
+            STATE.tokens[key] = token
+    return token
+
+
+async def syncer_report(run: builders.Run) -> SyncerStatus | None:
+    """GET /v1/status of the run's syncer; None when unreachable (the run keeps reconciling)."""
+    token = await read_run_token(run)
+    if token is None:
+        return None
     url = STATE.options.syncer_url.format(
         name=run.syncer_name, namespace=run.namespace, port=run.spec.syncer.port
     )
@@ -240,7 +248,11 @@ async def apply(run: builders.Run, the_plan: Plan, body: Any) -> None:
                 await kube.create(obj)
             ACTIONS.labels("create_syncer", "").inc()
         elif isinstance(action, CreateUnit):
-            for obj in builders.unit_objects(run, action):
+            run_token = await read_run_token(run)
+            if run_token is None:
+                log.info("unit=%s waits for the run's token Secret", action.name)
+                continue
+            for obj in builders.unit_objects(run, action, run_token):
                 await kube.create(obj)
             ACTIONS.labels("create_unit", f"attempt{min(action.attempt, 1)}").inc()
         elif isinstance(action, DeleteUnit):

@@ -11,6 +11,7 @@ import yaml
 from diloco_operator import builders
 from diloco_operator.api import parse_spec
 from diloco_operator.planner import CreateUnit, desired_units
+from diloco_trainer.auth import unit_token
 from diloco_trainer.config import load_training_config
 from k8s_roundtrip import roundtrip
 
@@ -62,7 +63,7 @@ def env_of(job: dict[str, Any]) -> dict[str, Any]:
 def all_objects(run: builders.Run) -> list[dict[str, Any]]:
     objs = builders.run_objects(run)
     for slot in desired_units(run.name, run.spec):
-        objs += builders.unit_objects(run, create(run, slot.name))
+        objs += builders.unit_objects(run, create(run, slot.name), "run-secret")
     return objs
 
 
@@ -152,7 +153,7 @@ def test_syncer_deployment_recreate_with_readiness_and_checkpoint_pvc() -> None:
     dep = builders.syncer_deployment(run)
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
     container = dep["spec"]["template"]["spec"]["containers"][0]
-    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["command"][0] == "diloco-syncer"
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "mix-checkpoints"
@@ -261,7 +262,10 @@ def test_pods_get_the_token_as_a_group_readable_file(role: str) -> None:
     path = env["DILOCO_TOKEN_FILE"]["value"]
     mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
-    assert volume["secret"]["secretName"] == "mix-token"
+    # the syncer holds the run secret; a learner only its own unit's token
+    assert volume["secret"]["secretName"] == (
+        "mix-token" if role == "syncer" else "mix-cpu-0-token"
+    )
     assert volume["secret"]["defaultMode"] == 0o440
     assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
 
@@ -286,3 +290,26 @@ def test_syncer_placement_follows_its_spec() -> None:
     assert pod["nodeSelector"] == {"pool": "cpu"}
     assert pod["tolerations"] == [toleration]
     roundtrip(builders.syncer_deployment(run))
+
+
+def test_each_unit_gets_its_own_token_derived_from_the_run_secret() -> None:
+    run = make_run()
+    unit = create(run, "mix-cpu-0")
+    service, secret, job = builders.unit_objects(run, unit, "the-run-secret")
+    assert (service["kind"], secret["kind"], job["kind"]) == ("Service", "Secret", "Job")
+    assert secret["metadata"]["name"] == "mix-cpu-0-token"
+    assert secret["stringData"]["token"] == unit_token("the-run-secret", "mix-cpu-0")
+    assert secret["stringData"]["token"] != "the-run-secret"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-123"
+    other = builders.unit_token_secret(run, create(run, "mix-v5p-0"), "the-run-secret")
+    assert other["stringData"]["token"] != secret["stringData"]["token"]
+    roundtrip(secret)
+
+
+def test_syncer_readiness_is_its_ability_to_merge_and_persist() -> None:
+    run = make_run()
+    container = builders.syncer_deployment(run)["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # not ready is reported, never a reason to cut learners off from it
+    assert builders.syncer_service(run)["spec"]["publishNotReadyAddresses"] is True

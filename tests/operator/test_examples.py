@@ -38,7 +38,7 @@ def test_example_validates_and_round_trips(path: Path) -> None:
     first = plan(run.name, spec, [], None, 0.0, syncer=ObservedSyncer(False, False))
     objs = builders.run_objects(run)
     for action in first.of_type(builders.CreateUnit):
-        objs += builders.unit_objects(run, action)
+        objs += builders.unit_objects(run, action, "run-secret")
     assert len([o for o in objs if o["kind"] == "Job"]) == spec.total_units
     for obj in objs:
         assert roundtrip(obj) == obj

@@ -14,6 +14,7 @@ from aiohttp import web
 from diloco_operator import handlers, kube
 from diloco_operator.main import parse_args
 from diloco_operator.observe import job_view, node_ready, observe_unit, pod_view
+from diloco_trainer.auth import unit_token
 
 T = "2026-01-01T00:00:00Z"
 
@@ -234,20 +235,24 @@ def test_one_pass_creates_children_then_writes_status_once(monkeypatch: pytest.M
     patched: list[dict[str, Any]] = []
     events: list[str] = []
 
+    secrets: dict[str, str] = {}
+
     async def fake_create(obj: dict[str, Any]) -> bool:
         created.append(f"{obj['kind']}/{obj['metadata']['name']}")
+        if obj["kind"] == "Secret":
+            secrets[obj["metadata"]["name"]] = obj["stringData"]["token"]
         return True
 
     async def fake_patch(namespace: str, name: str, status: dict[str, Any]) -> None:
         json.dumps(status)  # must be JSON-serializable as sent
         patched.append(status)
 
-    async def no_token(*_: Any) -> None:
-        return None
+    async def read_created_token(namespace: str, secret: str, key: str) -> str | None:
+        return secrets.get(secret)
 
     monkeypatch.setattr(kube, "create", fake_create)
     monkeypatch.setattr(kube, "patch_status", fake_patch)
-    monkeypatch.setattr(kube, "read_token", no_token)
+    monkeypatch.setattr(kube, "read_token", read_created_token)
     monkeypatch.setattr(
         handlers.kopf, "event", lambda body, type, reason, message: events.append(reason)
     )
@@ -270,10 +275,13 @@ def test_one_pass_creates_children_then_writes_status_once(monkeypatch: pytest.M
         "Service/r-syncer",
         "Deployment/r-syncer",
         "Service/r-default-0",
+        "Secret/r-default-0-token",
         "Job/r-default-0",
         "Service/r-default-1",
+        "Secret/r-default-1-token",
         "Job/r-default-1",
     ]
+    assert secrets["r-default-1-token"] == unit_token(secrets["r-token"], "r-default-1")
     assert (
         len(patched) == 1
         and patched[0]["observedGeneration"] == 3
