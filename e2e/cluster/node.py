@@ -194,6 +194,9 @@ def cni_config(ipam_dir: Path) -> dict[str, Any]:
                 "ipam": {
                     "type": "host-local",
                     "ranges": [[{"subnet": POD_SUBNET, "gateway": GATEWAY}]],
+                    # Service IPs only, via the host: no default route, so a pod has no way
+                    # to even address anything beyond this machine
+                    "routes": [{"dst": SERVICE_CIDR}],
                     "dataDir": str(ipam_dir),
                 },
             },

@@ -159,11 +159,13 @@ def manifest(image: str) -> dict[str, Any]:
                 }
             ],
             "training": {
-                "model": {"preset": "tiny", "seqLen": 32},
-                "data": {"source": "stdlib", "batchSize": 4, "maxBytes": 400000},
+                "model": {"preset": "tiny", "seqLen": 64},
+                "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 400000},
                 "innerSteps": 10,
                 "fragments": 2,
-                "totalSteps": 2600,
+                # long enough for every fault below to hit a training run (measured: 2,600
+                # steps of a smaller batch were over in ~30 s on 2 loaded cores)
+                "totalSteps": 16000,
                 "heartbeatSeconds": 1,
                 "checkpoint": {"everySeconds": CHECKPOINT_SECONDS},
                 "eval": {"everySeconds": 10, "batches": 2},
