@@ -163,9 +163,10 @@ def manifest(image: str) -> dict[str, Any]:
                 "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 400000},
                 "innerSteps": 10,
                 "fragments": 2,
-                # long enough for every fault below to hit a training run (measured: 2,600
-                # steps of a smaller batch were over in ~30 s on 2 loaded cores)
-                "totalSteps": 16000,
+                # Every fault below hits a training run: they are over ~70 s after apply, and
+                # this budget takes ~6 min on 2 loaded cores (~15k tokens/s for both units),
+                # ~3 min on idle ones. (2,600 steps of a smaller batch ended in ~30 s.)
+                "totalSteps": 10000,
                 "heartbeatSeconds": 1,
                 "checkpoint": {"everySeconds": CHECKPOINT_SECONDS},
                 "eval": {"everySeconds": 10, "batches": 2},
@@ -426,7 +427,7 @@ def test_run_completes_and_children_go_with_it(
 ) -> None:
     ns = run["ns"]
     done = wait_for(
-        "phase Succeeded", lambda: (s := st(cluster, ns)).get("phase") == "Succeeded" and s, 420
+        "phase Succeeded", lambda: (s := st(cluster, ns)).get("phase") == "Succeeded" and s, 720
     )
     assert done.get("finalLoss") is not None, done
     say(f"run Succeeded: outerStep {done.get('outerStep')}, tokens {done.get('tokens')}, "
