@@ -5,6 +5,7 @@ the operator to the syncer."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -186,3 +187,50 @@ def test_network_policy_value_passes_the_operator_identity() -> None:
     assert parsed.operator_pod_labels["app.kubernetes.io/name"] == "diloco-operator"
     role = next(d for d in docs if d["kind"] == "Role")
     assert any("networkpolicies" in r["resources"] for r in role["rules"])
+
+
+def paused_replicas(priorities: dict[str, int]) -> set[str]:
+    """Which replicas kopf's own peering logic pauses when all of them are alive in one
+    peering object (kopf.engines.peering.process_peering_event, as the operator runs it)."""
+    from datetime import UTC, datetime
+
+    import kopf
+    from kopf._cogs.aiokits.aiotoggles import Toggle
+    from kopf._core.engines.peering import Identity, process_peering_event
+
+    now = datetime.now(UTC).isoformat()
+    body = {
+        "metadata": {"name": "diloco-operator"},
+        "status": {
+            ident: {"priority": prio, "lifetime": 15, "lastseen": now}
+            for ident, prio in priorities.items()
+        },
+    }
+
+    async def verdict(ident: str, priority: int) -> bool:
+        settings = kopf.OperatorSettings()
+        settings.peering.name, settings.peering.priority = "diloco-operator", priority
+        paused, awake = Toggle(False), asyncio.Event()
+        awake.set()  # do not sleep until the peers' deadlines
+        await process_peering_event(
+            raw_event={"type": "MODIFIED", "object": body},  # type: ignore[typeddict-item]
+            namespace=None,
+            resource=None,  # type: ignore[arg-type]
+            identity=Identity(ident),
+            settings=settings,
+            autoclean=False,
+            stream_pressure=awake,
+            conflicts_found=paused,
+        )
+        return paused.is_on()
+
+    return {i for i, p in priorities.items() if asyncio.run(verdict(i, p))}
+
+
+def test_kopf_pauses_every_tied_replica_but_exactly_one_acts_with_auto_priorities() -> None:
+    # What the chart ran before: --peering without --priority, i.e. 0 for every replica.
+    tied = {f"pod-{i}": parse_args(["--peering", "p", "--priority", "0"]).priority for i in "ab"}
+    assert paused_replicas(tied) == {"pod-a", "pod-b"}  # nobody reconciles
+    auto = {"pod-a": auto_priority(1_700_000_000.0, 5), "pod-b": auto_priority(1_700_000_003.0, 5)}
+    auto["pod-c"] = parse_args(["--peering", "p"]).priority  # started now: the youngest
+    assert paused_replicas(auto) == {"pod-b", "pod-c"}  # the oldest acts, alone

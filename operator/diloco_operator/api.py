@@ -53,6 +53,7 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 # group (12) + "-" + index (<= 4 digits) stays below the limit with room for pod suffixes.
 MAX_RUN_NAME = 40
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
 Accelerator = Literal["tpu-v6e-slice", "tpu-v5p-slice", "tpu-v5-lite-podslice", "tpu-v4-podslice"]
 assert set(Accelerator.__args__) == set(ACCELERATORS)  # type: ignore[attr-defined]
 
@@ -62,7 +63,6 @@ Quantity = Annotated[
     | Annotated[str, Field(pattern=QUANTITY, max_length=64)],
     Field(description="A Kubernetes quantity, e.g. 500m or 2Gi."),
 ]
-ShortStr = Annotated[str, Field(max_length=253)]
 ResourceName = Annotated[str, Field(max_length=253, pattern=RESOURCE_NAME)]
 LabelKey = Annotated[str, Field(max_length=253, pattern=QUALIFIED_NAME)]
 ResourceMap = Annotated[

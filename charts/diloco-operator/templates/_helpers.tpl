@@ -37,6 +37,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.watchNamespaces -}}
 {{- fail "clusterWide: true and watchNamespaces are exclusive: pick one" -}}
 {{- end -}}
+[]
 {{- else -}}
 {{- default (list .Release.Namespace) .Values.watchNamespaces | toJson -}}
 {{- end -}}
