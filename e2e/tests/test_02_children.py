@@ -118,8 +118,11 @@ def test_syncer_and_run_objects(cluster: Any, namespace: str, mixed: dict[str, A
     pvc = cluster.kubectl_json("get", "pvc", f"{RUN}-checkpoints", "-n", namespace)
     assert pvc["spec"]["storageClassName"] == "premium-rwo"
     assert pvc["spec"]["resources"]["requests"]["storage"] == "50Gi"
-    for obj in (deploy, svc, secret, cm, pvc):
+    for obj in (deploy, svc, secret, cm):
         assert obj["metadata"]["ownerReferences"][0]["uid"] == mixed["metadata"]["uid"]
+    # The checkpoints outlive the run (retentionPolicy Retain): labelled, not owned.
+    assert "ownerReferences" not in pvc["metadata"]
+    assert pvc["metadata"]["labels"]["diloco.dev/run"] == RUN
 
 
 def test_pods_land_on_their_node_pools_and_run(
@@ -159,7 +162,8 @@ def test_deleting_the_run_garbage_collects_every_child(
     cluster: Any, namespace: str, mixed: dict[str, Any]
 ) -> None:
     cluster.kubectl("delete", "dlr", RUN, "-n", namespace, "--wait=false")
-    kinds = "jobs,pods,svc,deploy,replicasets,secrets,configmaps,pvc"
+    # Not the checkpoint PVC: it is retained for the next run of this name (checked below).
+    kinds = "jobs,pods,svc,deploy,replicasets,secrets,configmaps"
 
     def leftovers() -> list[str]:
         out = cluster.kubectl(
@@ -169,3 +173,6 @@ def test_deleting_the_run_garbage_collects_every_child(
         return out + ([] if gone else [f"dilocorun/{RUN}"])
 
     wait_for("every child of the run gone", lambda: not leftovers() or None, timeout=120)
+    pvc = cluster.kubectl_json("get", "pvc", f"{RUN}-checkpoints", "-n", namespace)
+    assert not pvc["metadata"].get("deletionTimestamp")
+    cluster.kubectl("delete", "pvc", f"{RUN}-checkpoints", "-n", namespace, "--wait=false")
