@@ -112,6 +112,15 @@ class Replica:
                 self.proc.wait(timeout=5)
 
 
+RESUMED = "Resuming operations"  # kopf's log line when a paused replica starts acting
+
+
+def peers(cluster: Any) -> set[str]:
+    """Identities with a keep-alive in the chart's ClusterKopfPeering."""
+    obj = cluster.kubectl_json("get", "clusterkopfpeering", "diloco-operator")
+    return set(obj.get("status") or {})
+
+
 def children(cluster: Any, namespace: str) -> dict[str, str]:
     """kind/name -> uid of every object labelled with the run."""
     found = {}
@@ -129,15 +138,21 @@ def test_leader_sigkilled_the_other_replica_takes_over_without_duplicates(
     namespace: str,
     tmp_path: Path,
 ) -> None:
+    # Replicas start paused until they have read the peering object. The leader resumes (no
+    # peer above it); the standby, started later (a lower priority), finds it there and stays
+    # paused, as when a pod is added or restarted next to a running leader.
     leader = Replica(cluster, chart, tmp_path, "replica-a")
-    time.sleep(0.5)  # a later start: a lower priority
-    standby = Replica(cluster, chart, tmp_path, "replica-b")
+    standby: Replica | None = None
     try:
+        wait_for("the leader active", lambda: RESUMED in leader.log(), timeout=60)
+        standby = Replica(cluster, chart, tmp_path, "replica-b")
         wait_for(
-            "the standby pausing in favour of the leader",
-            lambda: "Pausing operations" in standby.log(),
+            "both replicas in the peering object",
+            lambda: {"replica-a", "replica-b"} <= peers(cluster),
             timeout=60,
         )
+        time.sleep(3)  # the standby has processed the peering object by now
+        assert RESUMED not in standby.log(), standby.log()
         apply(cluster, namespace, example("gke-tpu-v6e", replicas=2))
         wait_for("2 units Online", lambda: all_units_online(cluster, namespace, RUN, 2), 120)
         assert "created kind=Job" in leader.log() and "created kind=" not in standby.log()
@@ -156,7 +171,7 @@ def test_leader_sigkilled_the_other_replica_takes_over_without_duplicates(
         )
         took = time.monotonic() - killed
         say(f"takeover: the standby created the new unit {took:.1f}s after the SIGKILL")
-        assert "Resuming operations" in standby.log()
+        assert RESUMED in standby.log()
         assert took <= TAKEOVER_BOUND_S, f"takeover took {took:.1f}s > {TAKEOVER_BOUND_S}s"
         wait_for("3 units Online", lambda: all_units_online(cluster, namespace, RUN, 3), 120)
 
@@ -171,5 +186,6 @@ def test_leader_sigkilled_the_other_replica_takes_over_without_duplicates(
         assert len(jobs_now) == 3
     finally:
         for replica in (leader, standby):
-            replica.stop()
+            if replica is not None:
+                replica.stop()
         say(f"replica logs: {tmp_path}")
