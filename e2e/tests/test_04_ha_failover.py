@@ -185,6 +185,9 @@ def test_leader_sigkilled_the_other_replica_takes_over_without_duplicates(
         assert {n: job_attempt(jobs_now[n]) for n in attempts} == attempts
         assert len(jobs_now) == 3
     finally:
+        # Gone before the namespace goes (the active replica removes kopf's finalizer), so no
+        # operator later finds a run whose namespace refuses new children.
+        kubectl(cluster, "delete", "dlr", RUN, "-n", namespace, "--timeout=60s", check=False)
         for replica in (leader, standby):
             if replica is not None:
                 replica.stop()

@@ -83,4 +83,4 @@ def test_name_conflict_and_quota_are_reported_then_cleared(
     wait_for("both unit Jobs", lambda: len(live_jobs(cluster, namespace, RUN)) == 2, timeout=60)
     secret = cluster.kubectl_json("get", "secret", f"{RUN}-token", "-n", namespace)
     assert secret["metadata"]["ownerReferences"][0]["name"] == RUN
-    kubectl(cluster, "delete", "dlr", RUN, "-n", namespace, "--wait=false")
+    kubectl(cluster, "delete", "dlr", RUN, "-n", namespace, "--timeout=60s")

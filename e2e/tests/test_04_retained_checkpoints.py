@@ -92,5 +92,5 @@ def test_recreating_a_run_to_change_its_training_keeps_its_checkpoints(
         timeout=60,
     )
     assert created["reason"] == "Created"  # the retained claim is no NameConflict
-    kubectl(cluster, "delete", "dlr", RUN, "-n", namespace, "--wait=false")
+    kubectl(cluster, "delete", "dlr", RUN, "-n", namespace, "--timeout=60s")
     kubectl(cluster, "delete", "pvc", CLAIM, "-n", namespace, "--wait=false")
