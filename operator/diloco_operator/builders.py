@@ -148,7 +148,10 @@ def token_secret(run: Run, token: str | None = None) -> dict[str, Any]:
 
 
 def checkpoint_claim(run: Run) -> dict[str, Any] | None:
-    """The PVC the operator owns, or None (bucket, ephemeral, or a user-provided claim)."""
+    """The PVC the operator creates, or None (bucket, ephemeral, or a user-provided claim).
+
+    Not owned by the run unless retentionPolicy is Delete: `training` is immutable, so changing
+    it means deleting and re-creating the run, which must not take its checkpoints along."""
     ckpt = run.spec.syncer.checkpoint
     if ckpt.ephemeral or ckpt.is_bucket or ckpt.path:
         return None
@@ -158,12 +161,10 @@ def checkpoint_claim(run: Run) -> dict[str, Any] | None:
     }
     if ckpt.storage_class:
         spec["storageClassName"] = ckpt.storage_class
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": _meta(run, run.checkpoint_claim, SYNCER),
-        "spec": spec,
-    }
+    meta = _meta(run, run.checkpoint_claim, SYNCER)
+    if ckpt.retention_policy == "Retain":
+        del meta["ownerReferences"]
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
 
 
 def _config_volume(run: Run) -> dict[str, Any]:

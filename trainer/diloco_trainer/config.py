@@ -19,6 +19,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+# The largest integer bound a CRD schema can state (the API server reads `maximum` as a float64,
+# and it must fit an int64): a manifest with a bigger one is refused there, so here too.
+INT64_MAX = (1 << 63) - 1024
+# The shortest period anything may be scheduled with: a smaller one is a busy loop.
+MIN_PERIOD_SECONDS = 0.1
+
 
 class Strict(BaseModel):
     """Base for every schema block: camelCase aliases, no unknown fields, validated defaults."""
@@ -28,6 +34,8 @@ class Strict(BaseModel):
         populate_by_name=True,
         extra="forbid",
         validate_default=True,
+        # YAML can spell .inf and .nan; JSON (and so the API server) cannot: refuse them too.
+        allow_inf_nan=False,
     )
 
     def to_wire(self) -> dict[str, Any]:
@@ -113,7 +121,10 @@ class DataConfig(Strict):
         0.05, gt=0.0, lt=0.5, description="Held-out share of the corpus for evaluation."
     )
     max_bytes: int | None = Field(
-        None, ge=1 << 16, description="Cap on corpus size (stdlib source), for quick runs."
+        None,
+        ge=1 << 16,
+        le=INT64_MAX,
+        description="Cap on corpus size (stdlib source), for quick runs.",
     )
 
     @model_validator(mode="after")
@@ -130,7 +141,9 @@ class InnerOptimizerConfig(Strict):
     b1: float = Field(0.9, ge=0, lt=1)
     b2: float = Field(0.95, ge=0, lt=1)
     weight_decay: float = Field(0.1, ge=0, le=10)
-    warmup_steps: int = Field(50, ge=0, description="Linear warmup length in inner steps.")
+    warmup_steps: int = Field(
+        50, ge=0, le=INT64_MAX, description="Linear warmup length in inner steps."
+    )
     grad_clip: float | None = Field(1.0, gt=0, description="Global-norm clip; null disables.")
     schedule: Literal["constant", "cosine"] = Field("cosine", description="Decay after warmup.")
 
@@ -200,18 +213,26 @@ class CompressionConfig(Strict):
         "(docs/protocol.md, 'Compressed downlink'); none sends float32 values.",
     )
 
+    @model_validator(mode="after")
+    def _int4_packs_pairs(self) -> CompressionConfig:
+        if "int4" in (self.scheme, self.downlink) and self.block_size % 2:
+            raise ValueError(f"blockSize: {self.block_size} is odd; int4 packs two values per byte")
+        return self
+
 
 class CheckpointConfig(Strict):
     path: str = Field(
         "runs/checkpoints", description="Directory (PVC mount) for syncer checkpoints."
     )
-    every_seconds: float = Field(30.0, gt=0, description="Checkpoint period.")
+    every_seconds: float = Field(30.0, ge=MIN_PERIOD_SECONDS, description="Checkpoint period.")
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints to retain.")
 
 
 class EvalConfig(Strict):
     every_seconds: float | None = Field(
-        15.0, gt=0, description="Syncer evaluates the global model this often; null disables."
+        15.0,
+        ge=MIN_PERIOD_SECONDS,
+        description="Syncer evaluates the global model this often; null disables.",
     )
     batches: int = Field(8, ge=1, le=10000, description="Held-out batches per evaluation.")
 
@@ -244,13 +265,21 @@ class TrainingConfig(Strict):
     inner_optimizer: InnerOptimizerConfig = Field(default_factory=lambda: InnerOptimizerConfig())
     outer_optimizer: OuterOptimizerConfig = Field(default_factory=lambda: OuterOptimizerConfig())
     total_steps: int | None = Field(
-        None, ge=1, description="Stop after this many inner steps summed over all learners."
+        None,
+        ge=1,
+        le=INT64_MAX,
+        description="Stop after this many inner steps summed over all learners.",
     )
     total_tokens: int | None = Field(
-        None, ge=1, description="Stop after this many tokens summed over all learners."
+        None,
+        ge=1,
+        le=INT64_MAX,
+        description="Stop after this many tokens summed over all learners.",
     )
-    seed: int = Field(0, ge=0, description="Seeds initialisation and data order.")
-    heartbeat_seconds: float = Field(2.0, gt=0, le=600, description="Learner heartbeat period.")
+    seed: int = Field(0, ge=0, le=INT64_MAX, description="Seeds initialisation and data order.")
+    heartbeat_seconds: float = Field(
+        2.0, ge=MIN_PERIOD_SECONDS, le=600, description="Learner heartbeat period."
+    )
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
     eval: EvalConfig = Field(default_factory=lambda: EvalConfig())
 
