@@ -199,7 +199,7 @@ def conflicts(template: PodTemplate) -> list[str]:
     main = template.main_container or MainContainer()
     volumes = [v.name for v in spec.volumes or []]
     found = [
-        f"metadata.labels: {k} is set by the operator (diloco.dev/*, app.kubernetes.io/*)"
+        f"metadata.labels: {k} is set by the operator (diloco.dev/*, {', '.join(OWNED_LABELS)})"
         for k in meta.labels or {}
         if _owned_label(k)
     ]
