@@ -14,6 +14,8 @@ TPU_RESOURCE = "google.com/tpu"
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 TPU_TAINT_KEY = "google.com/tpu"
+# GKE labels Spot VM nodes with it; Spot node pools may also carry it as a NoSchedule taint.
+SPOT_LABEL = "cloud.google.com/gke-spot"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,14 @@ from typing import Annotated, Any, Literal
 from diloco_trainer.config import Strict, TrainingConfig, format_validation_error
 from pydantic import Field, ValidationError, model_validator
 
-from diloco_operator.accelerators import ACCELERATORS, check_tpu, hosts
+from diloco_operator.accelerators import (
+    ACCELERATOR_LABEL,
+    ACCELERATORS,
+    SPOT_LABEL,
+    TOPOLOGY_LABEL,
+    check_tpu,
+    hosts,
+)
 from diloco_operator.kubesyntax import (
     CHECKPOINT_PATH,
     DNS_SUBDOMAIN,
@@ -31,6 +38,7 @@ from diloco_operator.kubesyntax import (
     RUN_NAME,
     keys_rule,
 )
+from diloco_operator.pod_template import PodTemplate
 
 GROUP = "diloco.dev"
 VERSION = "v1alpha1"
@@ -167,6 +175,29 @@ class UnitGroup(Strict):
     exclusive_topology: bool = Field(
         False, description="One unit per node pool: pods of other units are kept off it."
     )
+    spot: bool = Field(
+        False,
+        description="Run on Spot VMs: adds the cloud.google.com/gke-spot=true node selector and "
+        "toleration. Preemptions are counted in status.units[].preemptions, not as restarts.",
+    )
+    template: PodTemplate | None = Field(
+        None,
+        description="Pod customisation merged into this group's pods (labels, annotations, "
+        "volumes, env, sidecars, ...); operator-owned fields are refused.",
+    )
+
+    @model_validator(mode="after")
+    def _selector_not_owned(self) -> UnitGroup:
+        owned = [
+            *((ACCELERATOR_LABEL, TOPOLOGY_LABEL) if self.tpu else ()),
+            *((SPOT_LABEL,) if self.spot else ()),
+        ]
+        taken = [key for key in owned if key in (self.node_selector or {})]
+        if taken:
+            raise ValueError(
+                f"nodeSelector: {', '.join(taken)} is set by the operator from tpu and spot"
+            )
+        return self
 
     @property
     def hosts(self) -> int:
@@ -211,6 +242,11 @@ class SyncerSpec(Strict):
     )
     tolerations: list[Toleration] | None = Field(
         None, max_length=16, description="Taints the syncer pod tolerates."
+    )
+    template: PodTemplate | None = Field(
+        None,
+        description="Pod customisation merged into the syncer pod; operator-owned fields are "
+        "refused.",
     )
 
 

@@ -16,6 +16,7 @@ from diloco_trainer.auth import unit_token
 
 from diloco_operator.accelerators import (
     ACCELERATOR_LABEL,
+    SPOT_LABEL,
     TOPOLOGY_LABEL,
     TPU_RESOURCE,
     TPU_TAINT_KEY,
@@ -35,6 +36,7 @@ from diloco_operator.api import (
 )
 from diloco_operator.planner import CreateUnit
 from diloco_operator.pod_security import TOKEN_KEY, secure_pod
+from diloco_operator.pod_template import apply_template
 
 CONFIG_DIR = "/etc/diloco"
 CONFIG_FILE = "run.yaml"
@@ -237,7 +239,9 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
             # Never two syncers on one checkpoint: the old pod goes before the new one starts.
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER}},
-            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+            "template": apply_template(
+                {"metadata": {"labels": pod_labels}, "spec": pod_spec}, spec.syncer.template
+            ),
         },
     }
 
@@ -324,6 +328,11 @@ def _placement(group: UnitGroup) -> tuple[dict[str, str], list[dict[str, Any]], 
         node_selector[TOPOLOGY_LABEL] = group.tpu.topology
         tolerations.append({"key": TPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"})
         chips = group.tpu.chips_on_each_host
+    if group.spot:
+        node_selector[SPOT_LABEL] = "true"
+        tolerations.append(
+            {"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+        )
     node_selector.update(group.node_selector or {})
     tolerations.extend(t.to_wire() for t in group.tolerations or [])
     return node_selector, tolerations, chips
@@ -404,7 +413,9 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
                     },
                 ]
             },
-            "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
+            "template": apply_template(
+                {"metadata": {"labels": job_labels}, "spec": pod_spec}, group.template
+            ),
         },
     }
 

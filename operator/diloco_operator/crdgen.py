@@ -21,8 +21,14 @@ from typing import Any
 import yaml
 from diloco_trainer.config import CompressionConfig, TrainingConfig
 
-from diloco_operator import api
-from diloco_operator.accelerators import ACCELERATORS, allowed_chips_per_host
+from diloco_operator import api, pod_template
+from diloco_operator.accelerators import (
+    ACCELERATOR_LABEL,
+    ACCELERATORS,
+    SPOT_LABEL,
+    TOPOLOGY_LABEL,
+    allowed_chips_per_host,
+)
 
 DEFAULT_MAX_LENGTH = 1024
 DEFAULT_MAX_ITEMS = 1000
@@ -194,6 +200,25 @@ RULES: dict[str, list[dict[str, str]]] = {
     ],
 }
 
+# Selector keys the operator sets from `tpu` and `spot` (api.UnitGroup._selector_not_owned).
+OWNED_SELECTOR_RULES = [
+    {
+        "rule": "!has(self.tpu) || !has(self.nodeSelector) || "
+        f"!({ACCELERATOR_LABEL!r} in self.nodeSelector || {TOPOLOGY_LABEL!r} in self.nodeSelector)",
+        "message": f"nodeSelector: {ACCELERATOR_LABEL} and {TOPOLOGY_LABEL} are set by the "
+        "operator from tpu",
+        "fieldPath": ".nodeSelector",
+    },
+    {
+        "rule": "!has(self.spot) || !self.spot || !has(self.nodeSelector) || "
+        f"!({SPOT_LABEL!r} in self.nodeSelector)",
+        "message": f"nodeSelector: {SPOT_LABEL} is set by the operator from spot",
+        "fieldPath": ".nodeSelector",
+    },
+]
+for _model, _rules in {**pod_template.CEL_RULES, "UnitGroup": OWNED_SELECTOR_RULES}.items():
+    RULES.setdefault(_model, []).extend(_rules)
+
 # Lists whose items have a unique key: the API server then rejects duplicates itself.
 LIST_MAP_KEYS = {"unitGroups": ["name"]}
 
@@ -252,6 +277,11 @@ def structural(node: Any, defs: dict[str, Any], name: str | None = None) -> Any:
             node[key] = True
     if node.get("type") == "object" or "properties" in node:
         node["type"] = "object"
+        if node.get("additionalProperties") is True:
+            # Passed through as given (a volume source, a sidecar, a securityContext): the
+            # server keeps the fields it has no schema for; declared ones are still checked.
+            node.pop("additionalProperties")
+            node["x-kubernetes-preserve-unknown-fields"] = True
         if "properties" in node:
             node.pop("additionalProperties", None)
             node["properties"] = {k: _property(k, v, defs) for k, v in node["properties"].items()}
@@ -263,7 +293,8 @@ def structural(node: Any, defs: dict[str, Any], name: str | None = None) -> Any:
     if node.get("type") == "string" and "enum" not in node:
         node.setdefault("maxLength", DEFAULT_MAX_LENGTH)
     if name in RULES:
-        node["x-kubernetes-validations"] = RULES[name]
+        # A copy per node: a model used twice (a pod template) must not become a YAML alias.
+        node["x-kubernetes-validations"] = copy.deepcopy(RULES[name])
     _describe_default(node, default)
     return node
 

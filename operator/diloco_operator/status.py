@@ -30,6 +30,11 @@ class UnitStatus(Strict):
     state: UnitState
     attempt: int = 0
     restarts: int = 0
+    preemptions: int = Field(
+        0,
+        description="Recreations after a preemption or node maintenance (DisruptionTarget by "
+        "preemption, eviction or the kubelet, or its node deleted); not counted in restarts.",
+    )
     quick_failures: int = Field(
         0,
         description="Failures in a row of attempts that had not run healthily (crash loop); "

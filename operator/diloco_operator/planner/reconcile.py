@@ -26,8 +26,8 @@ from diloco_operator.planner.conditions import set_condition
 from diloco_operator.planner.failure import (
     Signal,
     failure_signal,
+    offline_delay,
     recover,
-    restart_delay,
     take_offline,
 )
 from diloco_operator.planner.model import (
@@ -101,7 +101,7 @@ def _step_unit(
         )
     if signal is not None:
         updated, actions = take_offline(unit, signal, policy, now, report)
-        wait = restart_delay(policy, updated.quick_failures) if updated.state == "Offline" else None
+        wait = offline_delay(updated, policy) if updated.state == "Offline" else None
         return updated, actions, wait
     assert obs is not None
     if obs.phase == "Running" and obs.ready and unit.state != "Online":
