@@ -49,18 +49,32 @@ ShortStr = Annotated[str, Field(max_length=253)]
 class ResourceRequirements(Strict):
     """Container resources, as in a Pod spec."""
 
-    requests: dict[ShortStr, Quantity] | None = Field(None, max_length=16)
-    limits: dict[ShortStr, Quantity] | None = Field(None, max_length=16)
+    requests: dict[ShortStr, Quantity] | None = Field(
+        None, max_length=16, description="Resource name -> amount the scheduler reserves."
+    )
+    limits: dict[ShortStr, Quantity] | None = Field(
+        None, max_length=16, description="Resource name -> most the container may use."
+    )
 
 
 class Toleration(Strict):
     """A Pod toleration, as in a Pod spec."""
 
-    key: str | None = Field(None, max_length=253)
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = Field(None, max_length=253)
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    key: str | None = Field(
+        None, max_length=253, description="Taint key; empty with operator Exists: every taint."
+    )
+    operator: Literal["Exists", "Equal"] | None = Field(
+        None, description="Exists: any value; Equal (the default): the value must match."
+    )
+    value: str | None = Field(None, max_length=253, description="Taint value (for Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to tolerate; empty: every effect."
+    )
+    toleration_seconds: int | None = Field(
+        None,
+        description="For NoExecute: how long the pod stays bound after the taint appears; "
+        "empty: forever.",
+    )
 
 
 class TpuSpec(Strict):
@@ -118,7 +132,9 @@ class UnitGroup(Strict):
     node_selector: dict[ShortStr, Annotated[str, Field(max_length=63)]] | None = Field(
         None, max_length=16, description="Extra node selector for this group's pods."
     )
-    tolerations: list[Toleration] | None = Field(None, max_length=16)
+    tolerations: list[Toleration] | None = Field(
+        None, max_length=16, description="Extra taints this group's pods tolerate."
+    )
     exclusive_topology: bool = Field(
         False, description="One unit per node pool: pods of other units are kept off it."
     )
@@ -149,7 +165,9 @@ class CheckpointStorage(Strict):
 class SyncerSpec(Strict):
     """The outer-sync service (CPU only): one Deployment with a Service."""
 
-    resources: ResourceRequirements | None = None
+    resources: ResourceRequirements | None = Field(
+        None, description="Syncer container resources (CPU and memory)."
+    )
     port: int = Field(8470, ge=1024, le=65535, description="Syncer HTTP port.")
     checkpoint: CheckpointStorage = Field(default_factory=lambda: CheckpointStorage())
     node_selector: dict[ShortStr, Annotated[str, Field(max_length=63)]] | None = Field(
@@ -209,8 +227,10 @@ class ChaosSpec(Strict):
     """Fault injection (the local runtime with --chaos, the operator with --enable-chaos) and
     slowed groups (local runtime only)."""
 
-    seed: int = Field(0, ge=0)
-    schedule: list[ChaosEvent] = Field(default_factory=list, max_length=1000)
+    seed: int = Field(0, ge=0, description="Seeds the random choices (units, kill intervals).")
+    schedule: list[ChaosEvent] = Field(
+        default_factory=list, max_length=1000, description="Faults at fixed times."
+    )
     kill_every_seconds: float | None = Field(
         None, gt=0, description="Also kill a random unit at exponential intervals of this mean."
     )
@@ -234,7 +254,9 @@ class DilocoRunSpec(Strict):
     """Desired state of a decoupled-DiLoCo training run."""
 
     image: str = Field(min_length=1, max_length=512, description="Trainer image (learner+syncer).")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Pull policy of the learner and syncer containers."
+    )
     replicas: int = Field(
         1, ge=1, le=1000, description="Units of the first unit group (the scale subresource)."
     )
@@ -253,7 +275,12 @@ class DilocoRunSpec(Strict):
         "operator started with --enable-chaos (the chart's chaos.enabled); ignored otherwise. "
         "Slowed groups: local runtime only.",
     )
-    service_account_name: str | None = Field(None, max_length=253)
+    service_account_name: str | None = Field(
+        None,
+        max_length=253,
+        description="ServiceAccount of the learner and syncer pods (e.g. one bound to a Google "
+        "service account through Workload Identity); default: the namespace's default.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> DilocoRunSpec:
@@ -301,60 +328,112 @@ UnitState = Literal["Pending", "Online", "Offline", "Recreating", "Removing", "C
 
 
 class UnitFailure(Strict):
-    reason: str = Field(max_length=128)
-    message: str = Field("", max_length=1024)
-    time: datetime
+    """The last failure seen on a unit."""
+
+    reason: str = Field(max_length=128, description="Failure signal, e.g. PodFailed.")
+    message: str = Field("", max_length=1024, description="What was seen, in words.")
+    time: datetime = Field(description="When it was seen.")
+
+
+class UnitGoodput(Strict):
+    """Useful vs total learner-seconds of one unit, as the local report defines them
+    (docs/operator.md, "Goodput"); the last four fields are the operator's bookkeeping."""
+
+    useful_seconds: float = Field(
+        0.0,
+        ge=0,
+        description="Seconds between two consecutive heartbeats of the same attempt whose step "
+        "advanced.",
+    )
+    total_seconds: float = Field(
+        0.0,
+        ge=0,
+        description="Seconds since the unit first trained, while it was Pending, Online, "
+        "Offline or Recreating.",
+    )
+    ratio: float = Field(0.0, ge=0, le=1, description="usefulSeconds / totalSeconds.")
+    last_attempt: int | None = Field(None, description="Attempt of the last heartbeat counted.")
+    last_step: int | None = Field(None, description="Step of the last heartbeat counted.")
+    last_heartbeat: float | None = Field(
+        None, description="Time of the last heartbeat counted (the syncer's clock, Unix seconds)."
+    )
+    counted_until: datetime | None = Field(
+        None, description="totalSeconds counts up to this moment; null until the unit trained."
+    )
 
 
 class UnitStatus(Strict):
     """Bookkeeping of one learner unit; the operator rebuilds it from children when lost."""
 
-    name: str
-    group: str
+    name: str = Field(description="Unit name: its Job and headless Service.")
+    group: str = Field(description="Unit group (spec.unitGroups[].name).")
     index: int = Field(description="Index within the group.")
     global_index: int = Field(description="Index across the run (the unit's data shard).")
-    state: UnitState
-    attempt: int = 0
-    restarts: int = 0
+    state: UnitState = Field(
+        description="Pending (created, not all hosts ready), Online, Offline (failed, waiting "
+        "to be recreated), Recreating, Removing (scaled down), Completed or Failed (restart "
+        "budget spent)."
+    )
+    attempt: int = Field(0, description="Attempt number of the unit's current Job (from 0).")
+    restarts: int = Field(0, description="Recreations after failures (maxUnitRestarts bounds it).")
     quick_failures: int = Field(
         0,
         description="Failures in a row of attempts that had not run healthily (crash loop); "
         "the restart backoff doubles with each. 0: recreated at once.",
     )
     since: datetime | None = Field(None, description="When the unit entered its state.")
-    last_failure: UnitFailure | None = None
+    last_failure: UnitFailure | None = Field(None, description="The last failure seen.")
+    goodput: UnitGoodput | None = Field(
+        None, description="Useful vs total seconds; null until the syncer reported the unit."
+    )
 
 
 class Condition(Strict):
     """A Kubernetes-style condition (type, status True/False/Unknown, reason, message)."""
 
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str
-    message: str = ""
-    last_transition_time: datetime
-    observed_generation: int | None = None
+    type: str = Field(description="Ready, Degraded, Progressing or Complete.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="Why, as one CamelCase word.")
+    message: str = Field("", description="Why, in words.")
+    last_transition_time: datetime = Field(description="When the status last changed.")
+    observed_generation: int | None = Field(
+        None, description="The spec generation the condition was computed from."
+    )
 
 
 class DilocoRunStatus(Strict):
-    phase: RunPhase = "Pending"
-    conditions: list[Condition] = Field(default_factory=list)
-    units: list[UnitStatus] = Field(default_factory=list)
-    units_online: int = 0
+    """Observed state of the run, written by the operator."""
+
+    phase: RunPhase = Field(
+        "Pending",
+        description="Pending (no unit online yet), Running, Degraded (a unit Offline, Recreating "
+        "or Failed), Succeeded (budget reached) or Failed (fewer units left than the quorum).",
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Degraded, Progressing and Complete."
+    )
+    units: list[UnitStatus] = Field(default_factory=list, description="One entry per unit.")
+    units_online: int = Field(0, description="Units in state Online.")
     replicas: int = Field(0, description="Units of the first group that exist (scale status).")
     selector: str = Field("", description="Label selector of the first group's pods (scale).")
-    outer_step: int | None = None
-    steps: int | None = None
-    tokens: int | None = None
-    loss: float | None = None
-    train_loss: float | None = None
+    outer_step: int | None = Field(
+        None, description="Sum of the fragment versions at the syncer (merges so far)."
+    )
+    steps: int | None = Field(None, description="Inner steps summed over all learners.")
+    tokens: int | None = Field(None, description="Tokens summed over all learners.")
+    loss: float | None = Field(None, description="Latest held-out loss of the global model.")
+    train_loss: float | None = Field(
+        None, description="Token-weighted mean of the learners' latest losses."
+    )
     final_loss: float | None = Field(
         None,
         description="Held-out loss of the global model evaluated once the budget was reached "
         "(the syncer's finalLoss); null until then.",
     )
-    observed_generation: int | None = None
-    message: str | None = None
+    observed_generation: int | None = Field(
+        None, description="The spec generation this status was computed from."
+    )
+    message: str | None = Field(None, description="Why the run is in its phase, in words.")
 
 
 def parse_spec(spec: dict[str, Any], prefix: str = "spec") -> DilocoRunSpec:
