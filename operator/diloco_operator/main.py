@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
+import os
 
 import kopf
+from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 from prometheus_client import start_http_server
 
 from diloco_operator import handlers, kube
@@ -62,19 +63,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "uninstalling the operator, or when runs/namespaces hang in Terminating without it)",
     )
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument(
+        "--log-format", choices=FORMATS, default=None, help=f"text or json (else {LOG_FORMAT_ENV})"
+    )
     args = p.parse_args(argv)
     if args.poll_interval <= 0:
         p.error("--poll-interval: must be > 0")
+    try:
+        args.log_format = resolve_log_format(args.log_format, os.environ)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
     handlers.STATE.options = handlers.Options(
         poll_interval=args.poll_interval, syncer_url=args.syncer_url, chaos=args.enable_chaos
     )

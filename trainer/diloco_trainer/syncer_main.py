@@ -27,6 +27,7 @@ from diloco_trainer.config import (
     read_document,
     resolve_token,
 )
+from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 
 log = logging.getLogger("diloco.syncer")
 DEFAULT_PORT = 8470
@@ -41,6 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default=None, help="overrides training.checkpoint.path")
     p.add_argument("--run", default=None, help="run name shown in status")
     p.add_argument("--log-level", default=os.environ.get("DILOCO_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--log-format", choices=FORMATS, default=None, help=f"text or json (else {LOG_FORMAT_ENV})"
+    )
     return p.parse_args(argv)
 
 
@@ -97,11 +101,12 @@ async def serve(syncer: object, host: str, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    try:
+        log_format = resolve_log_format(args.log_format, os.environ)
+    except ValueError as exc:
+        print(f"diloco-syncer: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level.upper(), log_format)
     try:
         cfg = load_training_config(args.config)
         token = resolve_token(args.token, os.environ)
