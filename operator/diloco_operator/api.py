@@ -15,6 +15,7 @@ from diloco_trainer.config import Strict, TrainingConfig, format_validation_erro
 from pydantic import Field, ValidationError, model_validator
 
 from diloco_operator.accelerators import ACCELERATORS, check_tpu, hosts
+from diloco_operator.unit_goodput import UnitGoodput
 
 GROUP = "diloco.dev"
 VERSION = "v1alpha1"
@@ -71,9 +72,7 @@ class Toleration(Strict):
         None, description="Taint effect to tolerate; empty: every effect."
     )
     toleration_seconds: int | None = Field(
-        None,
-        description="For NoExecute: how long the pod stays bound after the taint appears; "
-        "empty: forever.",
+        None, description="For NoExecute: seconds the pod stays after the taint; empty: forever."
     )
 
 
@@ -333,33 +332,6 @@ class UnitFailure(Strict):
     reason: str = Field(max_length=128, description="Failure signal, e.g. PodFailed.")
     message: str = Field("", max_length=1024, description="What was seen, in words.")
     time: datetime = Field(description="When it was seen.")
-
-
-class UnitGoodput(Strict):
-    """Useful vs total learner-seconds of one unit, as the local report defines them
-    (docs/operator.md, "Goodput"); the last four fields are the operator's bookkeeping."""
-
-    useful_seconds: float = Field(
-        0.0,
-        ge=0,
-        description="Seconds between two consecutive heartbeats of the same attempt whose step "
-        "advanced.",
-    )
-    total_seconds: float = Field(
-        0.0,
-        ge=0,
-        description="Seconds since the unit first trained, while it was Pending, Online, "
-        "Offline or Recreating.",
-    )
-    ratio: float = Field(0.0, ge=0, le=1, description="usefulSeconds / totalSeconds.")
-    last_attempt: int | None = Field(None, description="Attempt of the last heartbeat counted.")
-    last_step: int | None = Field(None, description="Step of the last heartbeat counted.")
-    last_heartbeat: float | None = Field(
-        None, description="Time of the last heartbeat counted (the syncer's clock, Unix seconds)."
-    )
-    counted_until: datetime | None = Field(
-        None, description="totalSeconds counts up to this moment; null until the unit trained."
-    )
 
 
 class UnitStatus(Strict):

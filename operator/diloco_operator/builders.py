@@ -326,6 +326,13 @@ def _placement(group: UnitGroup) -> tuple[dict[str, str], list[dict[str, Any]], 
     return node_selector, tolerations, chips
 
 
+def _learner_observability_env() -> list[dict[str, str]]:
+    return [
+        {"name": "DILOCO_METRICS_PORT", "value": str(LEARNER_METRICS_PORT)},
+        dict(LOG_FORMAT_ENV),
+    ]
+
+
 def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
     spec = run.spec
     group: UnitGroup | None = spec.group(unit.group)
@@ -338,8 +345,7 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         {"name": "DILOCO_NUM_UNITS", "value": str(unit.num_units)},
         {"name": "DILOCO_ATTEMPT", "value": str(unit.attempt)},
         {"name": "DILOCO_GROUP", "value": unit.group},
-        {"name": "DILOCO_METRICS_PORT", "value": str(LEARNER_METRICS_PORT)},
-        dict(LOG_FORMAT_ENV),
+        *_learner_observability_env(),
         {
             "name": "TPU_WORKER_ID",
             "valueFrom": {

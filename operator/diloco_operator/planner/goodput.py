@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from diloco_trainer.status import LearnerStatus
 
-from diloco_operator.api import UnitGoodput, UnitStatus
+from diloco_operator.api import UnitStatus
 from diloco_operator.planner.timefmt import at
+from diloco_operator.unit_goodput import UnitGoodput
 
 COUNTED_STATES = ("Pending", "Online", "Offline", "Recreating")
 
