@@ -91,18 +91,38 @@ ResourceMap = Annotated[
 class ResourceRequirements(Strict):
     """Container resources, as in a Pod spec."""
 
-    requests: ResourceMap | None = None
-    limits: ResourceMap | None = None
+    requests: ResourceMap | None = Field(
+        None, description="Resource name -> amount the scheduler reserves."
+    )
+    limits: ResourceMap | None = Field(
+        None, description="Resource name -> most the container may use."
+    )
 
 
 class Toleration(Strict):
     """A Pod toleration, as in a Pod spec."""
 
-    key: str | None = Field(None, max_length=253, pattern=OPTIONAL_QUALIFIED_NAME)
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = Field(None, max_length=63, pattern=LABEL_VALUE)
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(None, ge=-INT64_MAX, le=INT64_MAX)
+    key: str | None = Field(
+        None,
+        max_length=253,
+        pattern=OPTIONAL_QUALIFIED_NAME,
+        description="Taint key; empty with operator Exists: every taint.",
+    )
+    operator: Literal["Exists", "Equal"] | None = Field(
+        None, description="Exists: any value; Equal (the default): the value must match."
+    )
+    value: str | None = Field(
+        None, max_length=63, pattern=LABEL_VALUE, description="Taint value (for Equal)."
+    )
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to tolerate; empty: every effect."
+    )
+    toleration_seconds: int | None = Field(
+        None,
+        ge=-INT64_MAX,
+        le=INT64_MAX,
+        description="For NoExecute: seconds the pod stays after the taint; empty: forever.",
+    )
 
     @model_validator(mode="after")
     def _pod_rules(self) -> Toleration:
@@ -171,7 +191,9 @@ class UnitGroup(Strict):
     node_selector: NodeSelector | None = Field(
         None, description="Extra node selector for this group's pods."
     )
-    tolerations: list[Toleration] | None = Field(None, max_length=16)
+    tolerations: list[Toleration] | None = Field(
+        None, max_length=16, description="Extra taints this group's pods tolerate."
+    )
     exclusive_topology: bool = Field(
         False, description="One unit per node pool: pods of other units are kept off it."
     )
@@ -234,7 +256,9 @@ class CheckpointStorage(Strict):
 class SyncerSpec(Strict):
     """The outer-sync service (CPU only): one Deployment with a Service."""
 
-    resources: ResourceRequirements | None = None
+    resources: ResourceRequirements | None = Field(
+        None, description="Syncer container resources (CPU and memory)."
+    )
     port: int = Field(8470, ge=1024, le=65535, description="Syncer HTTP port.")
     checkpoint: CheckpointStorage = Field(default_factory=lambda: CheckpointStorage())
     node_selector: NodeSelector | None = Field(
@@ -314,8 +338,12 @@ class ChaosSpec(Strict):
     """Fault injection (the local runtime with --chaos, the operator with --enable-chaos) and
     slowed groups (local runtime only)."""
 
-    seed: int = Field(0, ge=0, le=INT64_MAX)
-    schedule: list[ChaosEvent] = Field(default_factory=list, max_length=1000)
+    seed: int = Field(
+        0, ge=0, le=INT64_MAX, description="Seeds the random choices (units, kill intervals)."
+    )
+    schedule: list[ChaosEvent] = Field(
+        default_factory=list, max_length=1000, description="Faults at fixed times."
+    )
     kill_every_seconds: float | None = Field(
         None,
         ge=1.0,
@@ -347,7 +375,9 @@ class DilocoRunSpec(Strict):
         pattern=IMAGE,
         description="Trainer image (learner+syncer).",
     )
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Pull policy of the learner and syncer containers."
+    )
     replicas: int = Field(
         1, ge=1, le=MAX_UNITS, description="Units of the first unit group (the scale subresource)."
     )
@@ -366,7 +396,13 @@ class DilocoRunSpec(Strict):
         "operator started with --enable-chaos (the chart's chaos.enabled); ignored otherwise. "
         "Slowed groups: local runtime only.",
     )
-    service_account_name: str | None = Field(None, max_length=253, pattern=DNS_SUBDOMAIN)
+    service_account_name: str | None = Field(
+        None,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="ServiceAccount of the learner and syncer pods (e.g. one bound to a Google "
+        "service account through Workload Identity); default: the namespace's default.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> DilocoRunSpec:

@@ -46,6 +46,10 @@ SYNCER = "syncer"
 MANAGED_BY = "diloco-operator"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
+# Learners serve Prometheus metrics here (DILOCO_METRICS_PORT); the chart's monitors scrape the
+# container port named "metrics". Pods log JSON for Cloud Logging (docs/gke.md, "Logs").
+LEARNER_METRICS_PORT = 9100
+LOG_FORMAT_ENV = {"name": "DILOCO_LOG_FORMAT", "value": "json"}
 
 
 class Run:
@@ -183,6 +187,7 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
     port = spec.syncer.port
     env = [
         {"name": "DILOCO_SYNCER_PORT", "value": str(port)},
+        dict(LOG_FORMAT_ENV),
         {
             "name": "DILOCO_CHECKPOINT_PATH",
             "value": ckpt.path if ckpt.is_bucket else CHECKPOINT_MOUNT,
@@ -338,6 +343,13 @@ def _placement(group: UnitGroup) -> tuple[dict[str, str], list[dict[str, Any]], 
     return node_selector, tolerations, chips
 
 
+def _learner_observability_env() -> list[dict[str, str]]:
+    return [
+        {"name": "DILOCO_METRICS_PORT", "value": str(LEARNER_METRICS_PORT)},
+        dict(LOG_FORMAT_ENV),
+    ]
+
+
 def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
     spec = run.spec
     group: UnitGroup | None = spec.group(unit.group)
@@ -350,6 +362,7 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         {"name": "DILOCO_NUM_UNITS", "value": str(unit.num_units)},
         {"name": "DILOCO_ATTEMPT", "value": str(unit.attempt)},
         {"name": "DILOCO_GROUP", "value": unit.group},
+        *_learner_observability_env(),
         {
             "name": "TPU_WORKER_ID",
             "valueFrom": {
@@ -369,6 +382,7 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
                 "imagePullPolicy": spec.image_pull_policy,
                 "command": ["diloco-learner", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
                 "env": env,
+                "ports": [{"name": "metrics", "containerPort": LEARNER_METRICS_PORT}],
                 "resources": _resources(group.resources, chips),
                 "volumeMounts": [_config_mount()],
             }

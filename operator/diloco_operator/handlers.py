@@ -28,7 +28,7 @@ import aiohttp
 import kopf
 from prometheus_client import Counter, Gauge, Histogram
 
-from diloco_operator import builders, chaos, kube
+from diloco_operator import builders, chaos, kube, run_metrics
 from diloco_operator.api import (
     GROUP,
     LABEL_COMPONENT,
@@ -397,6 +397,7 @@ async def reconcile_once(
     if last is None or new != last:
         await kube.patch_status(namespace, name, new.model_dump(mode="json", by_alias=True))
     UNITS_ONLINE.labels(namespace, name).set(new.units_online)
+    run_metrics.export_goodput(namespace, name, status, new)
     PASSES.labels("ok").inc()
     return the_plan, new
 
@@ -472,3 +473,4 @@ async def run_loop(
         STATE.chaos.pop(key, None)
         with contextlib.suppress(KeyError):
             UNITS_ONLINE.remove(namespace, name)
+        run_metrics.forget_run(namespace, name, last)

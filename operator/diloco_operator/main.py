@@ -10,11 +10,12 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import random
-import sys
 import time
 
 import kopf
+from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 from prometheus_client import start_http_server
 
 from diloco_operator import handlers, kube
@@ -96,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "uninstalling the operator, or when runs/namespaces hang in Terminating without it)",
     )
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument(
+        "--log-format", choices=FORMATS, default=None, help=f"text or json (else {LOG_FORMAT_ENV})"
+    )
     args = p.parse_args(argv)
     if args.poll_interval <= 0:
         p.error("--poll-interval: must be > 0")
@@ -105,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--syncer-network-policy: needs --operator-namespace and --operator-pod-labels")
     if args.priority is None or args.priority == "auto":
         args.priority = auto_priority(time.time(), random.randrange(1000))
+    try:
+        args.log_format = resolve_log_format(args.log_format, os.environ)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -138,11 +146,7 @@ def auto_priority(started: float, jitter: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
     handlers.STATE.options = handlers.Options(
         poll_interval=args.poll_interval,
         syncer_url=args.syncer_url,

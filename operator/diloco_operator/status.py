@@ -9,27 +9,34 @@ from diloco_trainer.config import Strict
 from pydantic import Field
 
 from diloco_operator.kubesyntax import MAX_UNITS
+from diloco_operator.unit_goodput import UnitGoodput
 
 RunPhase = Literal["Pending", "Running", "Degraded", "Succeeded", "Failed"]
 UnitState = Literal["Pending", "Online", "Offline", "Recreating", "Removing", "Completed", "Failed"]
 
 
 class UnitFailure(Strict):
-    reason: str = Field(max_length=128)
-    message: str = Field("", max_length=1024)
-    time: datetime
+    """The last failure seen on a unit."""
+
+    reason: str = Field(max_length=128, description="Failure signal, e.g. PodFailed.")
+    message: str = Field("", max_length=1024, description="What was seen, in words.")
+    time: datetime = Field(description="When it was seen.")
 
 
 class UnitStatus(Strict):
     """Bookkeeping of one learner unit; the operator rebuilds it from children when lost."""
 
-    name: str
-    group: str
+    name: str = Field(description="Unit name: its Job and headless Service.")
+    group: str = Field(description="Unit group (spec.unitGroups[].name).")
     index: int = Field(description="Index within the group.")
     global_index: int = Field(description="Index across the run (the unit's data shard).")
-    state: UnitState
-    attempt: int = 0
-    restarts: int = 0
+    state: UnitState = Field(
+        description="Pending (created, not all hosts ready), Online, Offline (failed, waiting "
+        "to be recreated), Recreating, Removing (scaled down), Completed or Failed (restart "
+        "budget spent)."
+    )
+    attempt: int = Field(0, description="Attempt number of the unit's current Job (from 0).")
+    restarts: int = Field(0, description="Recreations after failures (maxUnitRestarts bounds it).")
     preemptions: int = Field(
         0,
         description="Recreations after a preemption or node maintenance (DisruptionTarget by "
@@ -41,36 +48,58 @@ class UnitStatus(Strict):
         "the restart backoff doubles with each. 0: recreated at once.",
     )
     since: datetime | None = Field(None, description="When the unit entered its state.")
-    last_failure: UnitFailure | None = None
+    last_failure: UnitFailure | None = Field(None, description="The last failure seen.")
+    goodput: UnitGoodput | None = Field(
+        None, description="Useful vs total seconds; null until the syncer reported the unit."
+    )
 
 
 class Condition(Strict):
     """A Kubernetes-style condition (type, status True/False/Unknown, reason, message)."""
 
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str
-    message: str = ""
-    last_transition_time: datetime
-    observed_generation: int | None = None
+    type: str = Field(description="Ready, Degraded, Progressing, Complete or ChildrenCreated.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="Why, as one CamelCase word.")
+    message: str = Field("", description="Why, in words.")
+    last_transition_time: datetime = Field(description="When the status last changed.")
+    observed_generation: int | None = Field(
+        None, description="The spec generation the condition was computed from."
+    )
 
 
 class DilocoRunStatus(Strict):
-    phase: RunPhase = "Pending"
-    conditions: list[Condition] = Field(default_factory=list)
-    units: list[UnitStatus] = Field(default_factory=list, max_length=MAX_UNITS)
-    units_online: int = 0
+    """Observed state of the run, written by the operator."""
+
+    phase: RunPhase = Field(
+        "Pending",
+        description="Pending (no unit online yet), Running, Degraded (a unit Offline, Recreating "
+        "or Failed), Succeeded (budget reached) or Failed (fewer units left than the quorum).",
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Degraded, Progressing, Complete and ChildrenCreated.",
+    )
+    units: list[UnitStatus] = Field(
+        default_factory=list, max_length=MAX_UNITS, description="One entry per unit."
+    )
+    units_online: int = Field(0, description="Units in state Online.")
     replicas: int = Field(0, description="Units of the first group that exist (scale status).")
     selector: str = Field("", description="Label selector of the first group's pods (scale).")
-    outer_step: int | None = None
-    steps: int | None = None
-    tokens: int | None = None
-    loss: float | None = None
-    train_loss: float | None = None
+    outer_step: int | None = Field(
+        None, description="Sum of the fragment versions at the syncer (merges so far)."
+    )
+    steps: int | None = Field(None, description="Inner steps summed over all learners.")
+    tokens: int | None = Field(None, description="Tokens summed over all learners.")
+    loss: float | None = Field(None, description="Latest held-out loss of the global model.")
+    train_loss: float | None = Field(
+        None, description="Token-weighted mean of the learners' latest losses."
+    )
     final_loss: float | None = Field(
         None,
         description="Held-out loss of the global model evaluated once the budget was reached "
         "(the syncer's finalLoss); null until then.",
     )
-    observed_generation: int | None = None
-    message: str | None = None
+    observed_generation: int | None = Field(
+        None, description="The spec generation this status was computed from."
+    )
+    message: str | None = Field(None, description="Why the run is in its phase, in words.")

@@ -138,9 +138,11 @@ class InnerOptimizerConfig(Strict):
     """AdamW on each learner (optax.adamw), with linear warmup then cosine decay."""
 
     lr: float = Field(1e-3, gt=0, le=1.0, description="Peak learning rate.")
-    b1: float = Field(0.9, ge=0, lt=1)
-    b2: float = Field(0.95, ge=0, lt=1)
-    weight_decay: float = Field(0.1, ge=0, le=10)
+    b1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay (beta1).")
+    b2: float = Field(0.95, ge=0, lt=1, description="AdamW second-moment decay (beta2).")
+    weight_decay: float = Field(
+        0.1, ge=0, le=10, description="AdamW decoupled weight decay (applied to every leaf)."
+    )
     warmup_steps: int = Field(
         50, ge=0, le=INT64_MAX, description="Linear warmup length in inner steps."
     )
@@ -151,9 +153,9 @@ class InnerOptimizerConfig(Strict):
 class OuterOptimizerConfig(Strict):
     """SGD with Nesterov momentum on the syncer, applied to merged outer gradients."""
 
-    lr: float = Field(0.7, gt=0, le=10)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = True
+    lr: float = Field(0.7, gt=0, le=10, description="Outer learning rate.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum coefficient.")
+    nesterov: bool = Field(True, description="Nesterov momentum; false: heavy-ball momentum.")
     momentum_per: Literal["merge", "round"] = Field(
         "merge",
         description="round: the momentum moves once per round of contributions (their "
@@ -175,6 +177,8 @@ class GraceConfig(Strict):
 
 
 class MergeConfig(Strict):
+    """How the syncer combines the contributions of one merge into an outer gradient."""
+
     method: Literal["rda", "mean"] = Field(
         "rda", description="rda: radial-directional averaging; mean: plain weighted mean."
     )
@@ -204,6 +208,8 @@ SCHEMES: tuple[Scheme, ...] = get_args(Scheme)
 
 
 class CompressionConfig(Strict):
+    """Quantization of what travels between learners and the syncer (docs/protocol.md)."""
+
     scheme: Scheme = Field("none", description="Quantization of deltas.")
     block_size: int = Field(128, ge=8, le=1 << 16, description="Values per quantization scale.")
     downlink: Scheme = Field(
@@ -221,6 +227,8 @@ class CompressionConfig(Strict):
 
 
 class CheckpointConfig(Strict):
+    """Periodic syncer checkpoints of the run's global state (resumed after a restart)."""
+
     path: str = Field(
         "runs/checkpoints", description="Directory (PVC mount) for syncer checkpoints."
     )
@@ -229,6 +237,8 @@ class CheckpointConfig(Strict):
 
 
 class EvalConfig(Strict):
+    """Held-out evaluation of the global model, run by the syncer."""
+
     every_seconds: float | None = Field(
         15.0,
         ge=MIN_PERIOD_SECONDS,

@@ -97,3 +97,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: ["delete"]
 {{- end }}
 {{- end -}}
+
+{{/* The spec of a GMP (Cluster)PodMonitoring of one kind of run pod. */}}
+{{- define "diloco-operator.podMonitoringSpec" -}}
+selector:
+  matchLabels:
+    app.kubernetes.io/name: diloco
+    app.kubernetes.io/component: {{ .component.name }}
+endpoints:
+  - port: {{ .component.port }}
+    path: /metrics
+    interval: {{ .interval }}
+targetLabels:
+  fromPod:
+    - from: diloco.dev/run
+      to: run
+{{- end -}}

@@ -30,6 +30,7 @@ from diloco_operator.planner.failure import (
     recover,
     take_offline,
 )
+from diloco_operator.planner.goodput import account
 from diloco_operator.planner.model import (
     Action,
     CreateSyncer,
@@ -289,6 +290,9 @@ def plan(
     actions += unit_actions + removal_actions
     units += removed
     waits += removal_waits
+    if not terminal:
+        heard = report.learners if report is not None else {}
+        units = [account(u, heard.get(u.name), now) for u in units]
 
     phase, why = run_phase(prev.phase, units, report, spec.training.quorum)
     actions, units = _settle(phase, actions, units, obs_by)
