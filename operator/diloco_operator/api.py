@@ -9,7 +9,7 @@ A single-group run therefore reads naturally: `replicas: 4` plus one group descr
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from diloco_trainer.config import Strict, TrainingConfig, format_validation_error
 from pydantic import Field, ValidationError, model_validator
@@ -22,21 +22,21 @@ from diloco_operator.accelerators import (
     check_tpu,
     hosts,
 )
+from diloco_operator.chaos_spec import ChaosEvent, ChaosSpec
 from diloco_operator.kubesyntax import (
     CHECKPOINT_PATH,
     DNS_SUBDOMAIN,
     HEARTBEATS_PER_OFFLINE,
     IMAGE,
-    INT64_MAX,
-    LABEL_VALUE,
     MAX_UNITS,
     MIN_PERIOD_SECONDS,
-    OPTIONAL_QUALIFIED_NAME,
-    QUALIFIED_NAME,
-    QUANTITY,
-    RESOURCE_NAME,
     RUN_NAME,
-    keys_rule,
+)
+from diloco_operator.kubetypes import (
+    NodeSelector,
+    Quantity,
+    ResourceRequirements,
+    Toleration,
 )
 from diloco_operator.pod_template import PodTemplate
 
@@ -64,76 +64,6 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 Accelerator = Literal["tpu-v6e-slice", "tpu-v5p-slice", "tpu-v5-lite-podslice", "tpu-v4-podslice"]
 assert set(Accelerator.__args__) == set(ACCELERATORS)  # type: ignore[attr-defined]
-
-# Kubernetes quantity: "500m", "2Gi" or a plain number (x-kubernetes-int-or-string in the CRD).
-Quantity = Annotated[
-    Annotated[int, Field(ge=0, le=INT64_MAX)]
-    | Annotated[str, Field(pattern=QUANTITY, max_length=64)],
-    Field(description="A Kubernetes quantity, e.g. 500m or 2Gi."),
-]
-ResourceName = Annotated[str, Field(max_length=253, pattern=RESOURCE_NAME)]
-LabelKey = Annotated[str, Field(max_length=253, pattern=QUALIFIED_NAME)]
-NodeSelector = Annotated[
-    dict[LabelKey, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]],
-    Field(max_length=16, json_schema_extra=keys_rule(QUALIFIED_NAME, "label keys ([prefix/]name)")),
-]
-ResourceMap = Annotated[
-    dict[ResourceName, Quantity],
-    Field(
-        max_length=16,
-        json_schema_extra=keys_rule(
-            RESOURCE_NAME, "cpu, memory, ephemeral-storage, hugepages-* or a domain/name"
-        ),
-    ),
-]
-
-
-class ResourceRequirements(Strict):
-    """Container resources, as in a Pod spec."""
-
-    requests: ResourceMap | None = Field(
-        None, description="Resource name -> amount the scheduler reserves."
-    )
-    limits: ResourceMap | None = Field(
-        None, description="Resource name -> most the container may use."
-    )
-
-
-class Toleration(Strict):
-    """A Pod toleration, as in a Pod spec."""
-
-    key: str | None = Field(
-        None,
-        max_length=253,
-        pattern=OPTIONAL_QUALIFIED_NAME,
-        description="Taint key; empty with operator Exists: every taint.",
-    )
-    operator: Literal["Exists", "Equal"] | None = Field(
-        None, description="Exists: any value; Equal (the default): the value must match."
-    )
-    value: str | None = Field(
-        None, max_length=63, pattern=LABEL_VALUE, description="Taint value (for Equal)."
-    )
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        None, description="Taint effect to tolerate; empty: every effect."
-    )
-    toleration_seconds: int | None = Field(
-        None,
-        ge=-INT64_MAX,
-        le=INT64_MAX,
-        description="For NoExecute: seconds the pod stays after the taint; empty: forever.",
-    )
-
-    @model_validator(mode="after")
-    def _pod_rules(self) -> Toleration:
-        # The rules kube-apiserver applies to a Pod's tolerations.
-        if self.operator == "Exists" and self.value:
-            raise ValueError("value: must be empty when operator is Exists")
-        if not self.key and self.operator != "Exists":
-            raise ValueError("operator: must be Exists when key is empty")
-        if self.toleration_seconds is not None and self.effect != "NoExecute":
-            raise ValueError("effect: must be NoExecute when tolerationSeconds is set")
-        return self
 
 
 class TpuSpec(Strict):
@@ -317,55 +247,6 @@ class FailurePolicy(Strict):
         return self
 
 
-class ChaosEvent(Strict):
-    """One scheduled fault."""
-
-    at_seconds: float = Field(ge=0, le=1e6, description="Seconds after the run starts.")
-    action: Literal["kill", "pause", "killSyncer", "nodeNotReady"] = Field(
-        description="kill: SIGKILL a unit (on Kubernetes: delete its pods with no grace); "
-        "pause: SIGSTOP it for pauseSeconds (local runtime only); killSyncer: the same for the "
-        "syncer; nodeNotReady: mark a node of the unit NotReady (Kubernetes only)."
-    )
-    unit: int | None = Field(
-        None, ge=0, lt=MAX_UNITS, description="Global unit index; omitted: a seeded random unit."
-    )
-    pause_seconds: float = Field(
-        5.0, ge=MIN_PERIOD_SECONDS, le=3600, description="For pause: how long."
-    )
-
-
-class ChaosSpec(Strict):
-    """Fault injection (the local runtime with --chaos, the operator with --enable-chaos) and
-    slowed groups (local runtime only)."""
-
-    seed: int = Field(
-        0, ge=0, le=INT64_MAX, description="Seeds the random choices (units, kill intervals)."
-    )
-    schedule: list[ChaosEvent] = Field(
-        default_factory=list, max_length=1000, description="Faults at fixed times."
-    )
-    kill_every_seconds: float | None = Field(
-        None,
-        ge=1.0,
-        le=1e6,
-        description="Also kill a random unit at exponential intervals of this mean.",
-    )
-    slowdown: dict[
-        Annotated[str, Field(max_length=12)], Annotated[float, Field(ge=1.0, le=100.0)]
-    ] = Field(
-        default_factory=dict,
-        max_length=16,
-        description="Group name -> factor >= 1 stretching each step of its learners (a stand-in "
-        "for slower hardware); applied with or without --chaos.",
-    )
-
-    @property
-    def has_fault_settings(self) -> bool:
-        """Whether the block says anything about faults (a block with only `slowdown` leaves
-        --chaos to its default faults, as no block does)."""
-        return bool(self.model_fields_set - {"slowdown"})
-
-
 class DilocoRunSpec(Strict):
     """Desired state of a decoupled-DiLoCo training run."""
 
@@ -473,9 +354,14 @@ from diloco_operator.status import (  # noqa: E402
 )
 
 __all__ = [
+    "ChaosEvent",
+    "ChaosSpec",
     "Condition",
     "DilocoRunStatus",
+    "Quantity",
+    "ResourceRequirements",
     "RunPhase",
+    "Toleration",
     "UnitFailure",
     "UnitState",
     "UnitStatus",

@@ -15,11 +15,7 @@ import yaml
 from diloco_trainer.auth import unit_token
 
 from diloco_operator.accelerators import (
-    ACCELERATOR_LABEL,
-    SPOT_LABEL,
-    TOPOLOGY_LABEL,
     TPU_RESOURCE,
-    TPU_TAINT_KEY,
 )
 from diloco_operator.api import (
     API_VERSION,
@@ -34,6 +30,7 @@ from diloco_operator.api import (
     ResourceRequirements,
     UnitGroup,
 )
+from diloco_operator.placement import group_placement, place_learner_pod
 from diloco_operator.planner import CreateUnit
 from diloco_operator.pod_security import TOKEN_KEY, secure_pod
 from diloco_operator.pod_template import apply_template
@@ -45,7 +42,6 @@ LEARNER = "learner"
 SYNCER = "syncer"
 MANAGED_BY = "diloco-operator"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
-NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
 # Learners serve Prometheus metrics here (DILOCO_METRICS_PORT); the chart's monitors scrape the
 # container port named "metrics". Pods log JSON for Cloud Logging (docs/gke.md, "Logs").
 LEARNER_METRICS_PORT = 9100
@@ -299,50 +295,6 @@ def _worker_hostnames(unit: CreateUnit) -> str:
     return ",".join(f"{unit.name}-{i}.{unit.name}" for i in range(unit.hosts))
 
 
-def _affinity(run: Run, unit: CreateUnit) -> dict[str, Any]:
-    """Exclusive topology: all hosts of this unit share one node pool, and no other unit's pods
-    land on it (a slice is never split or shared)."""
-    mine = {"matchLabels": {LABEL_UNIT: unit.name}}
-    others = {
-        "matchExpressions": [
-            {"key": LABEL_UNIT, "operator": "Exists"},
-            {"key": LABEL_UNIT, "operator": "NotIn", "values": [unit.name]},
-        ]
-    }
-    return {
-        "podAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": [
-                {"labelSelector": mine, "topologyKey": NODEPOOL_LABEL}
-            ]
-        },
-        "podAntiAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": [
-                {"labelSelector": others, "topologyKey": NODEPOOL_LABEL}
-            ]
-        },
-    }
-
-
-def _placement(group: UnitGroup) -> tuple[dict[str, str], list[dict[str, Any]], int]:
-    """Node selector, tolerations and TPU chips per host of a group's pods."""
-    node_selector: dict[str, str] = {}
-    tolerations: list[dict[str, Any]] = []
-    chips = 0
-    if group.tpu:
-        node_selector[ACCELERATOR_LABEL] = group.tpu.accelerator
-        node_selector[TOPOLOGY_LABEL] = group.tpu.topology
-        tolerations.append({"key": TPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"})
-        chips = group.tpu.chips_on_each_host
-    if group.spot:
-        node_selector[SPOT_LABEL] = "true"
-        tolerations.append(
-            {"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
-        )
-    node_selector.update(group.node_selector or {})
-    tolerations.extend(t.to_wire() for t in group.tolerations or [])
-    return node_selector, tolerations, chips
-
-
 def _learner_observability_env() -> list[dict[str, str]]:
     return [
         {"name": "DILOCO_METRICS_PORT", "value": str(LEARNER_METRICS_PORT)},
@@ -350,12 +302,8 @@ def _learner_observability_env() -> list[dict[str, str]]:
     ]
 
 
-def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
-    spec = run.spec
-    group: UnitGroup | None = spec.group(unit.group)
-    if group is None:
-        raise ValueError(f"unit {unit.name}: group {unit.group!r} is not in spec.unitGroups")
-    env: list[dict[str, Any]] = [
+def _learner_env(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
+    return [
         {"name": "DILOCO_SYNCER_ADDR", "value": run.syncer_address},
         {"name": "DILOCO_UNIT", "value": str(unit.global_index)},
         {"name": "DILOCO_UNIT_NAME", "value": unit.name},
@@ -371,7 +319,15 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         },
         {"name": "TPU_WORKER_HOSTNAMES", "value": _worker_hostnames(unit)},
     ]
-    node_selector, tolerations, chips = _placement(group)
+
+
+def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
+    spec = run.spec
+    group: UnitGroup | None = spec.group(unit.group)
+    if group is None:
+        raise ValueError(f"unit {unit.name}: group {unit.group!r} is not in spec.unitGroups")
+    env = _learner_env(run, unit)
+    node_selector, tolerations, chips = group_placement(group)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "subdomain": unit.name,
@@ -389,12 +345,7 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         ],
         "volumes": [_config_volume(run)],
     }
-    if node_selector:
-        pod_spec["nodeSelector"] = node_selector
-    if tolerations:
-        pod_spec["tolerations"] = tolerations
-    if group.exclusive_topology:
-        pod_spec["affinity"] = _affinity(run, unit)
+    place_learner_pod(pod_spec, group, unit.name, node_selector, tolerations)
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
     secure_pod(pod_spec, unit_token_secret_name(unit.name))

@@ -100,7 +100,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--log-format", choices=FORMATS, default=None, help=f"text or json (else {LOG_FORMAT_ENV})"
     )
-    args = p.parse_args(argv)
+    return _checked(p, p.parse_args(argv))
+
+
+def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Refuse contradictory flags (argparse exits with the message) and resolve the defaults
+    that depend on the time or the environment."""
     if args.poll_interval <= 0:
         p.error("--poll-interval: must be > 0")
     if args.peering_lifetime < 2:
