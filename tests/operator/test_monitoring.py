@@ -129,13 +129,13 @@ def ports(template: dict[str, Any]) -> set[str]:
     return {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
 
 
-def rendered() -> list[dict[str, Any]]:
+def rendered(*extra: str) -> list[dict[str, Any]]:
     from test_crd_chart import HELM
 
     if HELM is None:
         pytest.skip("helm neither on PATH nor built (make e2e-deps)")
     out = subprocess.run(
-        [HELM, "template", "t", str(CHART), *HELM_EXTRA],
+        [HELM, "template", "t", str(CHART), "--namespace", "ops", *HELM_EXTRA, *extra],
         check=True,
         capture_output=True,
         text=True,
@@ -144,7 +144,7 @@ def rendered() -> list[dict[str, Any]]:
 
 
 def test_run_monitors_select_the_operators_pods_on_their_metrics_ports() -> None:
-    docs = rendered()
+    docs = rendered("--set", "clusterWide=true")
     pods = run_pods()
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
     for kind in ("PodMonitor", "ClusterPodMonitoring"):
@@ -162,12 +162,42 @@ def test_run_monitors_select_the_operators_pods_on_their_metrics_ports() -> None
     assert ("PodMonitoring", "t-diloco-operator") in kinds
 
 
+def run_monitor_scopes(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """kind -> where the run-pod monitors look (PodMonitor: its namespaceSelector; GMP: the
+    namespaces of its PodMonitorings, or "cluster" for ClusterPodMonitoring)."""
+    runs = [d for d in docs if d["metadata"]["name"].endswith(("-syncers", "-learners"))]
+    gmp = sorted(
+        {d["metadata"].get("namespace", "cluster") for d in runs if "Monitoring" in d["kind"]}
+    )
+    (selector,) = {
+        json.dumps(d["spec"]["namespaceSelector"]) for d in runs if d["kind"] == "PodMonitor"
+    }
+    return {"PodMonitor": json.loads(selector), "gmp": gmp}
+
+
+def test_run_monitors_watch_where_the_operator_manages_runs() -> None:
+    # Namespaced by default (the release namespace), watchNamespaces, or clusterWide.
+    assert run_monitor_scopes(rendered()) == {"PodMonitor": {"matchNames": ["ops"]}, "gmp": ["ops"]}
+    assert run_monitor_scopes(rendered("--set", "watchNamespaces={a,b}")) == {
+        "PodMonitor": {"matchNames": ["a", "b"]},
+        "gmp": ["a", "b"],
+    }
+    assert run_monitor_scopes(rendered("--set", "clusterWide=true")) == {
+        "PodMonitor": {"any": True},
+        "gmp": ["cluster"],
+    }
+
+
 def test_operator_monitors_select_the_operator_and_the_dashboard_ships_verbatim() -> None:
     docs = rendered()
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     service = next(d for d in docs if d["kind"] == "Service" and "metrics" in d["metadata"]["name"])
-    gmp = next(d for d in docs if d["kind"] == "PodMonitoring")
+    gmp = next(
+        d
+        for d in docs
+        if (d["kind"], d["metadata"]["name"]) == ("PodMonitoring", "t-diloco-operator")
+    )
     assert gmp["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     monitor = next(d for d in docs if d["kind"] == "ServiceMonitor")
     assert (
