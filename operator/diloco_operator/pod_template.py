@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from diloco_trainer.config import Strict
 from pydantic import ConfigDict, Field, model_validator
 
+from diloco_operator.kubesyntax import LABEL_VALUE, QUALIFIED_NAME, keys_rule
 from diloco_operator.pod_security import CACHE_DIR, TOKEN_DIR, container_security_context
 
 OWNED_PREFIX = "diloco.dev/"
@@ -44,9 +45,11 @@ MAIN_CONTAINERS = ("learner", "syncer")
 # strings is comparing paths (the overlap rule below relies on it).
 NORMAL_PATH = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
-MetaKey = Annotated[str, Field(max_length=317)]
+# Label and annotation keys have the same syntax ([prefix/]name); the API server would refuse
+# the Job or Deployment of a run whose template breaks it, so admission refuses the run.
+MetaKey = Annotated[str, Field(max_length=317, pattern=QUALIFIED_NAME)]
+_KEYS_RULE = keys_rule(QUALIFIED_NAME, "label and annotation keys ([prefix/]name)")
 
 
 def _overlaps(path: str, owned: str) -> bool:
@@ -56,14 +59,20 @@ def _overlaps(path: str, owned: str) -> bool:
 class PodTemplateMetadata(Strict):
     """Labels and annotations added to the pods."""
 
-    labels: dict[MetaKey, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]] | None = Field(
-        None, max_length=64, description="Extra pod labels."
-    )
-    annotations: dict[MetaKey, Annotated[str, Field(max_length=4096)]] | None = Field(
-        None,
-        max_length=64,
-        description='Extra pod annotations (e.g. gke-gcsfuse/volumes: "true").',
-    )
+    labels: (
+        Annotated[
+            dict[MetaKey, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]],
+            Field(max_length=64, json_schema_extra=_KEYS_RULE),
+        ]
+        | None
+    ) = Field(None, description="Extra pod labels.")
+    annotations: (
+        Annotated[
+            dict[MetaKey, Annotated[str, Field(max_length=4096)]],
+            Field(max_length=64, json_schema_extra=_KEYS_RULE),
+        ]
+        | None
+    ) = Field(None, description='Extra pod annotations (e.g. gke-gcsfuse/volumes: "true").')
 
 
 class EnvVar(Strict):

@@ -293,6 +293,38 @@ def test_api_server_validation_refuses_each_owned_field_and_accepts_the_full_tem
         assert line.startswith("REJECT") and f"template.{field}" in line, line
 
 
+KEY_SYNTAX_CASES = [
+    ({"metadata": {"labels": {"bad key": "x"}}}, "metadata.labels"),
+    ({"metadata": {"annotations": {"-starts-with-dash": "1"}}}, "metadata.annotations"),
+    ({"metadata": {"labels": {"UPPER.example.com/x": "1"}}}, "metadata.labels"),
+]
+
+
+@pytest.mark.skipif(not CRDCHECK.exists(), reason="crdcheck not built (crds/validate/build.sh)")
+def test_label_and_annotation_keys_have_kubernetes_syntax_in_both_validators(
+    tmp_path: Path,
+) -> None:
+    """A key the API server refuses on a Pod would make every Job of the group fail to create:
+    the model and admission refuse the run instead, naming the map."""
+    files = []
+    for i, (template, field) in enumerate(KEY_SYNTAX_CASES):
+        with pytest.raises(ValueError, match=rf"spec\.syncer\.template\.{field}"):
+            parse_spec({**BASE, "syncer": {"template": template}})
+        path = tmp_path / f"{i:02d}.yaml"
+        path.write_text(yaml.safe_dump(wrap({"syncer": {"template": template}})))
+        files.append(path)
+    out = subprocess.run(
+        [str(CRDCHECK), str(ROOT / "crds" / "diloco.dev_dilocoruns.yaml"), *map(str, files)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
+    verdicts = {line.split(" ", 2)[1]: line for line in out[1:]}
+    for path, (_, field) in zip(files, KEY_SYNTAX_CASES, strict=True):
+        line = verdicts[str(path)]
+        assert line.startswith("REJECT") and f"template.{field}" in line, line
+
+
 # --- the builders --------------------------------------------------------------------------
 
 
