@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from diloco_trainer.auth import unit_token
 from diloco_trainer.config import ModelConfig, TrainingConfig
 from diloco_trainer.learner_metrics import (
     PEAK_FLOPS_ENV,
@@ -132,8 +133,9 @@ def test_a_learner_serves_its_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
     port = free_port()
     try:
         opts = LearnerOptions(
-            syncer=f"http://127.0.0.1:{server.port}", token=TOKEN, unit=0, num_units=1,
-            unit_name="obs-default-0", log_every=4, max_steps=16, metrics_port=port,
+            syncer=f"http://127.0.0.1:{server.port}", token=unit_token(TOKEN, "obs-default-0"),
+            unit=0, num_units=1, unit_name="obs-default-0", log_every=4, max_steps=16,
+            metrics_port=port,
         )  # fmt: skip
         result = run_learner(cfg, opts)
     finally:
