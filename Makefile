@@ -9,7 +9,7 @@ export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 # JAX on CPU: keep XLA from grabbing every core for its thread pool in tests.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: venv demo test lint typecheck unit crds bench bench-quick e2e cluster-up cluster-down e2e-deps images clean
+.PHONY: venv demo test lint typecheck unit validators crds bench bench-quick e2e cluster-up cluster-down e2e-deps images clean
 
 venv: $(STAMP)
 
@@ -33,8 +33,18 @@ typecheck: venv
 	# The e2e suite: pytest puts e2e/ and e2e/tests/ on the path (conftest, runs).
 	MYPYPATH=e2e:e2e/tests $(BIN)/mypy --explicit-package-bases e2e/conftest.py e2e/tests/*.py
 
-unit: venv
+unit: venv validators
 	$(BIN)/python -m pytest -q tests
+
+# The Go checkers two unit tests run (crds/validate: the API server's own CRD, CEL and object
+# validation code), cached like the e2e binaries; rebuilt only when their sources change.
+VALIDATE_BIN := $(or $(DILOCO_E2E_CACHE),$(HOME)/.cache/diloco-e2e)/bin
+VALIDATE_SRC := crds/validate/build.sh $(wildcard crds/validate/*.go crds/validate/go.* \
+	crds/validate/objcheck/*.go crds/validate/objcheck/go.*)
+validators: $(VALIDATE_BIN)/crdcheck $(VALIDATE_BIN)/objcheck
+
+$(VALIDATE_BIN)/crdcheck $(VALIDATE_BIN)/objcheck &: $(VALIDATE_SRC)
+	bash crds/validate/build.sh
 
 crds: venv
 	$(BIN)/python -m diloco_operator.crdgen --out crds/

@@ -196,6 +196,10 @@ def chart(cluster: harness._ClusterBase) -> Iterator[dict[str, str]]:
         "--wait=false",
         "--kubeconfig",
         str(cluster.kubeconfig),
+        # The suite makes a namespace per test module: cluster-wide mode (the chart's default is
+        # namespaced, to the release namespace only).
+        "--set",
+        "clusterWide=true",
     ]
     extra = os.environ.get("DILOCO_E2E_HELM_ARGS", "").split()
     t0 = time.monotonic()

@@ -79,6 +79,11 @@ def test_learner_jobs(cluster: Any, namespace: str, mixed: dict[str, Any]) -> No
         assert env["DILOCO_TOKEN_FILE"] == "/var/run/diloco/token/token"
         assert env["TPU_WORKER_HOSTNAMES"] == ",".join(f"{name}-{i}.{name}" for i in range(hosts))
         assert "batch.kubernetes.io/job-completion-index" in str(env["TPU_WORKER_ID"])
+        # The unit's own token (derived from the run secret), never the run secret itself.
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["token"]["secret"]["secretName"] == f"{name}-token"
+        unit_secret = cluster.kubectl_json("get", "secret", f"{name}-token", "-n", namespace)
+        assert unit_secret["metadata"]["ownerReferences"][0]["uid"] == mixed["metadata"]["uid"]
 
 
 def test_headless_unit_services(cluster: Any, namespace: str, mixed: dict[str, Any]) -> None:
@@ -120,8 +125,11 @@ def test_syncer_and_run_objects(cluster: Any, namespace: str, mixed: dict[str, A
     pvc = cluster.kubectl_json("get", "pvc", f"{RUN}-checkpoints", "-n", namespace)
     assert pvc["spec"]["storageClassName"] == "premium-rwo"
     assert pvc["spec"]["resources"]["requests"]["storage"] == "50Gi"
-    for obj in (deploy, svc, secret, cm, pvc):
+    for obj in (deploy, svc, secret, cm):
         assert obj["metadata"]["ownerReferences"][0]["uid"] == mixed["metadata"]["uid"]
+    # The checkpoints outlive the run (retentionPolicy Retain): labelled, not owned.
+    assert "ownerReferences" not in pvc["metadata"]
+    assert pvc["metadata"]["labels"]["diloco.dev/run"] == RUN
 
 
 def test_pods_land_on_their_node_pools_and_run(
@@ -161,7 +169,8 @@ def test_deleting_the_run_garbage_collects_every_child(
     cluster: Any, namespace: str, mixed: dict[str, Any]
 ) -> None:
     cluster.kubectl("delete", "dlr", RUN, "-n", namespace, "--wait=false")
-    kinds = "jobs,pods,svc,deploy,replicasets,secrets,configmaps,pvc"
+    # Not the checkpoint PVC: it is retained for the next run of this name (checked below).
+    kinds = "jobs,pods,svc,deploy,replicasets,secrets,configmaps"
 
     def leftovers() -> list[str]:
         out = cluster.kubectl(
@@ -171,3 +180,6 @@ def test_deleting_the_run_garbage_collects_every_child(
         return out + ([] if gone else [f"dilocorun/{RUN}"])
 
     wait_for("every child of the run gone", lambda: not leftovers() or None, timeout=120)
+    pvc = cluster.kubectl_json("get", "pvc", f"{RUN}-checkpoints", "-n", namespace)
+    assert not pvc["metadata"].get("deletionTimestamp")
+    cluster.kubectl("delete", "pvc", f"{RUN}-checkpoints", "-n", namespace, "--wait=false")

@@ -16,6 +16,8 @@ def test_operator_log_is_clean(operator: Operator) -> None:
     bad = [
         line
         for line in log.splitlines()
-        if "forbidden" in line.lower() or "reconcile failed" in line or "Traceback" in line
-    ]
+        if ("forbidden" in line.lower() and "exceeded quota" not in line)
+        or "reconcile failed" in line
+        or "Traceback" in line
+    ]  # (test_04_refused_children provokes a quota refusal on purpose: that 403 is no RBAC gap)
     assert not bad, "\n".join(bad[:20])

@@ -252,7 +252,7 @@ def joined_with_global_params(log: str) -> bool:
     """The learner's join line names the versions it pulled: all zero only at the run's start.
     (Text or JSON log lines: the message is the same key=value text.)"""
     m = re.search(r"event=joined .*?versions=\[([0-9, ]*)\]", log)
-    return bool(m) and any(int(v) > 0 for v in m.group(1).split(",") if v.strip())
+    return m is not None and any(int(v) > 0 for v in m.group(1).split(",") if v.strip())
 
 
 def wait_replaced(

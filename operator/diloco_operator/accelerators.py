@@ -14,6 +14,8 @@ TPU_RESOURCE = "google.com/tpu"
 ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
 TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
 TPU_TAINT_KEY = "google.com/tpu"
+# GKE labels Spot VM nodes with it; Spot node pools may also carry it as a NoSchedule taint.
+SPOT_LABEL = "cloud.google.com/gke-spot"
 
 
 @dataclass(frozen=True)
@@ -26,15 +28,27 @@ class Accelerator:
 
 
 _2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
-_3D = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8")
+# 3D slices are built from 4-chip hosts (hosts = chips / 4).
+# v5p: the slice shapes of https://cloud.google.com/tpu/docs/v5p ("Configurations": 2x2x1 on one
+# host up to 16x16x24 = 6144 chips on 1536 hosts, the largest single slice), plus 2x2x4.
+_V5P = (
+    "2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8",
+    "8x8x16", "8x16x16", "16x16x16", "16x16x24",
+)  # fmt: skip
+# v4: https://cloud.google.com/tpu/docs/types-topologies gives the rule (AxBxC with A<=B<=C, each
+# dimension <= 4 or a multiple of 4; e.g. 2x2x4) and https://cloud.google.com/tpu/docs/v4 the pod
+# size (4096 chips). GKE's own per-shape table (plan-tpus) could not be read here, so these are
+# v5p's shapes up to the v4 pod size (2x2x1, the one-host slice, as before): not a verified GKE
+# list. Ironwood (tpu7x) is not listed: its GKE label value and shapes could not be confirmed.
+_V4 = tuple(t for t in _V5P if math.prod(int(d) for d in t.split("x")) <= 4096)
 
 ACCELERATORS: dict[str, Accelerator] = {
     a.name: a
     for a in (
         Accelerator("tpu-v6e-slice", _2D, (4, 8)),
         Accelerator("tpu-v5-lite-podslice", _2D, (4, 8)),
-        Accelerator("tpu-v5p-slice", _3D, (4,)),
-        Accelerator("tpu-v4-podslice", _3D, (4,)),
+        Accelerator("tpu-v5p-slice", _V5P, (4,)),
+        Accelerator("tpu-v4-podslice", _V4, (4,)),
     )
 }
 

@@ -8,13 +8,37 @@ A single-group run therefore reads naturally: `replicas: 4` plus one group descr
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Annotated, Any, Literal
+import re
+from typing import Any, Literal
 
 from diloco_trainer.config import Strict, TrainingConfig, format_validation_error
 from pydantic import Field, ValidationError, model_validator
 
-from diloco_operator.accelerators import ACCELERATORS, check_tpu, hosts
+from diloco_operator.accelerators import (
+    ACCELERATOR_LABEL,
+    ACCELERATORS,
+    SPOT_LABEL,
+    TOPOLOGY_LABEL,
+    check_tpu,
+    hosts,
+)
+from diloco_operator.chaos_spec import ChaosEvent, ChaosSpec
+from diloco_operator.kubesyntax import (
+    CHECKPOINT_PATH,
+    DNS_SUBDOMAIN,
+    HEARTBEATS_PER_OFFLINE,
+    IMAGE,
+    MAX_UNITS,
+    MIN_PERIOD_SECONDS,
+    RUN_NAME,
+)
+from diloco_operator.kubetypes import (
+    NodeSelector,
+    Quantity,
+    ResourceRequirements,
+    Toleration,
+)
+from diloco_operator.pod_template import PodTemplate
 
 GROUP = "diloco.dev"
 VERSION = "v1alpha1"
@@ -40,27 +64,6 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 Accelerator = Literal["tpu-v6e-slice", "tpu-v5p-slice", "tpu-v5-lite-podslice", "tpu-v4-podslice"]
 assert set(Accelerator.__args__) == set(ACCELERATORS)  # type: ignore[attr-defined]
-
-# Kubernetes quantity: "500m", "2Gi" or a plain number (x-kubernetes-int-or-string in the CRD).
-Quantity = Annotated[int | str, Field(description="A Kubernetes quantity, e.g. 500m or 2Gi.")]
-ShortStr = Annotated[str, Field(max_length=253)]
-
-
-class ResourceRequirements(Strict):
-    """Container resources, as in a Pod spec."""
-
-    requests: dict[ShortStr, Quantity] | None = Field(None, max_length=16)
-    limits: dict[ShortStr, Quantity] | None = Field(None, max_length=16)
-
-
-class Toleration(Strict):
-    """A Pod toleration, as in a Pod spec."""
-
-    key: str | None = Field(None, max_length=253)
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = Field(None, max_length=253)
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
 
 
 class TpuSpec(Strict):
@@ -108,20 +111,45 @@ class UnitGroup(Strict):
     replicas: int | None = Field(
         None,
         ge=1,
-        le=1000,
+        le=MAX_UNITS,
         description="Units in this group. Not allowed on the first group: spec.replicas sizes it.",
     )
     tpu: TpuSpec | None = Field(None, description="TPU slice per unit; omit for CPU/GPU units.")
     resources: ResourceRequirements | None = Field(
         None, description="Learner container resources (GPU via limits, e.g. nvidia.com/gpu)."
     )
-    node_selector: dict[ShortStr, Annotated[str, Field(max_length=63)]] | None = Field(
-        None, max_length=16, description="Extra node selector for this group's pods."
+    node_selector: NodeSelector | None = Field(
+        None, description="Extra node selector for this group's pods."
     )
-    tolerations: list[Toleration] | None = Field(None, max_length=16)
+    tolerations: list[Toleration] | None = Field(
+        None, max_length=16, description="Extra taints this group's pods tolerate."
+    )
     exclusive_topology: bool = Field(
         False, description="One unit per node pool: pods of other units are kept off it."
     )
+    spot: bool = Field(
+        False,
+        description="Run on Spot VMs: adds the cloud.google.com/gke-spot=true node selector and "
+        "toleration. Preemptions are counted in status.units[].preemptions, not as restarts.",
+    )
+    template: PodTemplate | None = Field(
+        None,
+        description="Pod customisation merged into this group's pods (labels, annotations, "
+        "volumes, env, sidecars, ...); operator-owned fields are refused.",
+    )
+
+    @model_validator(mode="after")
+    def _selector_not_owned(self) -> UnitGroup:
+        owned = [
+            *((ACCELERATOR_LABEL, TOPOLOGY_LABEL) if self.tpu else ()),
+            *((SPOT_LABEL,) if self.spot else ()),
+        ]
+        taken = [key for key in owned if key in (self.node_selector or {})]
+        if taken:
+            raise ValueError(
+                f"nodeSelector: {', '.join(taken)} is set by the operator from tpu and spot"
+            )
+        return self
 
     @property
     def hosts(self) -> int:
@@ -134,12 +162,21 @@ class CheckpointStorage(Strict):
     path: str | None = Field(
         None,
         max_length=512,
+        pattern=CHECKPOINT_PATH,
         description="gs://bucket/prefix, or the name of an existing PVC; default: a PVC "
         "<run>-checkpoints created by the operator.",
     )
     size: Quantity = Field("10Gi", description="Size of the created PVC.")
-    storage_class: str | None = Field(None, max_length=253, description="StorageClass of the PVC.")
+    storage_class: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN, description="StorageClass of the PVC."
+    )
     ephemeral: bool = Field(False, description="emptyDir instead of a PVC (tests, kind).")
+    retention_policy: Literal["Retain", "Delete"] = Field(
+        "Retain",
+        description="What happens to the PVC the operator creates when the run is deleted: "
+        "Retain keeps it (a run re-created under the same name resumes from its checkpoints; "
+        "`kubectl delete pvc <run>-checkpoints` frees it), Delete removes it with the run.",
+    )
 
     @property
     def is_bucket(self) -> bool:
@@ -149,14 +186,21 @@ class CheckpointStorage(Strict):
 class SyncerSpec(Strict):
     """The outer-sync service (CPU only): one Deployment with a Service."""
 
-    resources: ResourceRequirements | None = None
+    resources: ResourceRequirements | None = Field(
+        None, description="Syncer container resources (CPU and memory)."
+    )
     port: int = Field(8470, ge=1024, le=65535, description="Syncer HTTP port.")
     checkpoint: CheckpointStorage = Field(default_factory=lambda: CheckpointStorage())
-    node_selector: dict[ShortStr, Annotated[str, Field(max_length=63)]] | None = Field(
-        None, max_length=16, description="Node labels the syncer pod must run on (a CPU pool)."
+    node_selector: NodeSelector | None = Field(
+        None, description="Node labels the syncer pod must run on (a CPU pool)."
     )
     tolerations: list[Toleration] | None = Field(
         None, max_length=16, description="Taints the syncer pod tolerates."
+    )
+    template: PodTemplate | None = Field(
+        None,
+        description="Pod customisation merged into the syncer pod; operator-owned fields are "
+        "refused.",
     )
 
 
@@ -186,57 +230,37 @@ class FailurePolicy(Strict):
         "the crash-loop count.",
     )
     offline_after_seconds: float = Field(
-        30.0, gt=0, le=86400, description="Heartbeat age at the syncer that marks a unit Offline."
+        30.0,
+        ge=3 * MIN_PERIOD_SECONDS,
+        le=86400,
+        description="Heartbeat age at the syncer that marks a unit Offline; at least "
+        f"{HEARTBEATS_PER_OFFLINE} heartbeat periods (training.heartbeatSeconds).",
     )
 
-
-class ChaosEvent(Strict):
-    """One scheduled fault."""
-
-    at_seconds: float = Field(ge=0, le=1e6, description="Seconds after the run starts.")
-    action: Literal["kill", "pause", "killSyncer", "nodeNotReady"] = Field(
-        description="kill: SIGKILL a unit (on Kubernetes: delete its pods with no grace); "
-        "pause: SIGSTOP it for pauseSeconds (local runtime only); killSyncer: the same for the "
-        "syncer; nodeNotReady: mark a node of the unit NotReady (Kubernetes only)."
-    )
-    unit: int | None = Field(
-        None, ge=0, description="Global unit index; omitted: a seeded random unit."
-    )
-    pause_seconds: float = Field(5.0, gt=0, le=3600, description="For pause: how long.")
-
-
-class ChaosSpec(Strict):
-    """Fault injection (the local runtime with --chaos, the operator with --enable-chaos) and
-    slowed groups (local runtime only)."""
-
-    seed: int = Field(0, ge=0)
-    schedule: list[ChaosEvent] = Field(default_factory=list, max_length=1000)
-    kill_every_seconds: float | None = Field(
-        None, gt=0, description="Also kill a random unit at exponential intervals of this mean."
-    )
-    slowdown: dict[
-        Annotated[str, Field(max_length=12)], Annotated[float, Field(ge=1.0, le=100.0)]
-    ] = Field(
-        default_factory=dict,
-        max_length=16,
-        description="Group name -> factor >= 1 stretching each step of its learners (a stand-in "
-        "for slower hardware); applied with or without --chaos.",
-    )
-
-    @property
-    def has_fault_settings(self) -> bool:
-        """Whether the block says anything about faults (a block with only `slowdown` leaves
-        --chaos to its default faults, as no block does)."""
-        return bool(self.model_fields_set - {"slowdown"})
+    @model_validator(mode="after")
+    def _backoff_within_cap(self) -> FailurePolicy:
+        if self.restart_backoff_seconds > self.max_restart_backoff_seconds:
+            raise ValueError(
+                f"restartBackoffSeconds: {self.restart_backoff_seconds} is above its cap "
+                f"maxRestartBackoffSeconds ({self.max_restart_backoff_seconds})"
+            )
+        return self
 
 
 class DilocoRunSpec(Strict):
     """Desired state of a decoupled-DiLoCo training run."""
 
-    image: str = Field(min_length=1, max_length=512, description="Trainer image (learner+syncer).")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image: str = Field(
+        min_length=1,
+        max_length=512,
+        pattern=IMAGE,
+        description="Trainer image (learner+syncer).",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Pull policy of the learner and syncer containers."
+    )
     replicas: int = Field(
-        1, ge=1, le=1000, description="Units of the first unit group (the scale subresource)."
+        1, ge=1, le=MAX_UNITS, description="Units of the first unit group (the scale subresource)."
     )
     unit_groups: list[UnitGroup] = Field(
         default_factory=lambda: [UnitGroup(name="default")],
@@ -253,7 +277,13 @@ class DilocoRunSpec(Strict):
         "operator started with --enable-chaos (the chart's chaos.enabled); ignored otherwise. "
         "Slowed groups: local runtime only.",
     )
-    service_account_name: str | None = Field(None, max_length=253)
+    service_account_name: str | None = Field(
+        None,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="ServiceAccount of the learner and syncer pods (e.g. one bound to a Google "
+        "service account through Workload Identity); default: the namespace's default.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> DilocoRunSpec:
@@ -275,10 +305,29 @@ class DilocoRunSpec(Strict):
                 raise ValueError(
                     f"chaos.slowdown.{slowed}: no unit group of that name (groups: {names})"
                 )
-        if self.training.quorum > self.total_units:
+        total = self.total_units
+        if total > MAX_UNITS:
             raise ValueError(
-                f"training.quorum: {self.training.quorum} exceeds the {self.total_units} units "
-                "of the run"
+                f"replicas: the run has {total} units (spec.replicas plus unitGroups[].replicas); "
+                f"at most {MAX_UNITS}"
+            )
+        if self.training.quorum > total:
+            raise ValueError(
+                f"training.quorum: {self.training.quorum} exceeds the {total} units of the run"
+            )
+        for i, event in enumerate(self.chaos.schedule if self.chaos else []):
+            if event.unit is not None and event.unit >= total:
+                raise ValueError(
+                    f"chaos.schedule.{i}.unit: unit {event.unit} does not exist "
+                    f"(the run has units 0..{total - 1})"
+                )
+        heartbeat = self.training.heartbeat_seconds
+        offline = self.failure_policy.offline_after_seconds
+        if heartbeat * HEARTBEATS_PER_OFFLINE > offline:
+            raise ValueError(
+                f"training.heartbeatSeconds: {heartbeat} is not well below "
+                f"failurePolicy.offlineAfterSeconds ({offline}); at most 1/"
+                f"{HEARTBEATS_PER_OFFLINE} of it, or healthy units are taken offline"
             )
         return self
 
@@ -294,75 +343,56 @@ class DilocoRunSpec(Strict):
         return next((g for g in self.unit_groups if g.name == name), None)
 
 
-# --- status -------------------------------------------------------------------------------
+# The status models live in diloco_operator.status; re-exported here, with the spec.
+from diloco_operator.status import (  # noqa: E402
+    Condition,
+    DilocoRunStatus,
+    RunPhase,
+    UnitFailure,
+    UnitState,
+    UnitStatus,
+)
 
-RunPhase = Literal["Pending", "Running", "Degraded", "Succeeded", "Failed"]
-UnitState = Literal["Pending", "Online", "Offline", "Recreating", "Removing", "Completed", "Failed"]
-
-
-class UnitFailure(Strict):
-    reason: str = Field(max_length=128)
-    message: str = Field("", max_length=1024)
-    time: datetime
-
-
-class UnitStatus(Strict):
-    """Bookkeeping of one learner unit; the operator rebuilds it from children when lost."""
-
-    name: str
-    group: str
-    index: int = Field(description="Index within the group.")
-    global_index: int = Field(description="Index across the run (the unit's data shard).")
-    state: UnitState
-    attempt: int = 0
-    restarts: int = 0
-    quick_failures: int = Field(
-        0,
-        description="Failures in a row of attempts that had not run healthily (crash loop); "
-        "the restart backoff doubles with each. 0: recreated at once.",
-    )
-    since: datetime | None = Field(None, description="When the unit entered its state.")
-    last_failure: UnitFailure | None = None
+__all__ = [
+    "ChaosEvent",
+    "ChaosSpec",
+    "Condition",
+    "DilocoRunStatus",
+    "Quantity",
+    "ResourceRequirements",
+    "RunPhase",
+    "Toleration",
+    "UnitFailure",
+    "UnitState",
+    "UnitStatus",
+]
 
 
-class Condition(Strict):
-    """A Kubernetes-style condition (type, status True/False/Unknown, reason, message)."""
-
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str
-    message: str = ""
-    last_transition_time: datetime
-    observed_generation: int | None = None
-
-
-class DilocoRunStatus(Strict):
-    phase: RunPhase = "Pending"
-    conditions: list[Condition] = Field(default_factory=list)
-    units: list[UnitStatus] = Field(default_factory=list)
-    units_online: int = 0
-    replicas: int = Field(0, description="Units of the first group that exist (scale status).")
-    selector: str = Field("", description="Label selector of the first group's pods (scale).")
-    outer_step: int | None = None
-    steps: int | None = None
-    tokens: int | None = None
-    loss: float | None = None
-    train_loss: float | None = None
-    final_loss: float | None = Field(
-        None,
-        description="Held-out loss of the global model evaluated once the budget was reached "
-        "(the syncer's finalLoss); null until then.",
-    )
-    observed_generation: int | None = None
-    message: str | None = None
+def _integral_floats_as_ints(value: Any) -> Any:
+    """5.0 is an integer to the API server's schema validation; say the same here (strict
+    validation would refuse it, lax validation would also take "5")."""
+    if isinstance(value, dict):
+        return {k: _integral_floats_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral_floats_as_ints(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def parse_spec(spec: dict[str, Any], prefix: str = "spec") -> DilocoRunSpec:
-    """Validate a manifest's spec; raises ValueError whose lines name each bad field."""
+    """Validate a manifest's spec; raises ValueError whose lines name each bad field.
+
+    Strict types, as the API server's schema: "5" is not a number, 1 is not a boolean."""
     try:
-        return DilocoRunSpec.model_validate(spec)
+        return DilocoRunSpec.model_validate(_integral_floats_as_ints(spec), strict=True)
     except ValidationError as exc:
-        raise ValueError(format_validation_error(exc, prefix).replace("Value error, ", "")) from exc
+        text = format_validation_error(exc, prefix).replace("Value error, ", "")
+        # A model-level rule names its field first ("spec: chaos.schedule.0.unit: ..."): one path.
+        text = re.sub(
+            rf"^{re.escape(prefix)}: ([A-Za-z][\w.\[\]]*): ", rf"{prefix}.\1: ", text, flags=re.M
+        )
+        raise ValueError(text) from exc
 
 
 def parse_manifest(doc: dict[str, Any]) -> DilocoRunSpec:
@@ -376,6 +406,11 @@ def parse_manifest(doc: dict[str, Any]) -> DilocoRunSpec:
         raise ValueError("metadata.name: required")
     if len(name) > MAX_RUN_NAME:
         raise ValueError(f"metadata.name: at most {MAX_RUN_NAME} characters, got {len(name)}")
+    if not re.match(RUN_NAME, name):
+        raise ValueError(
+            f"metadata.name: {name!r} is not a valid name for the run's Services (lower-case "
+            "letters, digits and '-', starting with a letter)"
+        )
     if not isinstance(doc.get("spec"), dict):
         raise ValueError("spec: required (a mapping)")
     return parse_spec(doc["spec"])

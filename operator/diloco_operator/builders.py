@@ -15,10 +15,7 @@ import yaml
 from diloco_trainer.auth import unit_token
 
 from diloco_operator.accelerators import (
-    ACCELERATOR_LABEL,
-    TOPOLOGY_LABEL,
     TPU_RESOURCE,
-    TPU_TAINT_KEY,
 )
 from diloco_operator.api import (
     API_VERSION,
@@ -33,8 +30,10 @@ from diloco_operator.api import (
     ResourceRequirements,
     UnitGroup,
 )
+from diloco_operator.placement import group_placement, place_learner_pod
 from diloco_operator.planner import CreateUnit
 from diloco_operator.pod_security import TOKEN_KEY, secure_pod
+from diloco_operator.pod_template import apply_template
 
 CONFIG_DIR = "/etc/diloco"
 CONFIG_FILE = "run.yaml"
@@ -43,7 +42,10 @@ LEARNER = "learner"
 SYNCER = "syncer"
 MANAGED_BY = "diloco-operator"
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
-NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
+# Learners serve Prometheus metrics here (DILOCO_METRICS_PORT); the chart's monitors scrape the
+# container port named "metrics". Pods log JSON for Cloud Logging (docs/gke.md, "Logs").
+LEARNER_METRICS_PORT = 9100
+LOG_FORMAT_ENV = {"name": "DILOCO_LOG_FORMAT", "value": "json"}
 
 
 class Run:
@@ -148,7 +150,10 @@ def token_secret(run: Run, token: str | None = None) -> dict[str, Any]:
 
 
 def checkpoint_claim(run: Run) -> dict[str, Any] | None:
-    """The PVC the operator owns, or None (bucket, ephemeral, or a user-provided claim)."""
+    """The PVC the operator creates, or None (bucket, ephemeral, or a user-provided claim).
+
+    Not owned by the run unless retentionPolicy is Delete: `training` is immutable, so changing
+    it means deleting and re-creating the run, which must not take its checkpoints along."""
     ckpt = run.spec.syncer.checkpoint
     if ckpt.ephemeral or ckpt.is_bucket or ckpt.path:
         return None
@@ -158,12 +163,10 @@ def checkpoint_claim(run: Run) -> dict[str, Any] | None:
     }
     if ckpt.storage_class:
         spec["storageClassName"] = ckpt.storage_class
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": _meta(run, run.checkpoint_claim, SYNCER),
-        "spec": spec,
-    }
+    meta = _meta(run, run.checkpoint_claim, SYNCER)
+    if ckpt.retention_policy == "Retain":
+        del meta["ownerReferences"]
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
 
 
 def _config_volume(run: Run) -> dict[str, Any]:
@@ -180,6 +183,7 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
     port = spec.syncer.port
     env = [
         {"name": "DILOCO_SYNCER_PORT", "value": str(port)},
+        dict(LOG_FORMAT_ENV),
         {
             "name": "DILOCO_CHECKPOINT_PATH",
             "value": ckpt.path if ckpt.is_bucket else CHECKPOINT_MOUNT,
@@ -236,7 +240,9 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
             # Never two syncers on one checkpoint: the old pod goes before the new one starts.
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER}},
-            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+            "template": apply_template(
+                {"metadata": {"labels": pod_labels}, "spec": pod_spec}, spec.syncer.template
+            ),
         },
     }
 
@@ -289,57 +295,22 @@ def _worker_hostnames(unit: CreateUnit) -> str:
     return ",".join(f"{unit.name}-{i}.{unit.name}" for i in range(unit.hosts))
 
 
-def _affinity(run: Run, unit: CreateUnit) -> dict[str, Any]:
-    """Exclusive topology: all hosts of this unit share one node pool, and no other unit's pods
-    land on it (a slice is never split or shared)."""
-    mine = {"matchLabels": {LABEL_UNIT: unit.name}}
-    others = {
-        "matchExpressions": [
-            {"key": LABEL_UNIT, "operator": "Exists"},
-            {"key": LABEL_UNIT, "operator": "NotIn", "values": [unit.name]},
-        ]
-    }
-    return {
-        "podAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": [
-                {"labelSelector": mine, "topologyKey": NODEPOOL_LABEL}
-            ]
-        },
-        "podAntiAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": [
-                {"labelSelector": others, "topologyKey": NODEPOOL_LABEL}
-            ]
-        },
-    }
+def _learner_observability_env() -> list[dict[str, str]]:
+    return [
+        {"name": "DILOCO_METRICS_PORT", "value": str(LEARNER_METRICS_PORT)},
+        dict(LOG_FORMAT_ENV),
+    ]
 
 
-def _placement(group: UnitGroup) -> tuple[dict[str, str], list[dict[str, Any]], int]:
-    """Node selector, tolerations and TPU chips per host of a group's pods."""
-    node_selector: dict[str, str] = {}
-    tolerations: list[dict[str, Any]] = []
-    chips = 0
-    if group.tpu:
-        node_selector[ACCELERATOR_LABEL] = group.tpu.accelerator
-        node_selector[TOPOLOGY_LABEL] = group.tpu.topology
-        tolerations.append({"key": TPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"})
-        chips = group.tpu.chips_on_each_host
-    node_selector.update(group.node_selector or {})
-    tolerations.extend(t.to_wire() for t in group.tolerations or [])
-    return node_selector, tolerations, chips
-
-
-def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
-    spec = run.spec
-    group: UnitGroup | None = spec.group(unit.group)
-    if group is None:
-        raise ValueError(f"unit {unit.name}: group {unit.group!r} is not in spec.unitGroups")
-    env: list[dict[str, Any]] = [
+def _learner_env(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
+    return [
         {"name": "DILOCO_SYNCER_ADDR", "value": run.syncer_address},
         {"name": "DILOCO_UNIT", "value": str(unit.global_index)},
         {"name": "DILOCO_UNIT_NAME", "value": unit.name},
         {"name": "DILOCO_NUM_UNITS", "value": str(unit.num_units)},
         {"name": "DILOCO_ATTEMPT", "value": str(unit.attempt)},
         {"name": "DILOCO_GROUP", "value": unit.group},
+        *_learner_observability_env(),
         {
             "name": "TPU_WORKER_ID",
             "valueFrom": {
@@ -348,7 +319,15 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         },
         {"name": "TPU_WORKER_HOSTNAMES", "value": _worker_hostnames(unit)},
     ]
-    node_selector, tolerations, chips = _placement(group)
+
+
+def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
+    spec = run.spec
+    group: UnitGroup | None = spec.group(unit.group)
+    if group is None:
+        raise ValueError(f"unit {unit.name}: group {unit.group!r} is not in spec.unitGroups")
+    env = _learner_env(run, unit)
+    node_selector, tolerations, chips = group_placement(group)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "subdomain": unit.name,
@@ -359,18 +338,14 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
                 "imagePullPolicy": spec.image_pull_policy,
                 "command": ["diloco-learner", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
                 "env": env,
+                "ports": [{"name": "metrics", "containerPort": LEARNER_METRICS_PORT}],
                 "resources": _resources(group.resources, chips),
                 "volumeMounts": [_config_mount()],
             }
         ],
         "volumes": [_config_volume(run)],
     }
-    if node_selector:
-        pod_spec["nodeSelector"] = node_selector
-    if tolerations:
-        pod_spec["tolerations"] = tolerations
-    if group.exclusive_topology:
-        pod_spec["affinity"] = _affinity(run, unit)
+    place_learner_pod(pod_spec, group, unit.name, node_selector, tolerations)
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
     secure_pod(pod_spec, unit_token_secret_name(unit.name))
@@ -403,7 +378,9 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
                     },
                 ]
             },
-            "template": {"metadata": {"labels": job_labels}, "spec": pod_spec},
+            "template": apply_template(
+                {"metadata": {"labels": job_labels}, "spec": pod_spec}, group.template
+            ),
         },
     }
 

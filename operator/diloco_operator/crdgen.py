@@ -19,9 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from diloco_trainer.config import CompressionConfig, TrainingConfig
 
-from diloco_operator import api
-from diloco_operator.accelerators import ACCELERATORS, allowed_chips_per_host
+from diloco_operator import api, pod_template
+from diloco_operator.accelerators import (
+    ACCELERATOR_LABEL,
+    ACCELERATORS,
+    SPOT_LABEL,
+    TOPOLOGY_LABEL,
+    allowed_chips_per_host,
+)
 
 DEFAULT_MAX_LENGTH = 1024
 DEFAULT_MAX_ITEMS = 1000
@@ -64,9 +71,46 @@ _TOTAL_UNITS = (
     "self.unitGroups.map(g, has(g.replicas) ? g.replicas : 0).sum() : 0)"
 )
 
+
+def _default(model: type[api.Strict], field: str) -> str:
+    """A field's default as a CEL literal: the CRD states no defaults, so rules spell them."""
+    return repr(model.model_fields[field].default)
+
+
+def _or_default(path: str, model: type[api.Strict], field: str) -> str:
+    parent = path.rpartition(".")[0]
+    guards = " && ".join(f"has({p})" for p in _prefixes(parent)) + f" && has({path})"
+    return f"({guards.removeprefix(' && ')} ? {path} : {_default(model, field)})"
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[: i + 1]) for i in range(1, len(parts))]
+
+
+_HEARTBEAT = _or_default("self.training.heartbeatSeconds", TrainingConfig, "heartbeat_seconds")
+_OFFLINE = _or_default(
+    "self.failurePolicy.offlineAfterSeconds", api.FailurePolicy, "offline_after_seconds"
+)
+
 # CEL mirrors of the pydantic validators, keyed by model ($defs) name.
 RULES: dict[str, list[dict[str, str]]] = {
     "DilocoRunSpec": [
+        {
+            "rule": f"{_TOTAL_UNITS} <= {api.MAX_UNITS}",
+            "message": f"replicas: at most {api.MAX_UNITS} units in a run (spec.replicas plus "
+            "unitGroups[].replicas)",
+        },
+        {
+            "rule": "!has(self.chaos) || !has(self.chaos.schedule) || "
+            f"self.chaos.schedule.all(e, !has(e.unit) || e.unit < {_TOTAL_UNITS})",
+            "message": "chaos.schedule[].unit: no such unit (units are numbered 0..units-1)",
+        },
+        {
+            "rule": f"{_HEARTBEAT} * {float(api.HEARTBEATS_PER_OFFLINE)} <= {_OFFLINE}",
+            "message": "training.heartbeatSeconds: not well below "
+            f"failurePolicy.offlineAfterSeconds (at most 1/{api.HEARTBEATS_PER_OFFLINE} of it)",
+        },
         {
             "rule": "!has(self.unitGroups) || !has(self.unitGroups[0].replicas)",
             "message": "unitGroups[0].replicas: the first group is sized by spec.replicas; remove it",
@@ -89,6 +133,46 @@ RULES: dict[str, list[dict[str, str]]] = {
         },
     ],
     "TpuSpec": _tpu_rules(),
+    "Toleration": [
+        {
+            "rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || "
+            "self.value == ''",
+            "message": "value: must be empty when operator is Exists",
+            "fieldPath": ".value",
+        },
+        {
+            "rule": "(has(self.key) && self.key != '') || "
+            "(has(self.operator) && self.operator == 'Exists')",
+            "message": "operator: must be Exists when key is empty",
+        },
+        {
+            "rule": "!has(self.tolerationSeconds) || (has(self.effect) && "
+            "self.effect == 'NoExecute')",
+            "message": "effect: must be NoExecute when tolerationSeconds is set",
+        },
+    ],
+    "FailurePolicy": [
+        {
+            "rule": _or_default(
+                "self.restartBackoffSeconds", api.FailurePolicy, "restart_backoff_seconds"
+            )
+            + " <= "
+            + _or_default(
+                "self.maxRestartBackoffSeconds", api.FailurePolicy, "max_restart_backoff_seconds"
+            ),
+            "message": "restartBackoffSeconds: above its cap maxRestartBackoffSeconds",
+            "fieldPath": ".restartBackoffSeconds",
+        }
+    ],
+    "CompressionConfig": [
+        {
+            "rule": "!((has(self.scheme) && self.scheme == 'int4') || (has(self.downlink) && "
+            "self.downlink == 'int4')) || "
+            f"{_or_default('self.blockSize', CompressionConfig, 'block_size')} % 2 == 0",
+            "message": "blockSize: must be even with int4 (two values per byte)",
+            "fieldPath": ".blockSize",
+        }
+    ],
     "TrainingConfig": [
         {
             "rule": "has(self.totalSteps) || has(self.totalTokens)",
@@ -116,6 +200,25 @@ RULES: dict[str, list[dict[str, str]]] = {
     ],
 }
 
+# Selector keys the operator sets from `tpu` and `spot` (api.UnitGroup._selector_not_owned).
+OWNED_SELECTOR_RULES = [
+    {
+        "rule": "!has(self.tpu) || !has(self.nodeSelector) || "
+        f"!({ACCELERATOR_LABEL!r} in self.nodeSelector || {TOPOLOGY_LABEL!r} in self.nodeSelector)",
+        "message": f"nodeSelector: {ACCELERATOR_LABEL} and {TOPOLOGY_LABEL} are set by the "
+        "operator from tpu",
+        "fieldPath": ".nodeSelector",
+    },
+    {
+        "rule": "!has(self.spot) || !self.spot || !has(self.nodeSelector) || "
+        f"!({SPOT_LABEL!r} in self.nodeSelector)",
+        "message": f"nodeSelector: {SPOT_LABEL} is set by the operator from spot",
+        "fieldPath": ".nodeSelector",
+    },
+]
+for _model, _rules in {**pod_template.CEL_RULES, "UnitGroup": OWNED_SELECTOR_RULES}.items():
+    RULES.setdefault(_model, []).extend(_rules)
+
 # Lists whose items have a unique key: the API server then rejects duplicates itself.
 LIST_MAP_KEYS = {"unitGroups": ["name"]}
 
@@ -139,6 +242,11 @@ def structural(node: Any, defs: dict[str, Any], name: str | None = None) -> Any:
         return {**target, **{k: v for k, v in node.items() if k == "description"}}
     for drop in ("title", "propertyNames"):
         node.pop(drop, None)
+    if "patternProperties" in node:
+        # A structural schema types map values with additionalProperties only; the keys'
+        # pattern is a CEL rule on the map (json_schema_extra of the field).
+        (value,) = node.pop("patternProperties").values()
+        node["additionalProperties"] = value
     default = node.pop("default", None)
     if "anyOf" in node:
         options = node.pop("anyOf")
@@ -146,7 +254,11 @@ def structural(node: Any, defs: dict[str, Any], name: str | None = None) -> Any:
         nullable = len(non_null) < len(options)
         types = sorted(o.get("type", "") for o in non_null)
         if types == ["integer", "string"]:
+            # Int-or-string: each branch's bounds apply to its own type only (a pattern to
+            # strings, a minimum to numbers), so they can sit side by side on the one node.
             merged: dict[str, Any] = {"x-kubernetes-int-or-string": True}
+            for option in non_null:
+                merged.update({k: v for k, v in option.items() if k not in ("type", "title")})
         elif len(non_null) == 1:
             merged = structural(non_null[0], defs)
         else:
@@ -165,6 +277,11 @@ def structural(node: Any, defs: dict[str, Any], name: str | None = None) -> Any:
             node[key] = True
     if node.get("type") == "object" or "properties" in node:
         node["type"] = "object"
+        if node.get("additionalProperties") is True:
+            # Passed through as given (a volume source, a sidecar, a securityContext): the
+            # server keeps the fields it has no schema for; declared ones are still checked.
+            node.pop("additionalProperties")
+            node["x-kubernetes-preserve-unknown-fields"] = True
         if "properties" in node:
             node.pop("additionalProperties", None)
             node["properties"] = {k: _property(k, v, defs) for k, v in node["properties"].items()}
@@ -176,7 +293,8 @@ def structural(node: Any, defs: dict[str, Any], name: str | None = None) -> Any:
     if node.get("type") == "string" and "enum" not in node:
         node.setdefault("maxLength", DEFAULT_MAX_LENGTH)
     if name in RULES:
-        node["x-kubernetes-validations"] = RULES[name]
+        # A copy per node: a model used twice (a pod template) must not become a YAML alias.
+        node["x-kubernetes-validations"] = copy.deepcopy(RULES[name])
     _describe_default(node, default)
     return node
 
@@ -216,7 +334,12 @@ def crd() -> dict[str, Any]:
                 "rule": f"size(self.metadata.name) <= {api.MAX_RUN_NAME}",
                 "message": f"metadata.name: at most {api.MAX_RUN_NAME} characters "
                 "(it prefixes Job, Service and Pod names)",
-            }
+            },
+            {
+                "rule": f"self.metadata.name.matches(r'{api.RUN_NAME}')",
+                "message": "metadata.name: lower-case letters, digits and '-', starting with a "
+                "letter (it names the run's Services)",
+            },
         ],
     }
     columns = [

@@ -28,7 +28,7 @@ import aiohttp
 import kopf
 from prometheus_client import Counter, Gauge, Histogram
 
-from diloco_operator import builders, chaos, kube
+from diloco_operator import builders, chaos, kube, run_metrics
 from diloco_operator.api import (
     GROUP,
     LABEL_COMPONENT,
@@ -38,6 +38,7 @@ from diloco_operator.api import (
     DilocoRunStatus,
     parse_spec,
 )
+from diloco_operator.netpolicy import OperatorIdentity, run_objects_with_policy
 from diloco_operator.observe import (
     CONTROLLER_UID,
     PodView,
@@ -56,6 +57,7 @@ from diloco_operator.planner import (
     SyncerStatus,
     plan,
 )
+from diloco_operator.refusals import Refusal, create_all, report_refusals
 
 log = logging.getLogger("diloco_operator")
 
@@ -75,6 +77,10 @@ class Options:
     syncer_url: str = "http://{name}.{namespace}.svc:{port}"
     # Deliver spec.chaos faults (--enable-chaos): off unless the operator's owner opts in.
     chaos: bool = False
+    # kopf peering: how long a silent peer counts as alive (the failover bound for HA).
+    peering_lifetime: int = 15
+    # Set: each run gets a NetworkPolicy letting only its learners and this operator in.
+    network_policy: OperatorIdentity | None = None
 
 
 @dataclass
@@ -110,6 +116,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = 300
     settings.watching.connect_timeout = 30
     settings.persistence.finalizer = FINALIZER
+    # A SIGKILLed leader's keep-alive stays in the peering object: a paused replica takes over
+    # once it is this old (kopf's default, 60 s, would stall every run for a minute).
+    settings.peering.lifetime = STATE.options.peering_lifetime
     # After kopf patches a run (its finalizer) it waits for that version to come back; our passes
     # are level-based and idempotent, so a short wait is safe and starts new runs seconds sooner
     # (measured: the default 5 s was the whole create-to-first-Job latency on a real apiserver).
@@ -241,20 +250,24 @@ async def syncer_report(run: builders.Run) -> SyncerStatus | None:
         return None
 
 
-async def apply(run: builders.Run, the_plan: Plan, body: Any) -> None:
+async def apply(run: builders.Run, the_plan: Plan, body: Any) -> list[Refusal] | None:
+    """Apply the plan's actions; the creations refused (None when nothing was created)."""
+    refused: list[Refusal] | None = None
     for action in the_plan.actions:
-        if isinstance(action, CreateSyncer):
-            for obj in builders.run_objects(run):
-                await kube.create(obj)
-            ACTIONS.labels("create_syncer", "").inc()
-        elif isinstance(action, CreateUnit):
-            run_token = await read_run_token(run)
-            if run_token is None:
-                log.info("unit=%s waits for the run's token Secret", action.name)
-                continue
-            for obj in builders.unit_objects(run, action, run_token):
-                await kube.create(obj)
-            ACTIONS.labels("create_unit", f"attempt{min(action.attempt, 1)}").inc()
+        if isinstance(action, CreateSyncer | CreateUnit):
+            if isinstance(action, CreateSyncer):
+                objs = run_objects_with_policy(run, STATE.options.network_policy)
+                metric = ("create_syncer", "")
+            else:
+                run_token = await read_run_token(run)
+                if run_token is None:
+                    log.info("unit=%s waits for the run's token Secret", action.name)
+                    continue
+                objs = builders.unit_objects(run, action, run_token)
+                metric = ("create_unit", f"attempt{min(action.attempt, 1)}")
+            problem = await create_all(run, objs)
+            refused = (refused or []) + ([(action, problem)] if problem else [])
+            ACTIONS.labels(*(metric if problem is None else ("refused", problem.reason))).inc()
         elif isinstance(action, DeleteUnit):
             await kube.delete_unit(run.namespace, action.name)
             ACTIONS.labels("delete_unit", action.reason).inc()
@@ -269,6 +282,7 @@ async def apply(run: builders.Run, the_plan: Plan, body: Any) -> None:
                 action.message,
             )
             ACTIONS.labels("event", action.reason).inc()
+    return refused
 
 
 def observed_units(namespace: str, name: str, indexes: dict[str, Any]) -> list[Any]:
@@ -310,6 +324,7 @@ async def reconcile_once(
             status = DilocoRunStatus.model_validate(dict(body["status"]))
         except ValueError:
             status = None  # unreadable status: rebuilt from the children
+    generation = body.get("metadata", {}).get("generation")
     the_plan = plan(
         name,
         spec,
@@ -318,15 +333,16 @@ async def reconcile_once(
         time.time(),
         syncer=syncer,
         report=report,
-        generation=body.get("metadata", {}).get("generation"),
+        generation=generation,
     )
-    await apply(run, the_plan, body)
-    new = the_plan.status
+    refused = await apply(run, the_plan, body)
+    new = report_refusals(the_plan.status, status, refused, body, generation)
     if STATE.options.chaos and spec.chaos is not None:
         await inject_chaos(run, body, new)
     if last is None or new != last:
         await kube.patch_status(namespace, name, new.model_dump(mode="json", by_alias=True))
     UNITS_ONLINE.labels(namespace, name).set(new.units_online)
+    run_metrics.export_goodput(namespace, name, status, new)
     PASSES.labels("ok").inc()
     return the_plan, new
 
@@ -402,3 +418,4 @@ async def run_loop(
         STATE.chaos.pop(key, None)
         with contextlib.suppress(KeyError):
             UNITS_ONLINE.remove(namespace, name)
+        run_metrics.forget_run(namespace, name, last)

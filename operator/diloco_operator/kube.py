@@ -1,11 +1,13 @@
-"""Thin Kubernetes I/O used by the handlers: create (409 = success), delete (404 = success),
-status patch, secret read. Blocking client calls run in a thread so the kopf loop stays free."""
+"""Thin Kubernetes I/O used by the handlers: create (409 = success when the existing object is
+this run's), delete (404 = success), status patch, secret read. Blocking client calls run in a
+thread so the kopf loop stays free."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import functools
+import json
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -14,7 +16,7 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from diloco_operator.api import GROUP, PLURAL, VERSION
+from diloco_operator.api import GROUP, LABEL_RUN, PLURAL, VERSION
 
 log = logging.getLogger("diloco_operator.kube")
 
@@ -26,6 +28,7 @@ def load_config() -> None:
     except config.ConfigException:
         config.load_kube_config()
     _apis.cache_clear()
+    _networking.cache_clear()
 
 
 @functools.cache
@@ -43,6 +46,11 @@ def _apis() -> tuple[
     )
 
 
+@functools.cache
+def _networking() -> client.NetworkingV1Api:
+    return client.NetworkingV1Api(_apis()[0].api_client)
+
+
 def warm_up() -> None:
     _apis()
 
@@ -56,21 +64,88 @@ def _creator(kind: str) -> Callable[..., Any]:
         "PersistentVolumeClaim": core.create_namespaced_persistent_volume_claim,
         "Deployment": apps.create_namespaced_deployment,
         "Job": batch.create_namespaced_job,
+        "NetworkPolicy": _networking().create_namespaced_network_policy,
     }
     return creators[kind]
 
 
-async def create(obj: dict[str, Any]) -> bool:
-    """Create an object; True if created, False if it already existed (not an error: names are
-    deterministic, so an existing object is the one a previous pass created)."""
-    ns = obj["metadata"]["namespace"]
+class ChildError(Exception):
+    """A child object that could not be created; `reason` is the Event/condition reason."""
+
+    def __init__(self, reason: str, kind: str, name: str, detail: str) -> None:
+        super().__init__(f"{kind} {name}: {detail}")
+        self.reason = reason
+
+
+def _reader(kind: str) -> Callable[..., Any]:
+    core, apps, batch, _ = _apis()
+    readers: dict[str, Callable[..., Any]] = {
+        "Service": core.read_namespaced_service,
+        "Secret": core.read_namespaced_secret,
+        "ConfigMap": core.read_namespaced_config_map,
+        "PersistentVolumeClaim": core.read_namespaced_persistent_volume_claim,
+        "Deployment": apps.read_namespaced_deployment,
+        "Job": batch.read_namespaced_job,
+        "NetworkPolicy": _networking().read_namespaced_network_policy,
+    }
+    return readers[kind]
+
+
+def _controller(meta: dict[str, Any]) -> str | None:
+    refs = meta.get("ownerReferences") or []
+    return next((r.get("uid") for r in refs if r.get("controller")), None)
+
+
+def ours(existing: dict[str, Any], wanted: dict[str, Any], run_uid: str) -> bool:
+    """Whether an object found under a child's name is that child (made by an earlier pass):
+    controlled by this run; or, for a child made without an owner (a retained checkpoint PVC,
+    kept for the next run of the same name), uncontrolled and labelled with this run's name."""
+    have = existing.get("metadata") or {}
+    owner = _controller(have)
+    if owner is not None:
+        return owner == run_uid
+    run_label = (have.get("labels") or {}).get(LABEL_RUN)
+    return (
+        _controller(wanted["metadata"]) is None
+        and run_label == wanted["metadata"]["labels"][LABEL_RUN]
+    )
+
+
+def _api_message(exc: ApiException) -> str:
     try:
-        await asyncio.to_thread(_creator(obj["kind"]), ns, obj)
+        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+    except (ValueError, AttributeError):
+        return str(exc.reason)
+
+
+async def create(obj: dict[str, Any], run_uid: str) -> bool:
+    """Create an object; True if created, False if this run's object already exists (names are
+    deterministic, so it is the one an earlier pass created). ChildError when the API server
+    refuses it, or when the name is taken by an object that is not this run's."""
+    ns, kind, name = obj["metadata"]["namespace"], obj["kind"], obj["metadata"]["name"]
+    try:
+        await asyncio.to_thread(_creator(kind), ns, obj)
     except ApiException as exc:
-        if exc.status == 409:
-            return False
-        raise
-    log.info("created kind=%s name=%s namespace=%s", obj["kind"], obj["metadata"]["name"], ns)
+        if exc.status != 409:
+            if exc.status is not None and 400 <= exc.status < 500:
+                raise ChildError("ChildRejected", kind, name, _api_message(exc)) from exc
+            raise
+        existing = await asyncio.to_thread(_reader(kind), name, ns)
+        found = _apis()[0].api_client.sanitize_for_serialization(existing)
+        if not ours(found, obj, run_uid):
+            owners = [
+                f"{r.get('kind')}/{r.get('name')}"
+                for r in (found.get("metadata") or {}).get("ownerReferences") or []
+            ]
+            raise ChildError(
+                "NameConflict",
+                kind,
+                name,
+                f"the name is taken by an object this run does not own (owners: "
+                f"{', '.join(owners) or 'none'}); rename or delete it",
+            ) from exc
+        return False
+    log.info("created kind=%s name=%s namespace=%s", kind, name, ns)
     return True
 
 

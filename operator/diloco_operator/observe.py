@@ -79,6 +79,7 @@ class PodView:
     terminating: bool
     message: str
     job_uid: str = ""
+    disruption_reason: str = ""
 
 
 def job_view(body: Mapping[str, Any]) -> JobView:
@@ -123,6 +124,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         terminating=bool(meta.get("deletionTimestamp")),
         message=str(message),
         job_uid=labels.get(CONTROLLER_UID, ""),
+        disruption_reason=str(disrupted.get("reason", "")) if disrupted is not None else "",
     )
 
 
@@ -148,7 +150,11 @@ def observe_unit(
     ]
 
     def unit(
-        phase: Any, failure: str | None = None, message: str = "", ready: bool = False
+        phase: Any,
+        failure: str | None = None,
+        message: str = "",
+        ready: bool = False,
+        disruption_reason: str = "",
     ) -> ObservedUnit:
         return ObservedUnit(
             name=job.name,
@@ -160,13 +166,19 @@ def observe_unit(
             failure=failure,
             message=message,
             since=job.created,
+            disruption_reason=disruption_reason,
         )
 
     if job.terminating:
         return unit("Terminating")
     for pod in mine:
         if pod.disrupted:
-            return unit("Failed", DISRUPTION_TARGET, f"pod {pod.name}: {pod.message}")
+            return unit(
+                "Failed",
+                DISRUPTION_TARGET,
+                f"pod {pod.name}: {pod.message}",
+                disruption_reason=pod.disruption_reason,
+            )
     if job.failed:
         return unit("Failed", JOB_FAILED, job.message)
     if job.complete:

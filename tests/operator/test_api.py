@@ -19,6 +19,10 @@ BASE = {"image": "t", "training": {"totalSteps": 10}}
         ("tpu-v5p-slice", "2x2x1", None, 1),
         ("tpu-v5p-slice", "2x2x4", None, 4),
         ("tpu-v4-podslice", "2x2x2", None, 2),
+        # Larger slices (v5p's documented shapes; hosts column of cloud.google.com/tpu/docs/v5p)
+        ("tpu-v5p-slice", "8x8x16", None, 256),
+        ("tpu-v5p-slice", "16x16x24", None, 1536),
+        ("tpu-v4-podslice", "16x16x16", None, 1024),
         ("tpu-v5-lite-podslice", "2x2", None, 1),
     ],
 )
@@ -34,6 +38,11 @@ def test_every_known_topology_has_a_host_size_dividing_it() -> None:
         for topology in acc.topologies:
             sizes = allowed_chips_per_host(name, topology)
             assert sizes and hosts(name, topology, None) >= 1, (name, topology)
+
+
+def test_slices_beyond_a_pod_are_refused_with_the_field_named() -> None:
+    problem = check_tpu("tpu-v4-podslice", "16x16x24", None)  # 6144 chips > the 4096 of a v4 pod
+    assert problem is not None and problem.startswith("topology:")
 
 
 def test_spec_defaults_to_one_default_group() -> None:

@@ -27,21 +27,29 @@ NEEDED = {
     ("diloco.dev", "dilocoruns", "patch"),  # kopf annotations + finalizer
     ("diloco.dev", "dilocoruns/status", "get"),
     ("diloco.dev", "dilocoruns/status", "patch"),  # kube.patch_status
+    ("batch", "jobs", "get"),  # kube.create: is an existing object the run's own?
     ("batch", "jobs", "list"),
     ("batch", "jobs", "watch"),
     ("batch", "jobs", "create"),
     ("batch", "jobs", "delete"),
     ("", "pods", "list"),
     ("", "pods", "watch"),
+    ("", "services", "get"),
     ("", "services", "create"),
     ("", "services", "delete"),
+    ("apps", "deployments", "get"),
     ("apps", "deployments", "list"),
     ("apps", "deployments", "watch"),
     ("apps", "deployments", "create"),
     ("", "secrets", "get"),  # kube.read_token
     ("", "secrets", "create"),
+    ("", "configmaps", "get"),
     ("", "configmaps", "create"),
+    ("", "persistentvolumeclaims", "get"),
     ("", "persistentvolumeclaims", "create"),
+    # Only with networkPolicy.enabled (the per-run NetworkPolicy).
+    ("networking.k8s.io", "networkpolicies", "get"),
+    ("networking.k8s.io", "networkpolicies", "create"),
     ("", "events", "create"),
     ("events.k8s.io", "events", "create"),
 }
@@ -103,7 +111,7 @@ def test_rbac_is_exactly_what_the_code_uses() -> None:
 
 def test_every_kind_the_operator_creates_is_granted() -> None:
     kube_py = (OPERATOR / "kube.py").read_text()
-    created = set(re.findall(r'"(\w+)": \w+\.create_namespaced_', kube_py))
+    created = set(re.findall(r'"(\w+)": [\w()]+\.create_namespaced_', kube_py))
     plural = {
         "Service": "services",
         "Secret": "secrets",
@@ -111,10 +119,15 @@ def test_every_kind_the_operator_creates_is_granted() -> None:
         "PersistentVolumeClaim": "persistentvolumeclaims",
         "Deployment": "deployments",
         "Job": "jobs",
+        "NetworkPolicy": "networkpolicies",
     }
     assert created == set(plural)
     creatable = {r for (_, r, v) in NEEDED if v == "create"}
     assert {plural[k] for k in created} <= creatable
+    # A create that meets an existing object reads it (kube.ours): every created kind is gettable.
+    readable = {r for (_, r, v) in NEEDED if v == "get"}
+    read = set(re.findall(r'"(\w+)": [\w()]+\.read_namespaced_', kube_py))
+    assert read == created and {plural[k] for k in read} <= readable
 
 
 def _helm() -> str | None:

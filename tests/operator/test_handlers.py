@@ -237,7 +237,7 @@ def test_one_pass_creates_children_then_writes_status_once(monkeypatch: pytest.M
 
     secrets: dict[str, str] = {}
 
-    async def fake_create(obj: dict[str, Any]) -> bool:
+    async def fake_create(obj: dict[str, Any], run_uid: str) -> bool:
         created.append(f"{obj['kind']}/{obj['metadata']['name']}")
         if obj["kind"] == "Secret":
             secrets[obj["metadata"]["name"]] = obj["stringData"]["token"]
@@ -316,7 +316,7 @@ def test_one_pass_creates_children_then_writes_status_once(monkeypatch: pytest.M
     created.clear()
     plan2, _ = asyncio.run(handlers.reconcile_once("r", "ns", "uid", body, status, indexes2))
     assert created == [] and plan2 is not None and plan2.actions == ()
-    assert len(patched) == 1
+    assert len(patched) == 1, [p["conditions"] for p in patched]
 
 
 def test_invalid_spec_is_reported_not_applied(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,6 @@ from diloco_operator.planner import (
 from diloco_operator.planner.model import (
     DISRUPTION_TARGET,
     JOB_FAILED,
-    NODE_DELETED,
     NODE_NOT_READY,
     POD_DELETED,
 )
@@ -105,7 +104,7 @@ def test_units_go_online_and_run_becomes_ready() -> None:
         ({"phase": "Failed", "ready": False}, "PodFailed"),
         ({"failure": DISRUPTION_TARGET}, DISRUPTION_TARGET),
         ({"failure": NODE_NOT_READY}, NODE_NOT_READY),
-        ({"failure": NODE_DELETED}, NODE_DELETED),
+        # NODE_DELETED is a preemption, not a failure: tests/operator/test_spot.py.
         ({"failure": JOB_FAILED, "phase": "Failed"}, JOB_FAILED),
         ({"failure": POD_DELETED, "phase": "Pending", "ready": False}, POD_DELETED),
         ({"phase": "Terminating"}, "UnitDeleted"),

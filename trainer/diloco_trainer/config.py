@@ -19,6 +19,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+# The largest integer bound a CRD schema can state (the API server reads `maximum` as a float64,
+# and it must fit an int64): a manifest with a bigger one is refused there, so here too.
+INT64_MAX = (1 << 63) - 1024
+# The shortest period anything may be scheduled with: a smaller one is a busy loop.
+MIN_PERIOD_SECONDS = 0.1
+
 
 class Strict(BaseModel):
     """Base for every schema block: camelCase aliases, no unknown fields, validated defaults."""
@@ -28,6 +34,8 @@ class Strict(BaseModel):
         populate_by_name=True,
         extra="forbid",
         validate_default=True,
+        # YAML can spell .inf and .nan; JSON (and so the API server) cannot: refuse them too.
+        allow_inf_nan=False,
     )
 
     def to_wire(self) -> dict[str, Any]:
@@ -113,7 +121,10 @@ class DataConfig(Strict):
         0.05, gt=0.0, lt=0.5, description="Held-out share of the corpus for evaluation."
     )
     max_bytes: int | None = Field(
-        None, ge=1 << 16, description="Cap on corpus size (stdlib source), for quick runs."
+        None,
+        ge=1 << 16,
+        le=INT64_MAX,
+        description="Cap on corpus size (stdlib source), for quick runs.",
     )
 
     @model_validator(mode="after")
@@ -127,10 +138,14 @@ class InnerOptimizerConfig(Strict):
     """AdamW on each learner (optax.adamw), with linear warmup then cosine decay."""
 
     lr: float = Field(1e-3, gt=0, le=1.0, description="Peak learning rate.")
-    b1: float = Field(0.9, ge=0, lt=1)
-    b2: float = Field(0.95, ge=0, lt=1)
-    weight_decay: float = Field(0.1, ge=0, le=10)
-    warmup_steps: int = Field(50, ge=0, description="Linear warmup length in inner steps.")
+    b1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay (beta1).")
+    b2: float = Field(0.95, ge=0, lt=1, description="AdamW second-moment decay (beta2).")
+    weight_decay: float = Field(
+        0.1, ge=0, le=10, description="AdamW decoupled weight decay (applied to every leaf)."
+    )
+    warmup_steps: int = Field(
+        50, ge=0, le=INT64_MAX, description="Linear warmup length in inner steps."
+    )
     grad_clip: float | None = Field(1.0, gt=0, description="Global-norm clip; null disables.")
     schedule: Literal["constant", "cosine"] = Field("cosine", description="Decay after warmup.")
 
@@ -138,9 +153,9 @@ class InnerOptimizerConfig(Strict):
 class OuterOptimizerConfig(Strict):
     """SGD with Nesterov momentum on the syncer, applied to merged outer gradients."""
 
-    lr: float = Field(0.7, gt=0, le=10)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = True
+    lr: float = Field(0.7, gt=0, le=10, description="Outer learning rate.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum coefficient.")
+    nesterov: bool = Field(True, description="Nesterov momentum; false: heavy-ball momentum.")
     momentum_per: Literal["merge", "round"] = Field(
         "merge",
         description="round: the momentum moves once per round of contributions (their "
@@ -162,6 +177,8 @@ class GraceConfig(Strict):
 
 
 class MergeConfig(Strict):
+    """How the syncer combines the contributions of one merge into an outer gradient."""
+
     method: Literal["rda", "mean"] = Field(
         "rda", description="rda: radial-directional averaging; mean: plain weighted mean."
     )
@@ -191,6 +208,8 @@ SCHEMES: tuple[Scheme, ...] = get_args(Scheme)
 
 
 class CompressionConfig(Strict):
+    """Quantization of what travels between learners and the syncer (docs/protocol.md)."""
+
     scheme: Scheme = Field("none", description="Quantization of deltas.")
     block_size: int = Field(128, ge=8, le=1 << 16, description="Values per quantization scale.")
     downlink: Scheme = Field(
@@ -200,18 +219,30 @@ class CompressionConfig(Strict):
         "(docs/protocol.md, 'Compressed downlink'); none sends float32 values.",
     )
 
+    @model_validator(mode="after")
+    def _int4_packs_pairs(self) -> CompressionConfig:
+        if "int4" in (self.scheme, self.downlink) and self.block_size % 2:
+            raise ValueError(f"blockSize: {self.block_size} is odd; int4 packs two values per byte")
+        return self
+
 
 class CheckpointConfig(Strict):
+    """Periodic syncer checkpoints of the run's global state (resumed after a restart)."""
+
     path: str = Field(
         "runs/checkpoints", description="Directory (PVC mount) for syncer checkpoints."
     )
-    every_seconds: float = Field(30.0, gt=0, description="Checkpoint period.")
+    every_seconds: float = Field(30.0, ge=MIN_PERIOD_SECONDS, description="Checkpoint period.")
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints to retain.")
 
 
 class EvalConfig(Strict):
+    """Held-out evaluation of the global model, run by the syncer."""
+
     every_seconds: float | None = Field(
-        15.0, gt=0, description="Syncer evaluates the global model this often; null disables."
+        15.0,
+        ge=MIN_PERIOD_SECONDS,
+        description="Syncer evaluates the global model this often; null disables.",
     )
     batches: int = Field(8, ge=1, le=10000, description="Held-out batches per evaluation.")
 
@@ -244,13 +275,21 @@ class TrainingConfig(Strict):
     inner_optimizer: InnerOptimizerConfig = Field(default_factory=lambda: InnerOptimizerConfig())
     outer_optimizer: OuterOptimizerConfig = Field(default_factory=lambda: OuterOptimizerConfig())
     total_steps: int | None = Field(
-        None, ge=1, description="Stop after this many inner steps summed over all learners."
+        None,
+        ge=1,
+        le=INT64_MAX,
+        description="Stop after this many inner steps summed over all learners.",
     )
     total_tokens: int | None = Field(
-        None, ge=1, description="Stop after this many tokens summed over all learners."
+        None,
+        ge=1,
+        le=INT64_MAX,
+        description="Stop after this many tokens summed over all learners.",
     )
-    seed: int = Field(0, ge=0, description="Seeds initialisation and data order.")
-    heartbeat_seconds: float = Field(2.0, gt=0, le=600, description="Learner heartbeat period.")
+    seed: int = Field(0, ge=0, le=INT64_MAX, description="Seeds initialisation and data order.")
+    heartbeat_seconds: float = Field(
+        2.0, ge=MIN_PERIOD_SECONDS, le=600, description="Learner heartbeat period."
+    )
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
     eval: EvalConfig = Field(default_factory=lambda: EvalConfig())
 

@@ -16,6 +16,7 @@ retried (newest per fragment kept) and nothing new arrives; training goes on.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -32,6 +33,7 @@ from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data import train_batches
 from diloco_trainer.distributed import broadcast_int, exchange_arrivals, is_leader
 from diloco_trainer.fragments import FragmentCounters, PushClock, pack_fragments
+from diloco_trainer.learner_metrics import start_learner_metrics
 from diloco_trainer.model import init_params, param_shapes
 from diloco_trainer.sync_link import PendingPush, Progress, SyncLink, retry_until
 from diloco_trainer.train import (
@@ -65,6 +67,7 @@ class LearnerOptions:
     slowdown: float = 1.0  # >= 1: sleep (slowdown-1) * step time after each step
     log_every: int = 50
     max_steps: int | None = None  # stop after this many local steps (benchmarks, debugging)
+    metrics_port: int = 0  # > 0: the leader serves Prometheus /metrics here (learner_metrics.py)
 
     @property
     def name(self) -> str:
@@ -220,6 +223,12 @@ def run_learner(
     link = SyncLink(client, versions, cfg.heartbeat_seconds, progress) if leader else None
     if link is not None:
         link.start()
+    metrics = None
+    if link is not None and opts.metrics_port > 0:
+        metrics = start_learner_metrics(
+            cfg.model, opts.name, opts.group, opts.metrics_port,
+            jax.devices()[0].device_kind, jax.device_count(), os.environ,
+        )  # fmt: skip
 
     step, prev_loss, last_done = 0, None, time.monotonic()
     window_start, window_steps = last_done, 0
@@ -256,6 +265,8 @@ def run_learner(
                 time.sleep((opts.slowdown - 1.0) * step_time)
                 last_done = time.monotonic()
             slept = last_done - now
+            if metrics is not None:
+                metrics.step(step_time if step > 1 else None, tokens_per_step)
 
             # ---- arrivals from the syncer (and the stop decision) reach every host at this step
             done = stop.is_set() or (opts.max_steps is not None and step >= opts.max_steps)
@@ -291,6 +302,11 @@ def run_learner(
                 _log_progress(
                     opts, step, progress, versions, link, resume_step + step, lr, overwritten
                 )
+                if metrics is not None and link is not None:
+                    metrics.progress(
+                        float(loss), progress.tokens_per_sec, link.stats,
+                        client.bytes_sent, client.bytes_received,
+                    )  # fmt: skip
             if step > 1:
                 loop_seconds["train"] += now - top
                 loop_seconds["slowdown"] += slept

@@ -22,6 +22,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from diloco_trainer.config import ConfigError, TrainingConfig, load_training_config, resolve_token
+from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 
 if TYPE_CHECKING:
     from diloco_trainer.learner import StepProgram
@@ -58,7 +59,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--slowdown", default=_env_default(env, "DILOCO_SLOWDOWN", "1"), help="factor >= 1")
     add("--log-every", type=int, default=50, help="progress log period in steps")
     add("--max-steps", type=int, default=None, help="stop after this many local steps")
+    add(
+        "--metrics-port",
+        default=_env_default(env, "DILOCO_METRICS_PORT", "0"),
+        help="serve Prometheus /metrics on this port (leader host only; 0: off)",
+    )
     add("--log-level", default="INFO")
+    add("--log-format", choices=FORMATS, default=None, help=f"text or json (else {LOG_FORMAT_ENV})")
     add(
         "--standby",
         action="store_true",
@@ -78,6 +85,13 @@ def _int(value: str | None, flag: str, env: str, minimum: int = 0) -> int:
     if number < minimum:
         raise UsageError(f"{flag} (or {env}) must be >= {minimum}, got {number}")
     return number
+
+
+def _port(value: str | None) -> int:
+    port = _int(value or "0", "--metrics-port", "DILOCO_METRICS_PORT")
+    if port > 65535:
+        raise UsageError(f"--metrics-port (or DILOCO_METRICS_PORT) must be <= 65535, got {port}")
+    return port
 
 
 def resolve(
@@ -113,6 +127,7 @@ def resolve(
         "slowdown": slowdown,
         "log_every": args.log_every,
         "max_steps": args.max_steps,
+        "metrics_port": _port(args.metrics_port),
     }
     return cfg, options
 
@@ -120,11 +135,12 @@ def resolve(
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     args = build_parser(env).parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    try:
+        log_format = resolve_log_format(args.log_format, env)
+    except ValueError as exc:
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level.upper(), log_format)
     if args.standby:
         return standby_main(args, env)
     try:

@@ -207,7 +207,7 @@ class Syncer:
         self.metrics.outer_step.set(self.outer_step)
         for f in self.frags:
             self.metrics.fragment_version.labels(str(f.index)).set(f.version)
-        self.metrics.tokens.set(self.learners.totals()[1])
+        self.metrics.count_tokens(self.learners.totals()[1])
         self.metrics.learners_online.set(len(self.learners.online(time.time())))
         if self.eval_loss is not None:
             self.metrics.eval_loss.set(self.eval_loss)

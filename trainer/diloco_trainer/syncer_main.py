@@ -27,6 +27,7 @@ from diloco_trainer.config import (
     read_document,
     resolve_token,
 )
+from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 
 log = logging.getLogger("diloco.syncer")
 DEFAULT_PORT = 8470
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="distinct learner units admitted (else DILOCO_MAX_UNITS; unset: any number)",
     )
     p.add_argument("--log-level", default=os.environ.get("DILOCO_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--log-format", choices=FORMATS, default=None, help=f"text or json (else {LOG_FORMAT_ENV})"
+    )
     return p.parse_args(argv)
 
 
@@ -106,11 +110,12 @@ async def serve(syncer: object, host: str, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    try:
+        log_format = resolve_log_format(args.log_format, os.environ)
+    except ValueError as exc:
+        print(f"diloco-syncer: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level.upper(), log_format)
     try:
         cfg = load_training_config(args.config)
         token = resolve_token(args.token, os.environ)

@@ -64,7 +64,15 @@ class SyncerMetrics:
         self.eval_loss = Gauge(
             "diloco_syncer_eval_loss", "Held-out loss of the global parameters", registry=r
         )
-        self.tokens = Gauge("diloco_syncer_tokens", "Tokens summed over learners", registry=r)
+        # A counter, so rate() is the fleet's tokens/s. The run's cumulative count (restored from
+        # checkpoints) is in /v1/status and the DilocoRun's status.tokens; this process counts
+        # from what it restored, so a syncer restart reads as a counter reset, not a jump.
+        self.tokens = Counter(
+            "diloco_syncer_tokens_total",
+            "Tokens the learners reported training since this syncer process started",
+            registry=r,
+        )
+        self._tokens_seen: int | None = None
         self.checkpoints = Counter(
             "diloco_syncer_checkpoints_total", "Checkpoints written", registry=r
         )
@@ -99,3 +107,10 @@ class SyncerMetrics:
         )
         for what in ("merge", "checkpoint"):
             self.failing.labels(what).set(0)
+
+    def count_tokens(self, run_total: int) -> None:
+        """Advance the tokens counter to the run's total (the first call sets the baseline)."""
+        if self._tokens_seen is not None and run_total > self._tokens_seen:
+            self.tokens.inc(run_total - self._tokens_seen)
+        if self._tokens_seen is None or run_total > self._tokens_seen:
+            self._tokens_seen = run_total

@@ -31,6 +31,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
+{{/* The namespaces a namespaced operator manages: watchNamespaces, else the release's own. */}}
+{{- define "diloco-operator.namespaces" -}}
+{{- if .Values.clusterWide -}}
+{{- if .Values.watchNamespaces -}}
+{{- fail "clusterWide: true and watchNamespaces are exclusive: pick one" -}}
+{{- end -}}
+[]
+{{- else -}}
+{{- default (list .Release.Namespace) .Values.watchNamespaces | toJson -}}
+{{- end -}}
+{{- end -}}
+
 {{/* What the operator does inside a namespace it manages: nothing more. */}}
 {{- define "diloco-operator.namespacedRules" -}}
 # DilocoRuns: watched; kopf patches its annotations/finalizer; status written once per pass.
@@ -41,31 +53,38 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: ["dilocoruns/status"]
   verbs: ["get", "patch"]
 # Learner units: Indexed Jobs (watched, created, deleted) and their pods (watched).
+# (get: a create that meets an existing object reads it to check it is the run's own.)
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
 # Unit subdomains and the syncer Service.
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["create", "delete"]
+  verbs: ["get", "create", "delete"]
 # The syncer: Deployment (watched for readiness), token Secret (read to poll its status),
 # config and checkpoint storage.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["list", "watch", "create"]
+  verbs: ["get", "list", "watch", "create"]
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create"]
 - apiGroups: [""]
   resources: ["configmaps", "persistentvolumeclaims"]
-  verbs: ["create"]
+  verbs: ["get", "create"]
 # Events about runs and units.
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
+{{- if .Values.networkPolicy.enabled }}
+# The per-run NetworkPolicy: only the run's learners and this operator reach its syncer.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create"]
+{{- end }}
 {{- if .Values.ha.enabled }}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
@@ -77,4 +96,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: ["pods"]
   verbs: ["delete"]
 {{- end }}
+{{- end -}}
+
+{{/* The spec of a GMP (Cluster)PodMonitoring of one kind of run pod. */}}
+{{- define "diloco-operator.podMonitoringSpec" -}}
+selector:
+  matchLabels:
+    app.kubernetes.io/name: diloco
+    app.kubernetes.io/component: {{ .component.name }}
+endpoints:
+  - port: {{ .component.port }}
+    path: /metrics
+    interval: {{ .interval }}
+targetLabels:
+  fromPod:
+    - from: diloco.dev/run
+      to: run
 {{- end -}}

@@ -23,6 +23,9 @@ import (
 	"k8s.io/kubernetes/pkg/apis/core"
 	_ "k8s.io/kubernetes/pkg/apis/core/install"
 	corevalidation "k8s.io/kubernetes/pkg/apis/core/validation"
+	"k8s.io/kubernetes/pkg/apis/networking"
+	_ "k8s.io/kubernetes/pkg/apis/networking/install"
+	networkingvalidation "k8s.io/kubernetes/pkg/apis/networking/validation"
 )
 
 func main() {
@@ -93,6 +96,9 @@ func main() {
 		case *core.PersistentVolumeClaim:
 			name = o.Name
 			errs = corevalidation.ValidatePersistentVolumeClaim(o, corevalidation.PersistentVolumeClaimSpecValidationOptions{})
+		case *networking.NetworkPolicy:
+			name = o.Name
+			errs = networkingvalidation.ValidateNetworkPolicy(o, networkingvalidation.NetworkPolicyValidationOptions{})
 		default:
 			fmt.Printf("UNKNOWN %v\n", gvk)
 			bad++

@@ -28,6 +28,12 @@ from diloco_operator.planner.model import (
     ObservedUnit,
 )
 from diloco_operator.planner.placement import UnitSlot
+from diloco_operator.planner.preemption import (
+    PREEMPTED,
+    is_preempted,
+    preemption_message,
+    recreation_counts,
+)
 from diloco_operator.planner.timefmt import at, seconds_since
 
 
@@ -58,6 +64,9 @@ def failure_signal(
         return Signal(UNIT_DELETED, f"unit {unit.name} attempt {unit.attempt} disappeared")
     if obs.phase == "Terminating":
         return Signal(UNIT_DELETED, f"unit {unit.name} is being deleted by someone else")
+    preempted = preemption_message(obs)
+    if preempted is not None:
+        return Signal(PREEMPTED, preempted)
     if obs.failure:
         return Signal(obs.failure, obs.message or f"unit {unit.name}: {obs.failure}")
     if obs.phase == "Failed":
@@ -101,6 +110,12 @@ def restart_delay(policy: FailurePolicy, quick_failures: int) -> float:
     return float(min(policy.restart_backoff_seconds * 2.0 ** min(quick_failures - 1, 60), cap))
 
 
+def offline_delay(unit: UnitStatus, policy: FailurePolicy) -> float:
+    """Seconds an Offline unit waits, once gone, before its recreation: none after a
+    preemption, else the crash-loop backoff of its quick failures."""
+    return 0.0 if is_preempted(unit) else restart_delay(policy, unit.quick_failures)
+
+
 def take_offline(
     unit: UnitStatus,
     signal: Signal,
@@ -109,11 +124,16 @@ def take_offline(
     report: SyncerStatus | None = None,
 ) -> tuple[UnitStatus, list[Action]]:
     """Mark a failed unit Offline (or Failed when its budget is spent) and delete all of it; the
-    crash-loop count restarts from 0 after a healthy run and grows after a quick failure."""
+    crash-loop count restarts from 0 after a healthy run and grows after a quick failure. A
+    preemption spends no budget and leaves the crash-loop count as it was."""
     failure = UnitFailure(reason=signal.reason, message=signal.message[:1024], time=at(now))
-    spent = unit.restarts >= policy.max_unit_restarts
+    preempted = signal.reason == PREEMPTED
+    spent = not preempted and unit.restarts >= policy.max_unit_restarts
     state = "Failed" if spent else "Offline"
-    quick = 0 if ran_healthily(unit, report, policy, now) else unit.quick_failures + 1
+    if preempted:
+        quick = unit.quick_failures
+    else:
+        quick = 0 if ran_healthily(unit, report, policy, now) else unit.quick_failures + 1
     updated = unit.model_copy(
         update={
             "state": state,
@@ -122,12 +142,14 @@ def take_offline(
             "quick_failures": quick,
         }
     )
-    events: list[Action] = [
-        EmitEvent(
+    offline = (
+        EmitEvent("Normal", "UnitPreempted", f"{unit.name}: {signal.message}", unit.name)
+        if preempted
+        else EmitEvent(
             "Warning", "UnitOffline", f"{unit.name}: {signal.reason}: {signal.message}", unit.name
-        ),
-        DeleteUnit(unit.name, signal.reason),
-    ]
+        )
+    )
+    events: list[Action] = [offline, DeleteUnit(unit.name, signal.reason)]
     if spent:
         events.append(
             EmitEvent(
@@ -157,7 +179,7 @@ def recover(
             update={
                 "state": "Recreating",
                 "attempt": obs.attempt,
-                "restarts": unit.restarts + 1,
+                **recreation_counts(unit),
                 "since": at(now),
             }
         )
@@ -170,7 +192,7 @@ def recover(
         )
         return unit, actions, policy.restart_backoff_seconds or 1.0
     waited = seconds_since(unit.since, now)
-    delay = restart_delay(policy, unit.quick_failures)
+    delay = offline_delay(unit, policy)
     if waited < delay:
         return unit, [], delay - waited
     attempt = unit.attempt + 1
@@ -178,10 +200,11 @@ def recover(
         update={
             "state": "Recreating",
             "attempt": attempt,
-            "restarts": unit.restarts + 1,
+            **recreation_counts(unit),
             "since": at(now),
         }
     )
+    why = " after a preemption" if is_preempted(unit) else ""
     return (
         updated,
         [
@@ -189,7 +212,10 @@ def recover(
                 slot.name, slot.group, slot.index, slot.global_index, attempt, num_units, slot.hosts
             ),
             EmitEvent(
-                "Normal", "UnitRecreated", f"{unit.name} recreated as attempt {attempt}", unit.name
+                "Normal",
+                "UnitRecreated",
+                f"{unit.name} recreated as attempt {attempt}{why}",
+                unit.name,
             ),
         ],
         None,

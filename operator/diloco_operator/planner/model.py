@@ -30,6 +30,8 @@ class ObservedUnit:
     Terminating while it is being deleted; Missing (or simply absent from the list) when gone.
     failure: a reason (e.g. DisruptionTarget, NodeNotReady) when the backend saw a failure signal
     even though the phase may still look alive.
+    disruption_reason: for DisruptionTarget, the condition's reason (e.g. TerminationByKubelet),
+    which tells a preemption from a failure (planner/preemption.py).
     """
 
     name: str
@@ -41,6 +43,7 @@ class ObservedUnit:
     failure: str | None = None
     message: str = ""
     since: float = 0.0
+    disruption_reason: str = ""
 
 
 @dataclass(frozen=True)

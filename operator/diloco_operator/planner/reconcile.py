@@ -26,10 +26,11 @@ from diloco_operator.planner.conditions import set_condition
 from diloco_operator.planner.failure import (
     Signal,
     failure_signal,
+    offline_delay,
     recover,
-    restart_delay,
     take_offline,
 )
+from diloco_operator.planner.goodput import account
 from diloco_operator.planner.model import (
     Action,
     CreateSyncer,
@@ -101,7 +102,7 @@ def _step_unit(
         )
     if signal is not None:
         updated, actions = take_offline(unit, signal, policy, now, report)
-        wait = restart_delay(policy, updated.quick_failures) if updated.state == "Offline" else None
+        wait = offline_delay(updated, policy) if updated.state == "Offline" else None
         return updated, actions, wait
     assert obs is not None
     if obs.phase == "Running" and obs.ready and unit.state != "Online":
@@ -289,6 +290,9 @@ def plan(
     actions += unit_actions + removal_actions
     units += removed
     waits += removal_waits
+    if not terminal:
+        heard = report.learners if report is not None else {}
+        units = [account(u, heard.get(u.name), now) for u in units]
 
     phase, why = run_phase(prev.phase, units, report, spec.training.quorum)
     actions, units = _settle(phase, actions, units, obs_by)

@@ -1,0 +1,60 @@
+"""The optional per-run NetworkPolicy (`--syncer-network-policy`): only the run's learner pods
+and the operator reach the run's syncer; everything else in the cluster is refused at the
+network. Pure functions, like builders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco_operator.api import LABEL_COMPONENT, LABEL_RUN
+from diloco_operator.builders import LEARNER, SYNCER, Run, _meta, run_objects
+
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+@dataclass(frozen=True)
+class OperatorIdentity:
+    """Where the operator's pods run and how they are labelled (the chart passes both)."""
+
+    namespace: str
+    pod_labels: dict[str, str] = field(default_factory=dict)
+
+
+def syncer_network_policy(run: Run, operator: OperatorIdentity) -> dict[str, Any]:
+    own = {LABEL_RUN: run.name}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(run, run.syncer_name, SYNCER),
+        "spec": {
+            "podSelector": {"matchLabels": {**own, LABEL_COMPONENT: SYNCER}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [
+                        # The run's learners (same namespace: a bare podSelector).
+                        {"podSelector": {"matchLabels": {**own, LABEL_COMPONENT: LEARNER}}},
+                        # The operator, polling /v1/status.
+                        {
+                            "namespaceSelector": {
+                                "matchLabels": {NAMESPACE_NAME_LABEL: operator.namespace}
+                            },
+                            "podSelector": {"matchLabels": dict(operator.pod_labels)},
+                        },
+                    ],
+                    "ports": [{"protocol": "TCP", "port": run.spec.syncer.port}],
+                }
+            ],
+        },
+    }
+
+
+def run_objects_with_policy(run: Run, operator: OperatorIdentity | None) -> list[dict[str, Any]]:
+    """builders.run_objects, plus the policy (when asked) before the syncer Deployment, so the
+    syncer pod is never reachable without it."""
+    objs = run_objects(run)
+    if operator is None:
+        return objs
+    at = next(i for i, o in enumerate(objs) if o["kind"] == "Deployment")
+    return [*objs[:at], syncer_network_policy(run, operator), *objs[at:]]

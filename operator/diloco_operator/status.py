@@ -1,0 +1,105 @@
+"""The DilocoRun status: what the operator (or the local runtime) writes back."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from diloco_trainer.config import Strict
+from pydantic import Field
+
+from diloco_operator.kubesyntax import MAX_UNITS
+from diloco_operator.unit_goodput import UnitGoodput
+
+RunPhase = Literal["Pending", "Running", "Degraded", "Succeeded", "Failed"]
+UnitState = Literal["Pending", "Online", "Offline", "Recreating", "Removing", "Completed", "Failed"]
+
+
+class UnitFailure(Strict):
+    """The last failure seen on a unit."""
+
+    reason: str = Field(max_length=128, description="Failure signal, e.g. PodFailed.")
+    message: str = Field("", max_length=1024, description="What was seen, in words.")
+    time: datetime = Field(description="When it was seen.")
+
+
+class UnitStatus(Strict):
+    """Bookkeeping of one learner unit; the operator rebuilds it from children when lost."""
+
+    name: str = Field(description="Unit name: its Job and headless Service.")
+    group: str = Field(description="Unit group (spec.unitGroups[].name).")
+    index: int = Field(description="Index within the group.")
+    global_index: int = Field(description="Index across the run (the unit's data shard).")
+    state: UnitState = Field(
+        description="Pending (created, not all hosts ready), Online, Offline (failed, waiting "
+        "to be recreated), Recreating, Removing (scaled down), Completed or Failed (restart "
+        "budget spent)."
+    )
+    attempt: int = Field(0, description="Attempt number of the unit's current Job (from 0).")
+    restarts: int = Field(0, description="Recreations after failures (maxUnitRestarts bounds it).")
+    preemptions: int = Field(
+        0,
+        description="Recreations after a preemption or node maintenance (DisruptionTarget by "
+        "preemption, eviction or the kubelet, or its node deleted); not counted in restarts.",
+    )
+    quick_failures: int = Field(
+        0,
+        description="Failures in a row of attempts that had not run healthily (crash loop); "
+        "the restart backoff doubles with each. 0: recreated at once.",
+    )
+    since: datetime | None = Field(None, description="When the unit entered its state.")
+    last_failure: UnitFailure | None = Field(None, description="The last failure seen.")
+    goodput: UnitGoodput | None = Field(
+        None, description="Useful vs total seconds; null until the syncer reported the unit."
+    )
+
+
+class Condition(Strict):
+    """A Kubernetes-style condition (type, status True/False/Unknown, reason, message)."""
+
+    type: str = Field(description="Ready, Degraded, Progressing, Complete or ChildrenCreated.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="Why, as one CamelCase word.")
+    message: str = Field("", description="Why, in words.")
+    last_transition_time: datetime = Field(description="When the status last changed.")
+    observed_generation: int | None = Field(
+        None, description="The spec generation the condition was computed from."
+    )
+
+
+class DilocoRunStatus(Strict):
+    """Observed state of the run, written by the operator."""
+
+    phase: RunPhase = Field(
+        "Pending",
+        description="Pending (no unit online yet), Running, Degraded (a unit Offline, Recreating "
+        "or Failed), Succeeded (budget reached) or Failed (fewer units left than the quorum).",
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Degraded, Progressing, Complete and ChildrenCreated.",
+    )
+    units: list[UnitStatus] = Field(
+        default_factory=list, max_length=MAX_UNITS, description="One entry per unit."
+    )
+    units_online: int = Field(0, description="Units in state Online.")
+    replicas: int = Field(0, description="Units of the first group that exist (scale status).")
+    selector: str = Field("", description="Label selector of the first group's pods (scale).")
+    outer_step: int | None = Field(
+        None, description="Sum of the fragment versions at the syncer (merges so far)."
+    )
+    steps: int | None = Field(None, description="Inner steps summed over all learners.")
+    tokens: int | None = Field(None, description="Tokens summed over all learners.")
+    loss: float | None = Field(None, description="Latest held-out loss of the global model.")
+    train_loss: float | None = Field(
+        None, description="Token-weighted mean of the learners' latest losses."
+    )
+    final_loss: float | None = Field(
+        None,
+        description="Held-out loss of the global model evaluated once the budget was reached "
+        "(the syncer's finalLoss); null until then.",
+    )
+    observed_generation: int | None = Field(
+        None, description="The spec generation this status was computed from."
+    )
+    message: str | None = Field(None, description="Why the run is in its phase, in words.")
