@@ -178,8 +178,12 @@ def test_leader_sigkilled_the_other_replica_takes_over_without_duplicates(
         after = children(cluster, namespace)
         # Every child of before is still the same object (none recreated or replaced) ...
         assert {k: after.get(k) for k in before} == before
-        # ... the only new ones are the third unit's Job and Service ...
-        assert sorted(set(after) - set(before)) == [f"Job/{RUN}-v6e-2", f"Service/{RUN}-v6e-2"]
+        # ... the only new ones are the third unit's Job, Service and token Secret ...
+        assert sorted(set(after) - set(before)) == [
+            f"Job/{RUN}-v6e-2",
+            f"Secret/{RUN}-v6e-2-token",
+            f"Service/{RUN}-v6e-2",
+        ]
         # ... and no unit was restarted by the handover.
         jobs_now = live_jobs(cluster, namespace, RUN)
         assert {n: job_attempt(jobs_now[n]) for n in attempts} == attempts

@@ -243,6 +243,13 @@ def training_pod(
     return None
 
 
+def training_pods_of(c: harness._ClusterBase, ns: str, unit: str) -> dict[str, Any] | None:
+    """The pod of the unit's current attempt (by the run's status), whatever its phase."""
+    attempt = units(c, ns)[unit]["attempt"]
+    pods = runs.pods_of(c, ns, unit, attempt)
+    return pods[0] if pods else None
+
+
 def pod_log(c: harness._ClusterBase, ns: str, pod: str) -> str:
     r = kubectl(c, "logs", "-n", ns, pod, check=False)
     return r.stdout + r.stderr
@@ -433,11 +440,17 @@ def test_run_completes_and_children_go_with_it(
     say(f"run Succeeded: outerStep {done.get('outerStep')}, tokens {done.get('tokens')}, "
         f"finalLoss {done['finalLoss']}")  # fmt: skip
     say(f"status at the end:\n{json.dumps(done, indent=1)[:3000]}")
-    pods = runs.learner_pods(cluster, ns, RUN)
-    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-    assert live and all(p["status"]["phase"] == "Succeeded" for p in live), [
-        (p["metadata"]["name"], p["status"]["phase"]) for p in live
-    ]
+    assert {u["state"] for u in done["units"]} == {"Completed"}
+
+    def learners_exited_0() -> list[dict[str, Any]] | None:
+        """The current attempt's pod of each unit, once all of them Succeeded (exit 0)."""
+        current = [training_pods_of(cluster, ns, u) for u in (unit_name(i) for i in range(UNITS))]
+        if all(p and p["status"]["phase"] == "Succeeded" for p in current):
+            return [p for p in current if p]
+        return None
+
+    finished = wait_for("the learner pods Completed", learners_exited_0, 60)
+    say(f"learner pods: {[(p['metadata']['name'], p['status']['phase']) for p in finished]}")
     kubectl(cluster, "delete", "dlr", RUN, "-n", ns, "--wait=true", "--timeout=120s")
     wait_for(
         "every child gone",

@@ -26,6 +26,7 @@ from diloco_operator.planner.model import (
     NODE_NOT_READY,
     POD_DELETED,
 )
+from diloco_operator.planner.reconcile import FINISH_GRACE_SECONDS
 
 T0 = 1_700_000_000.0
 SYNCER_UP = ObservedSyncer(present=True, ready=True)
@@ -315,8 +316,17 @@ def test_syncer_reported_completion_succeeds_the_run_and_stops_units() -> None:
     report = SyncerStatus(outer_step=40, steps=1000, tokens=5000, loss=2.5, complete=True)
     p = plan("r", spec, observed, status, T0 + 9, syncer=SYNCER_UP, report=report)
     assert p.status.phase == "Succeeded"
-    assert sorted(d.name for d in p.of_type(DeleteUnit)) == ["r-default-0", "r-default-1"]
+    # the learners hear of it with their next heartbeat and exit 0: they get time to
+    assert not p.of_type(DeleteUnit)
+    assert p.requeue_after == pytest.approx(FINISH_GRACE_SECONDS)
     assert {u.state for u in p.status.units} == {"Completed"}
+    one_exited = [running("r-default-0", phase="Succeeded", ready=False), observed[1]]
+    later = plan("r", spec, one_exited, p.status, T0 + 20, syncer=SYNCER_UP, report=report)
+    assert not later.of_type(DeleteUnit)
+    # ... and whoever has not exited when the grace ends is stopped
+    late = T0 + 9 + FINISH_GRACE_SECONDS
+    stopped = plan("r", spec, one_exited, later.status, late, syncer=SYNCER_UP, report=report)
+    assert [d.name for d in stopped.of_type(DeleteUnit)] == ["r-default-1"]
     assert (p.status.outer_step, p.status.tokens, p.status.loss) == (40, 5000, 2.5)
     complete = next(c for c in p.status.conditions if c.type == "Complete")
     assert complete.status == "True"

@@ -205,20 +205,38 @@ def _surplus(
     return units, actions, waits
 
 
+# How long a succeeded run's learners may take to exit on their own before they are stopped.
+FINISH_GRACE_SECONDS = 30.0
+
+
+def succeeded_since(prev: DilocoRunStatus, now: float) -> float:
+    """When the run turned Succeeded: its Complete condition's transition, or now."""
+    if prev.phase == "Succeeded":
+        for c in prev.conditions:
+            if c.type == "Complete" and c.status == "True":
+                return c.last_transition_time.timestamp()
+    return now
+
+
 def _settle(
     phase: RunPhase,
     actions: list[Action],
     units: list[UnitStatus],
     obs_by: dict[str, ObservedUnit],
+    finish_wait: float,
 ) -> tuple[list[Action], list[UnitStatus]]:
     """Nothing new starts in a finished run; every unit still running is stopped, and in a
-    succeeded one every live unit counts as Completed."""
+    succeeded one every live unit counts as Completed. A succeeded run's learners are given
+    `finish_wait` more seconds to exit by themselves (they hear of completion with their next
+    heartbeat), so their pods end Completed with their logs, not deleted mid-exit."""
     if phase not in TERMINAL:
         return actions, units
     actions = [a for a in actions if not isinstance(a, CreateUnit | CreateSyncer)]
     deleting = {a.name for a in actions if isinstance(a, DeleteUnit)}
     for name, obs in obs_by.items():
-        if obs.phase not in ("Terminating", "Succeeded") and name not in deleting:
+        if obs.phase in ("Terminating", "Succeeded") or name in deleting:
+            continue
+        if phase == "Failed" or finish_wait <= 0:
             actions.append(DeleteUnit(name, f"Run{phase}"))
     if phase == "Succeeded":
         units = [
@@ -295,7 +313,10 @@ def plan(
         units = [account(u, heard.get(u.name), now) for u in units]
 
     phase, why = run_phase(prev.phase, units, report, spec.training.quorum)
-    actions, units = _settle(phase, actions, units, obs_by)
+    finish_wait = succeeded_since(prev, now) + FINISH_GRACE_SECONDS - now
+    actions, units = _settle(phase, actions, units, obs_by, finish_wait)
+    if phase == "Succeeded" and finish_wait > 0:
+        waits.append(finish_wait)
     if phase != prev.phase:
         kind: Literal["Normal", "Warning"] = (
             "Warning" if phase in ("Failed", "Degraded") else "Normal"
