@@ -338,6 +338,7 @@ def test_learners_train_in_pods_and_status_rises(
     )
     printed = kubectl(cluster, "get", "dlr", RUN, "-n", ns).stdout
     say(f"kubectl get dlr:\n{printed}")
+    say(f"kubectl get nodes -o wide:\n{kubectl(cluster, 'get', 'nodes', '-o', 'wide').stdout}")
     assert (RUN in printed and str(later["outerStep"]) in printed) or later["outerStep"] > 0
     # Every pod is a real container on the real node, admitted under "restricted".
     for p in runs.items(cluster, "pods", ns, runs.run_selector(RUN)):
