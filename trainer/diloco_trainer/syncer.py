@@ -245,6 +245,7 @@ class Syncer:
         callers)."""
         return await syncer_push.accept_push(self, f, body, caller)
 
+    # ---------------------------------------------------------------- merges (syncer_merge)
     def _merge_compute(
         self,
         params: dict[str, np.ndarray],
@@ -252,6 +253,8 @@ class Syncer:
         contributions: list[Contribution],
         share: float,
     ) -> tuple[dict[str, np.ndarray], Any]:
+        """One outer step of a fragment (in the merge thread): `syncer_merge` runs the rounds,
+        `warm_up` compiles it."""
         merged = merge_fragment(
             contributions, self.cfg.merge.method, self.cfg.merge.token_weighting
         )
