@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,11 +32,13 @@ from diloco_trainer.client import SyncerClient
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data import train_batches
 from diloco_trainer.distributed import broadcast_int, exchange_arrivals, is_leader
-from diloco_trainer.fragments import FragmentCounters, PushClock, pack_fragments
-from diloco_trainer.learner_metrics import start_learner_metrics
+from diloco_trainer.fragments import pack_fragments
+from diloco_trainer.learner_fragments import FragmentBook
+from diloco_trainer.learner_metrics import LearnerMetrics, start_learner_metrics
 from diloco_trainer.model import init_params, param_shapes
-from diloco_trainer.sync_link import PendingPush, Progress, SyncLink, retry_until
+from diloco_trainer.sync_link import Progress, SyncLink, retry_until
 from diloco_trainer.train import (
+    Params,
     TrainStep,
     check_batch_divisible,
     init_opt_state,
@@ -45,7 +47,6 @@ from diloco_trainer.train import (
     make_optimizer,
     make_train_step,
     place_params,
-    replicated,
     resume_schedule,
     resumed_learning_rate,
     rewarmup_steps,
@@ -162,16 +163,89 @@ def run_learner(
     stop = stop or threading.Event()
     leader = is_leader()
     started = time.monotonic()
-    shapes = param_shapes(cfg.model)
     client = SyncerClient(
         opts.syncer, opts.token, opts.name, opts.attempt, opts.group, compression=cfg.compression
     )
+    start = _start(cfg, opts, client, stop, leader, started)
+    if isinstance(start, LearnerResult):  # stopped while waiting, or nothing left to train
+        return start
+    if program is None or program.num_units != opts.num_units:
+        program = build_step_program(cfg, opts.num_units)
+    mesh, train_step = program.mesh, program.train_step
+    params, opt_state, batches = _training_state(cfg, opts, program, start)
+    frags = FragmentBook.starting(cfg, start.layout, start.shapes, start.versions, start.fragments)
+    report = _Report.starting(cfg, opts, client, start, leader)
+    link, tokens_per_step = report.link, cfg.tokens_per_step
 
-    # ---- start: the leader joins and pulls; other hosts of the unit get the same via broadcast
+    step, prev_loss, last_done = 0, None, time.monotonic()
+    loop_seconds = {"train": 0.0, "slowdown": 0.0, "other": 0.0}
+    try:
+        while True:
+            top = time.monotonic()
+            params, opt_state, loss = train_step(
+                params, opt_state, shard_batch(next(batches), mesh)
+            )
+            step += 1
+            frags.push_due(step, params, link, tokens_per_step)
+            if prev_loss is not None:
+                prev_loss.block_until_ready()  # keep one step in flight, no more
+            prev_loss = loss
+            now = time.monotonic()
+            step_time, last_done = now - last_done, now
+            if step == 1:  # its time is the compile (or the cache hit of a warm spare)
+                log.info("event=first_step unit=%s seconds=%.2f", opts.name, now - started)
+            if opts.slowdown > 1.0 and step > 2:  # the first steps' time is compilation
+                time.sleep((opts.slowdown - 1.0) * step_time)
+                last_done = time.monotonic()
+            slept = last_done - now
+            if report.metrics is not None:
+                report.metrics.step(step_time if step > 1 else None, tokens_per_step)
+
+            # ---- arrivals from the syncer (and the stop decision) reach every host at this step
+            done = stop.is_set() or (opts.max_steps is not None and step >= opts.max_steps)
+            done = frags.install_arrivals(step, params, mesh, link, done)
+            report.step(step, loss, done, frags)
+            if step > 1:
+                loop_seconds["train"] += now - top
+                loop_seconds["slowdown"] += slept
+                loop_seconds["other"] += time.monotonic() - now - slept
+            if done:
+                break
+    finally:
+        if link is not None:
+            link.stop()
+        client.close()
+    return _result(step, prev_loss, started, client, start, frags, link, loop_seconds, cfg)
+
+
+@dataclass(frozen=True)
+class _Start:
+    """What a unit starts from, the same on every host of the unit."""
+
+    layout: list[list[str]]
+    shapes: dict[str, tuple[int, ...]]
+    versions: list[int]  # the global version of each fragment in `params`
+    params: dict[str, np.ndarray]  # the global parameters (initial values where none arrived)
+    fragments: dict[int, dict[str, np.ndarray]]  # per fragment: its values in `params`
+    resume_step: int  # where this unit's LR schedule continues (its steps in earlier attempts)
+    bytes_joined: int
+
+
+def _start(
+    cfg: TrainingConfig,
+    opts: LearnerOptions,
+    client: SyncerClient,
+    stop: threading.Event,
+    leader: bool,
+    started: float,
+) -> _Start | LearnerResult:
+    """The leader joins and pulls; other hosts of the unit get the same via broadcast. A result
+    instead when stopped while waiting for the syncer, or when the run is already complete."""
+    shapes = param_shapes(cfg.model)
     layout = pack_fragments(shapes, cfg.fragments)
     global_params: dict[str, np.ndarray] = init_params(cfg.model, cfg.seed)
     versions = [0] * len(layout)
-    resume_step = 0  # where this unit's LR schedule continues (its steps in earlier attempts)
+    resume_step = 0
     bytes_joined = 0
     if leader:
         joined = join_and_pull(client, stop)
@@ -192,145 +266,117 @@ def run_learner(
         p: (versions[p], {n: global_params[n] for n in layout[p]}) for p in range(len(layout))
     }
     startup, _ = exchange_arrivals(startup, layout, shapes, stop=False)
+    fragments = {p: tensors for p, (_, tensors) in startup.items()}
+    params = {**global_params, **{n: a for t in fragments.values() for n, a in t.items()}}
     versions = [startup[p][0] for p in range(len(layout))]
+    return _Start(layout, shapes, versions, params, fragments, resume_step, bytes_joined)
 
-    # ---- the unit's SPMD training state
-    if program is None or program.num_units != opts.num_units:
-        program = build_step_program(cfg, opts.num_units)
-    mesh, optimizer, train_step = program.mesh, program.optimizer, program.train_step
-    params = place_params(
-        {**global_params, **{n: a for _, t in startup.values() for n, a in t.items()}}, mesh
+
+def _training_state(
+    cfg: TrainingConfig, opts: LearnerOptions, program: StepProgram, start: _Start
+) -> tuple[Params, Any, Iterator[np.ndarray]]:
+    """The unit's SPMD training state: parameters on the mesh, fresh AdamW moments with the LR
+    schedule continuing at the unit's step (short re-warmup), and this host's batches."""
+    params = place_params(start.params, program.mesh)
+    opt_state = resume_schedule(
+        init_opt_state(program.optimizer, params, program.mesh), start.resume_step, program.mesh
     )
-    # Fresh AdamW moments; the LR schedule continues at the unit's step (short re-warmup).
-    opt_state = resume_schedule(init_opt_state(optimizer, params, mesh), resume_step, mesh)
     rows = cfg.data.batch_size // jax.process_count()
     batches = train_batches(
         cfg, opts.unit, opts.num_units, opts.attempt, jax.process_index(), batch_size=rows
     )
-    # Per fragment, where the next push's delta is measured from: the fragment at the last push
-    # (device) or install (host), whichever came later.
-    base: dict[int, Mapping[str, np.ndarray | jax.Array]] = {p: startup[p][1] for p in startup}
-    counters = FragmentCounters(len(layout))
-    clock = PushClock(cfg.inner_steps, len(layout), cfg.phase_lock)
-    for p in range(len(layout)):
-        if versions[p] > 0:
-            clock.joined_running(p)
-    tokens_per_step = cfg.tokens_per_step
-    schedule = learning_rate_schedule(cfg.inner_optimizer, learner_horizon(cfg, opts.num_units))
-    ramp = rewarmup_steps(cfg.inner_optimizer)
+    return params, opt_state, batches
 
-    progress = Progress()
-    link = SyncLink(client, versions, cfg.heartbeat_seconds, progress) if leader else None
-    if link is not None:
-        link.start()
-    metrics = None
-    if link is not None and opts.metrics_port > 0:
-        metrics = start_learner_metrics(
-            cfg.model, opts.name, opts.group, opts.metrics_port,
-            jax.devices()[0].device_kind, jax.device_count(), os.environ,
+
+@dataclass
+class _Report:
+    """What the learner tells the outside: the sync link's heartbeats (leader only), the
+    progress log every `log_every` steps, and the leader's Prometheus metrics."""
+
+    opts: LearnerOptions
+    client: SyncerClient
+    link: SyncLink | None
+    metrics: LearnerMetrics | None
+    progress: Progress
+    schedule: optax.Schedule
+    ramp: int
+    resume_step: int
+    tokens_per_step: int
+    window_start: float = field(default_factory=time.monotonic)
+    window_steps: int = 0
+
+    @classmethod
+    def starting(
+        cls,
+        cfg: TrainingConfig,
+        opts: LearnerOptions,
+        client: SyncerClient,
+        start: _Start,
+        leader: bool,
+    ) -> _Report:
+        progress = Progress()
+        link = SyncLink(client, start.versions, cfg.heartbeat_seconds, progress) if leader else None
+        if link is not None:
+            link.start()
+        metrics = None
+        if link is not None and opts.metrics_port > 0:
+            metrics = start_learner_metrics(
+                cfg.model, opts.name, opts.group, opts.metrics_port,
+                jax.devices()[0].device_kind, jax.device_count(), os.environ,
+            )  # fmt: skip
+        schedule = learning_rate_schedule(cfg.inner_optimizer, learner_horizon(cfg, opts.num_units))
+        ramp = rewarmup_steps(cfg.inner_optimizer)
+        return cls(
+            opts, client, link, metrics, progress, schedule, ramp, start.resume_step,
+            cfg.tokens_per_step,
         )  # fmt: skip
 
-    step, prev_loss, last_done = 0, None, time.monotonic()
-    window_start, window_steps = last_done, 0
-    loop_seconds = {"train": 0.0, "slowdown": 0.0, "other": 0.0}
-    try:
-        while True:
-            top = time.monotonic()
-            params, opt_state, loss = train_step(
-                params, opt_state, shard_batch(next(batches), mesh)
-            )
-            step += 1
-            counters.add_step(tokens_per_step)
-            for p in range(len(layout)):
-                if not clock.due(step, p):
-                    continue
-                clock.pushed(step, p)
-                if link is not None:
-                    c_steps, c_tokens = counters.get(p)
-                    theta = {n: params[n] for n in layout[p]}
-                    link.enqueue_push(
-                        PendingPush(p, versions[p], base[p], theta, c_steps, c_tokens, step)
-                    )
-                    # The next push of p carries only what comes after this one.
-                    base[p] = theta
-                counters.reset(p)
-            if prev_loss is not None:
-                prev_loss.block_until_ready()  # keep one step in flight, no more
-            prev_loss = loss
-            now = time.monotonic()
-            step_time, last_done = now - last_done, now
-            if step == 1:  # its time is the compile (or the cache hit of a warm spare)
-                log.info("event=first_step unit=%s seconds=%.2f", opts.name, now - started)
-            if opts.slowdown > 1.0 and step > 2:  # the first steps' time is compilation
-                time.sleep((opts.slowdown - 1.0) * step_time)
-                last_done = time.monotonic()
-            slept = last_done - now
-            if metrics is not None:
-                metrics.step(step_time if step > 1 else None, tokens_per_step)
+    def step(self, step: int, loss: jax.Array, done: bool, frags: FragmentBook) -> None:
+        self.window_steps += 1
+        progress, tokens_per_step = self.progress, self.tokens_per_step
+        progress.step, progress.tokens, progress.loss = step, step * tokens_per_step, loss
+        if step % self.opts.log_every != 0 and not done:
+            return
+        elapsed = time.monotonic() - self.window_start
+        progress.tokens_per_sec = self.window_steps * tokens_per_step / max(elapsed, 1e-9)
+        self.window_start, self.window_steps = time.monotonic(), 0
+        resume = self.resume_step
+        lr = float(resumed_learning_rate(self.schedule, resume + step - 1, resume, self.ramp))
+        overwritten = frags.counters.overwritten_share(step)
+        _log_progress(
+            self.opts, step, progress, frags.versions, self.link, resume + step, lr, overwritten
+        )
+        if self.metrics is not None and self.link is not None:
+            self.metrics.progress(
+                float(loss), progress.tokens_per_sec, self.link.stats,
+                self.client.bytes_sent, self.client.bytes_received,
+            )  # fmt: skip
 
-            # ---- arrivals from the syncer (and the stop decision) reach every host at this step
-            done = stop.is_set() or (opts.max_steps is not None and step >= opts.max_steps)
-            newest: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
-            if link is not None:
-                done = done or link.complete.is_set()
-                for arrival in link.drain():
-                    newest[arrival.fragment] = (arrival.version, arrival.tensors)
-            if link is not None:  # references of sent pushes move to host (device memory back)
-                for p in range(len(layout)):
-                    base[p] = link.settled(p, base[p])
-            newest, done = exchange_arrivals(newest, layout, shapes, done)
-            for p, (version, tensors) in sorted(newest.items()):
-                if version <= versions[p]:
-                    continue
-                sharding = replicated(mesh)
-                for name, value in tensors.items():
-                    params[name] = jax.device_put(value, sharding)
-                base[p], versions[p] = tensors, version
-                counters.overwrite(p)
-                clock.installed(step, p)
 
-            window_steps += 1
-            progress.step, progress.tokens, progress.loss = step, step * tokens_per_step, loss
-            if step % opts.log_every == 0 or done:
-                elapsed = time.monotonic() - window_start
-                progress.tokens_per_sec = window_steps * tokens_per_step / max(elapsed, 1e-9)
-                window_start, window_steps = time.monotonic(), 0
-                lr = float(
-                    resumed_learning_rate(schedule, resume_step + step - 1, resume_step, ramp)
-                )
-                overwritten = counters.overwritten_share(step)
-                _log_progress(
-                    opts, step, progress, versions, link, resume_step + step, lr, overwritten
-                )
-                if metrics is not None and link is not None:
-                    metrics.progress(
-                        float(loss), progress.tokens_per_sec, link.stats,
-                        client.bytes_sent, client.bytes_received,
-                    )  # fmt: skip
-            if step > 1:
-                loop_seconds["train"] += now - top
-                loop_seconds["slowdown"] += slept
-                loop_seconds["other"] += time.monotonic() - now - slept
-            if done:
-                break
-    finally:
-        if link is not None:
-            link.stop()
-        client.close()
-    final = float(prev_loss) if prev_loss is not None else None
+def _result(
+    step: int,
+    last_loss: jax.Array | None,
+    started: float,
+    client: SyncerClient,
+    start: _Start,
+    frags: FragmentBook,
+    link: SyncLink | None,
+    loop_seconds: dict[str, float],
+    cfg: TrainingConfig,
+) -> LearnerResult:
     return LearnerResult(
         steps=step,
-        tokens=step * tokens_per_step,
+        tokens=step * cfg.tokens_per_step,
         seconds=time.monotonic() - started,
         complete=link is not None and link.complete.is_set(),
-        final_loss=final,
-        versions=versions,
+        final_loss=float(last_loss) if last_loss is not None else None,
+        versions=frags.versions,
         link_stats=dict(link.stats) if link is not None else {},
         bytes_sent=client.bytes_sent,
         bytes_received=client.bytes_received,
-        bytes_joined=bytes_joined,
+        bytes_joined=start.bytes_joined,
         loop_seconds=loop_seconds,
-        overwritten_share=counters.overwritten_share(step),
+        overwritten_share=frags.counters.overwritten_share(step),
     )
 
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import logging
-import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -22,50 +20,34 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from diloco_trainer import syncer_persist
+from diloco_trainer import syncer_eval, syncer_persist, syncer_push
 from diloco_trainer.checkpoint import CheckpointStore, Snapshot
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.downlink import Publication
 from diloco_trainer.fragments import pack_fragments
-from diloco_trainer.grace import Ema, grace_window, slack_seconds
+from diloco_trainer.grace import Ema
 from diloco_trainer.learners import LearnerRegistry
-from diloco_trainer.merge import Contribution, merge_fragment, participation_share, scale_delta
+from diloco_trainer.merge import Contribution, merge_fragment, scale_delta
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.status import CheckpointStatus, FinalEval, FragmentStatus, SyncerStatus
 from diloco_trainer.syncer_fragment import (
-    SEEN_PER_FRAGMENT,
     EvalFn,
     FragmentState,
     InitFn,
-    Pending,
     Reject,
-    decode_measured,
     default_eval,
     default_init,
-    expected_arrival,
-    finite_norm,
     l2_norm,
     parse_fragment_index,
-    put_back,
-    validate_content,
-    validate_version,
 )
-from diloco_trainer.syncer_health import Health, retry_delay
+from diloco_trainer.syncer_health import Health
 from diloco_trainer.syncer_metrics import SyncerMetrics
 from diloco_trainer.wire import (
-    PayloadMismatch,
-    WireError,
     encode_params,
     encode_step,
 )
 
 log = logging.getLogger("diloco.syncer")
-
-# How long the final evaluation waits for in-flight work (a push being decoded, a merge running)
-# to land once the budget is reached. Merges of these models take milliseconds to a few hundred;
-# a grace window can hold one back up to grace.maxSeconds, but waiting longer than this would
-# only delay every run's report, and whatever did not land is the same few steps in every run.
-FINAL_SETTLE_SECONDS = 2.0
 
 
 class Syncer:
@@ -258,233 +240,12 @@ class Syncer:
     async def accept_push(
         self, f: FragmentState, body: bytes, caller: str | None = None
     ) -> dict[str, Any]:
-        """Decode, check and queue one push. `caller`: the authenticated unit, which must be
-        the payload's (None skips that check: in-process callers)."""
-        if len(body) > f.max_body:
-            raise Reject(
-                413,
-                "too_large",
-                f"body of {len(body)} bytes exceeds {f.max_body} for fragment {f.index}",
-            )
-        loop = asyncio.get_running_loop()
-        self._decoding += 1
-        try:
-            header, delta, norm = await loop.run_in_executor(
-                self._decode_pool, decode_measured, body
-            )
-        except PayloadMismatch as exc:
-            raise Reject(422, "mismatch", str(exc)) from exc
-        except WireError as exc:
-            raise Reject(400, "malformed", str(exc)) from exc
-        finally:
-            self._decoding -= 1
-        if caller is not None and header.unit != caller:
-            raise Reject(
-                403, "identity_mismatch", f"payload unit {header.unit!r} != caller {caller!r}"
-            )
-        record = self.learners.records.get(header.unit)
-        if record is None or header.attempt not in record.joined:
-            raise Reject(
-                409,
-                "not_joined",
-                f"unit {header.unit!r} attempt {header.attempt} has not joined: join first",
-            )
-        # Content first: a payload that can never be merged is refused even when its key
-        # repeats an accepted push's.
-        validate_content(f, header, delta, self.shapes, self.cfg.merge.max_push_norm, norm)
-        # A retry repeats the same push exactly: the learner's step names it. (A learner that
-        # predates the field sends step 0; then a later push on the same base has more c_steps.)
-        key = (
-            (header.unit, header.attempt, -1, header.step)  # -1: no base version is negative
-            if header.step > 0
-            else (header.unit, header.attempt, header.base_version, header.c_steps)
-        )
-        if key in f.seen and header.fragment == f.index:
-            return {
-                "accepted": True,
-                "duplicate": True,
-                "version": f.version,
-                "pending": len(f.pending),
-            }
-        validate_version(f, header, self.cfg.max_staleness)
-        now = time.time()
-        f.seen[key] = f.version
-        while len(f.seen) > SEEN_PER_FRAGMENT:
-            f.seen.popitem(last=False)
-        self.learners.seen(header.unit, header.attempt, self.learners.get(header.unit).group, now)
-        if not f.pending:
-            f.first_arrival, f.first_unit = now, header.unit
-        pending = Pending(header, delta, now)
-        earlier = f.pending.get(header.unit)
-        if earlier is not None:
-            pending = earlier.plus(pending)  # unmerged pushes of one unit add up
-        f.pending[header.unit] = pending
-        f.last_push[header.unit] = now
-        if header.quant_error is not None:
-            self.metrics.quant_error.observe(header.quant_error)
-        log.info(
-            "event=push_accepted fragment=%d unit=%s attempt=%d base=%d version=%d c_steps=%d c_tokens=%d pending=%d scheme=%s",
-            f.index, header.unit, header.attempt, header.base_version, f.version,
-            header.c_steps, header.c_tokens, len(f.pending), header.scheme,
-        )  # fmt: skip
-        self._maybe_schedule_merge(f)
-        return {
-            "accepted": True,
-            "duplicate": False,
-            "version": f.version,
-            "pending": len(f.pending),
-        }
+        """Decode, check and queue one push (`syncer_push.accept_push`). `caller`: the
+        authenticated unit, which must be the payload's (None skips that check: in-process
+        callers)."""
+        return await syncer_push.accept_push(self, f, body, caller)
 
-    def _contributors(self, f: FragmentState, now: float) -> list[str]:
-        """The learners a merge of `f` waits for and is a share of. Phase-locked: those in step
-        with the others on `f` (`LearnerRegistry.in_phase`); a unit killed a heartbeat or two
-        ago, or one that joined since f's last merge, would only hold the merge back for the
-        whole grace window and make its step smaller. Otherwise: every online learner."""
-        if self.cfg.phase_lock:
-            return self.learners.in_phase(now, 2 * self.cfg.heartbeat_seconds, f.last_merge)
-        return self.learners.online(now)
-
-    def _maybe_schedule_merge(self, f: FragmentState) -> None:
-        if len(f.pending) < self.cfg.quorum:
-            return
-        now = time.time()
-        missing = [u for u in self._contributors(f, now) if u not in f.pending]
-        if f.merge_task is not None:
-            if not missing:
-                f.all_in.set()
-            return
-        if (
-            self.cfg.phase_lock
-            and missing
-            and all(p.header.base_version < f.version for p in f.pending.values())
-        ):
-            # Only pushes that missed the last merge: they ride along with the next round's. A
-            # merge of them alone would be a version in mid-round, and installing it overwrites
-            # every learner's progress on f since the round's merge.
-            return
-        f.quorum_time = now
-        first = self.learners.get(f.first_unit) if f.first_unit else None
-        # Phase-locked learners push p together. One that misses the merge sends a delta from
-        # the old version into the next one (stale), which costs more than the few steps the
-        # others drop while the merge waits: the bound is maxSeconds, not the overlap slack.
-        slack = (
-            self.cfg.grace.max_seconds
-            if self.cfg.phase_lock
-            else slack_seconds(
-                self.cfg.overlap,
-                first.step_time.value if first else None,
-                now - (f.first_arrival or now),
-                self.sync_time.value or 0.0,
-                self.cfg.grace.max_seconds,
-            )
-        )
-        lateness = [
-            expected_arrival(
-                f.last_push.get(u), self.learners.get(u).step_time.value, self.cfg.inner_steps, now
-            )
-            for u in missing
-        ]
-        grace = grace_window(
-            self.cfg.grace.mode, self.cfg.grace.max_seconds, lateness, slack,
-            whole_slack=self.cfg.phase_lock,
-        )  # fmt: skip
-        self.metrics.grace_seconds.observe(grace)
-        f.all_in = asyncio.Event()
-        f.merge_task = asyncio.get_running_loop().create_task(self._merge_after(f, grace))
-
-    async def _merge_after(self, f: FragmentState, grace: float) -> None:
-        try:
-            if grace > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(f.all_in.wait(), grace)
-            await self._merge(f)
-            f.merge_failures = 0
-            if all(g.merge_failures == 0 for g in self.frags):  # no other fragment failing
-                self.health.recovered("merge")
-        except Exception as exc:
-            f.merge_failures += 1
-            self.health.failed("merge", exc)
-            delay = retry_delay(f.merge_failures)
-            log.exception(
-                "event=merge_failed fragment=%d failures=%d retry_in=%.1f pending=%d",
-                f.index, f.merge_failures, delay, len(f.pending),
-            )  # fmt: skip
-            await asyncio.sleep(delay)  # still the fragment's merge task: no merge meanwhile
-        finally:
-            f.merge_task = None
-        if len(f.pending) >= self.cfg.quorum:
-            self._maybe_schedule_merge(f)
-
-    async def _merge(self, f: FragmentState) -> None:
-        pending, f.pending = f.pending, {}
-        f.first_arrival = f.first_unit = f.quorum_time = None
-        contributions = [
-            Contribution(p.delta, p.header.c_steps, p.header.c_tokens) for p in pending.values()
-        ]
-        share = 1.0
-        if self.cfg.merge.participation_scaling:
-            online = set(self._contributors(f, time.time())) | set(pending)
-            share = participation_share(len(contributions), len(online))
-        started = time.perf_counter()
-        try:
-            computed = await self._merge_steps(f, contributions, share)
-        except BaseException:
-            put_back(f, pending)  # nothing was installed: the round merges on the next try
-            raise
-        if computed is None:
-            self.metrics.merges_refused.labels(str(f.index)).inc()
-            log.error(
-                "event=merge_refused fragment=%d version=%d reason=non_finite units=%s "
-                "action=contributions_dropped",
-                f.index, f.version, ",".join(sorted(pending)),
-            )  # fmt: skip
-            return
-        new_params, new_state, publication, norm = computed
-        new_version = f.version + 1
-        elapsed = time.perf_counter() - started
-        f.params, f.opt_state, f.publication, f.norm = new_params, new_state, publication, norm
-        f.version = new_version
-        f.last_merge = time.time()
-        self.sync_time.update(elapsed)
-        self.metrics.merges.labels(str(f.index)).inc()
-        self.metrics.merge_seconds.observe(elapsed)
-        self.metrics.merge_contributions.observe(len(contributions))
-        self._publish_gauges()
-        f.changed.set()
-        f.changed = asyncio.Event()
-        log.info(
-            "event=merged fragment=%d version=%d contributions=%d share=%.3f units=%s seconds=%.4f",
-            f.index, f.version, len(contributions), share, ",".join(sorted(pending)), elapsed,
-        )  # fmt: skip
-
-    async def _merge_steps(
-        self, f: FragmentState, contributions: list[Contribution], share: float
-    ) -> tuple[dict[str, np.ndarray], Any, Publication | None, float] | None:
-        """The merge's new parameters, optimizer state, publication and norm, with the new
-        version journaled; None (nothing journaled) when the parameters are not finite."""
-        loop = asyncio.get_running_loop()
-        new_params, new_state = await loop.run_in_executor(
-            self._merge_pool, self._merge_compute, f.params, f.opt_state, contributions, share
-        )
-        norm = await loop.run_in_executor(self._merge_pool, finite_norm, new_params)
-        if norm is None:
-            return None
-        new_version = f.version + 1
-        if self.store is not None:
-            # Journal first, announce second: a number a learner has seen is never reissued.
-            self._published[f.index] = max(self._published[f.index], new_version)
-            await loop.run_in_executor(
-                self._journal_pool, self.store.record_versions, list(self._published)
-            )
-        publication = f.publication
-        if publication is not None:
-            comp = self.cfg.compression
-            publication = await loop.run_in_executor(
-                self._merge_pool,
-                publication.advance, new_params, new_version, comp.downlink, comp.block_size,
-            )  # fmt: skip
-        return new_params, new_state, publication, norm
-
+    # ---------------------------------------------------------------- merges (syncer_merge)
     def _merge_compute(
         self,
         params: dict[str, np.ndarray],
@@ -492,6 +253,8 @@ class Syncer:
         contributions: list[Contribution],
         share: float,
     ) -> tuple[dict[str, np.ndarray], Any]:
+        """One outer step of a fragment (in the merge thread): `syncer_merge` runs the rounds,
+        `warm_up` compiles it."""
         merged = merge_fragment(
             contributions, self.cfg.merge.method, self.cfg.merge.token_weighting
         )
@@ -552,77 +315,12 @@ class Syncer:
                 log.exception("event=%s_failed", name)
 
     async def run_eval(self) -> None:
-        if self.eval_fn is None:
-            return
-        versions = tuple(self.versions())
-        if versions == self._evaluated and self.eval_loss is not None:
-            return  # same global model as last time: spare the CPU
-        params: dict[str, np.ndarray] = {}
-        for f in self.frags:
-            params.update(f.params)
-        step = self.outer_step
-        eval_fn, cfg = self.eval_fn, self.cfg
-        loss = await asyncio.get_running_loop().run_in_executor(
-            self._eval_pool, lambda: eval_fn(params, cfg, cfg.eval.batches)
-        )
-        self._evaluated = versions
-        if math.isfinite(loss):
-            self.eval_loss = float(loss)
-            self.metrics.eval_loss.set(loss)
-        log.info("event=eval outer_step=%d loss=%.4f", step, loss)
+        await syncer_eval.run_eval(self)
 
     def check_complete(self) -> None:
-        """Start the final evaluation the first time the budget is seen reached (called after
-        every heartbeat, and at startup for a restored run that completed before its final
-        evaluation finished)."""
-        if self.final_eval == "waiting" and self.complete and self._final_task is None:
-            self.final_eval = "running"
-            self._final_task = asyncio.get_running_loop().create_task(self._final_evaluation())
-            self._background.append(self._final_task)
-
-    def _settled(self) -> bool:
-        return self._decoding == 0 and all(f.merge_task is None for f in self.frags)
-
-    async def _final_evaluation(self) -> None:
-        """Wait (at most FINAL_SETTLE_SECONDS) until no push is being decoded and no merge is
-        running, evaluate the global parameters, expose the loss as `finalLoss` and checkpoint.
-        Contributions left pending below the quorum, or held for a next round (phase lock), never
-        merge (learners have stopped), so they are not waited for."""
-        started = time.monotonic()
-        while not self._settled() and time.monotonic() - started < FINAL_SETTLE_SECONDS:
-            await asyncio.sleep(0.02)
-        settled = self._settled()
-        waited = time.monotonic() - started
-        eval_fn, cfg = self.eval_fn, self.cfg
-        if eval_fn is None:
-            return
-        versions = tuple(self.versions())
-        params: dict[str, np.ndarray] = {}
-        for f in self.frags:
-            params.update(f.params)
-        step = self.outer_step
-        try:
-            if versions == self._evaluated and self.eval_loss is not None:
-                loss = self.eval_loss  # the periodic eval saw exactly this model already
-            else:
-                loss = await asyncio.get_running_loop().run_in_executor(
-                    self._eval_pool, lambda: eval_fn(params, cfg, cfg.eval.batches)
-                )
-        except Exception:
-            self.final_eval = "failed"
-            log.exception("event=final_eval_failed outer_step=%d", step)
-            return
-        if not math.isfinite(loss):
-            self.final_eval = "failed"
-            log.warning("event=final_eval_failed outer_step=%d loss=%s", step, loss)
-            return
-        self.final_loss = float(loss)
-        self.final_eval = "done"
-        log.info(
-            "event=final_eval outer_step=%d versions=%s loss=%.4f settled=%s waited=%.3f",
-            step, list(versions), loss, str(settled).lower(), waited,
-        )  # fmt: skip
-        await self.save_checkpoint(force=True)
+        """Start the final evaluation the first time the budget is seen reached
+        (`syncer_eval.check_complete`)."""
+        syncer_eval.check_complete(self)
 
     def warm_up(self) -> None:
         """Compile each fragment's outer step before the first push can arrive. Compiled on
