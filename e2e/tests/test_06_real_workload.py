@@ -434,10 +434,11 @@ def test_run_completes_and_children_go_with_it(
     cluster: harness._ClusterBase, run: dict[str, Any]
 ) -> None:
     ns = run["ns"]
+    wait_for("phase Succeeded", lambda: st(cluster, ns).get("phase") == "Succeeded", 720)
+    # the syncer's final evaluation of the global model follows the budget by a moment
     done = wait_for(
-        "phase Succeeded", lambda: (s := st(cluster, ns)).get("phase") == "Succeeded" and s, 720
+        "finalLoss in status", lambda: (s := st(cluster, ns)).get("finalLoss") and s, 180
     )
-    assert done.get("finalLoss") is not None, done
     say(f"run Succeeded: outerStep {done.get('outerStep')}, tokens {done.get('tokens')}, "
         f"finalLoss {done['finalLoss']}")  # fmt: skip
     say(f"status at the end:\n{json.dumps(done, indent=1)[:3000]}")
