@@ -61,9 +61,35 @@ def run(ctx: BenchContext) -> Section:
             "-",
         ],
     ]
+    final = t.get("final_status", {})
+    units = [
+        [
+            u["name"],
+            u["state"],
+            u["attempt"],
+            u.get("restarts", 0),
+            (u.get("goodput") or {}).get("ratio"),
+        ]
+        for u in final.get("units", [])
+    ]
     body = "\n".join(
         [
             md_table(["what", "measured", "target"], rows),
+            "",
+            f"The run at the end: phase {final.get('phase')}, outer step {final.get('outerStep')}, "
+            f"tokens {final.get('tokens')}, finalLoss {final.get('finalLoss')}.",
+            "",
+            md_table(["unit", "state", "attempt", "restarts", "goodput"], units),
+            "",
+            "```",
+            t.get("get_dlr", "").strip(),
+            "```",
+            "",
+            "The cluster's nodes (KWOK's fake GKE pools and the real node):",
+            "",
+            "```",
+            t.get("nodes", "").strip(),
+            "```",
             "",
             "A replacement is timed from the fault (the chaos kill's Event, the SIGKILL, the "
             "delete) to the new pod's learner having joined the syncer with the global "

@@ -338,7 +338,9 @@ def test_learners_train_in_pods_and_status_rises(
     )
     printed = kubectl(cluster, "get", "dlr", RUN, "-n", ns).stdout
     say(f"kubectl get dlr:\n{printed}")
-    say(f"kubectl get nodes -o wide:\n{kubectl(cluster, 'get', 'nodes', '-o', 'wide').stdout}")
+    nodes = kubectl(cluster, "get", "nodes", "-o", "wide").stdout
+    run["timings"]["nodes"] = nodes
+    say(f"kubectl get nodes -o wide:\n{nodes}")
     assert (RUN in printed and str(later["outerStep"]) in printed) or later["outerStep"] > 0
     # Every pod is a real container on the real node, admitted under "restricted".
     for p in runs.items(cluster, "pods", ns, runs.run_selector(RUN)):
@@ -442,6 +444,8 @@ def test_run_completes_and_children_go_with_it(
     say(f"run Succeeded: outerStep {done.get('outerStep')}, tokens {done.get('tokens')}, "
         f"finalLoss {done['finalLoss']}")  # fmt: skip
     say(f"status at the end:\n{json.dumps(done, indent=1)[:3000]}")
+    run["timings"]["final_status"] = done
+    run["timings"]["get_dlr"] = kubectl(cluster, "get", "dlr", RUN, "-n", ns).stdout
     assert {u["state"] for u in done["units"]} == {"Completed"}
 
     def learners_exited_0() -> list[dict[str, Any]] | None:
