@@ -27,14 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from diloco_trainer.config import Scheme, TrainingConfig
-from diloco_trainer.data import train_batches
-from diloco_trainer.evaluate import eval_loss
+from diloco_trainer.data.corpus import train_batches
 from diloco_trainer.fragments import is_due, pack_fragments
+from diloco_trainer.learner.train import make_optimizer, resume_schedule
 from diloco_trainer.merge import Contribution, merge_fragment, participation_share, scale_delta
-from diloco_trainer.model import init_params, loss_fn, param_shapes
+from diloco_trainer.models.gpt import init_params, loss_fn, param_shapes
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.quantize import dequantize, quantize
-from diloco_trainer.train import make_optimizer, resume_schedule
+from diloco_trainer.workload.evaluate import eval_loss
 
 # What a learner does with its fragment when a new version arrives: overwrite it (the product),
 # add back `keep` times its progress since it last pushed or installed ("keep-unsent"), or take

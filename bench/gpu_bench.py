@@ -11,9 +11,8 @@ import time
 import jax
 import jax.numpy as jnp
 from diloco_trainer.config import ModelConfig, TrainingConfig
-from diloco_trainer.data import train_batches
-from diloco_trainer.model import init_params
-from diloco_trainer.train import (
+from diloco_trainer.data.corpus import train_batches
+from diloco_trainer.learner.train import (
     init_opt_state,
     make_mesh,
     make_optimizer,
@@ -21,6 +20,7 @@ from diloco_trainer.train import (
     place_params,
     shard_batch,
 )
+from diloco_trainer.models.gpt import init_params
 
 from bench.common import BenchContext, Section, md_table
 

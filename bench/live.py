@@ -61,7 +61,7 @@ def syncer(cfg: TrainingConfig, nice: int = 0) -> Iterator[SyncerProc]:
         config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True)))
         port = free_port()
         log_file = (work / "syncer.log").open("wb")
-        cmd = [sys.executable, "-m", "diloco_trainer.syncer_main", "--config", str(config)]
+        cmd = [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(config)]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--token", TOKEN]
         cmd += ["--checkpoint-dir", str(work / "ckpt"), "--log-level", "WARNING"]
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -132,7 +132,7 @@ class ProgressRecorder(logging.Handler):
 @contextmanager
 def recording() -> Iterator[ProgressRecorder]:
     rec = ProgressRecorder()
-    logger = logging.getLogger("diloco_trainer.learner")
+    logger = logging.getLogger("diloco_trainer.learner.loop")
     old_level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(rec)

@@ -13,10 +13,9 @@ import time
 import jax
 from diloco_trainer.auth import unit_token
 from diloco_trainer.config import TrainingConfig
-from diloco_trainer.data import train_batches
-from diloco_trainer.learner import LearnerOptions, learner_horizon, run_learner
-from diloco_trainer.model import init_params
-from diloco_trainer.train import (
+from diloco_trainer.data.corpus import train_batches
+from diloco_trainer.learner.loop import LearnerOptions, learner_horizon, run_learner
+from diloco_trainer.learner.train import (
     init_opt_state,
     make_mesh,
     make_optimizer,
@@ -24,6 +23,7 @@ from diloco_trainer.train import (
     place_params,
     shard_batch,
 )
+from diloco_trainer.models.gpt import init_params
 
 from bench.common import BenchContext, Section, log, md_table, median
 from bench.live import TOKEN, recording, syncer

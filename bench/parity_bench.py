@@ -25,15 +25,11 @@ from typing import Any
 
 import numpy as np
 from diloco_trainer.auth import unit_token
-from diloco_trainer.client import SyncerClient
 from diloco_trainer.config import TrainingConfig
-from diloco_trainer.data import train_batches
-from diloco_trainer.evaluate import eval_loss
+from diloco_trainer.data.corpus import train_batches
 from diloco_trainer.fragments import pack_fragments
-from diloco_trainer.merge import Contribution, merge_fragment
-from diloco_trainer.model import init_params, param_shapes
-from diloco_trainer.outer import OuterOptimizer
-from diloco_trainer.train import (
+from diloco_trainer.learner.client import SyncerClient
+from diloco_trainer.learner.train import (
     init_opt_state,
     make_mesh,
     make_optimizer,
@@ -41,6 +37,10 @@ from diloco_trainer.train import (
     place_params,
     shard_batch,
 )
+from diloco_trainer.merge import Contribution, merge_fragment
+from diloco_trainer.models.gpt import init_params, param_shapes
+from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.workload.evaluate import eval_loss
 
 from bench.common import BenchContext, Section, log, md_table, mean_interval
 from bench.decoupled_model import roundtrip
@@ -178,7 +178,7 @@ def decoupled(
                 [
                     sys.executable,
                     "-m",
-                    "diloco_trainer.learner_main",
+                    "diloco_trainer.learner.main",
                     "--config",
                     str(config),
                     "--syncer",

@@ -15,7 +15,7 @@ import numpy as np
 from diloco_trainer.config import ModelConfig
 from diloco_trainer.fragments import fragment_sizes, pack_fragments
 from diloco_trainer.merge import Contribution, merge_fragment
-from diloco_trainer.model import param_shapes
+from diloco_trainer.models.gpt import param_shapes
 from diloco_trainer.outer import OuterOptimizer
 
 from bench.common import BenchContext, Section, interleaved, log, md_table, median

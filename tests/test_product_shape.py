@@ -130,3 +130,47 @@ def test_modules_and_functions_stay_small() -> None:
     found = dict(oversize())
     assert {k: v for k, v in found.items() if k not in OVERSIZE} == {}
     assert sorted(OVERSIZE - set(found)) == [], "no longer over the limit: drop the exemption"
+
+
+# The trainer's layers: a shared core at the top level, and packages over it. Learner and
+# syncer talk only over HTTP, so neither imports the other; the core imports neither.
+# `workload` joins a model to its data (entrypoints, held-out evaluation).
+TRAINER_PACKAGES = ("learner", "syncer", "models", "data", "workload")
+MAY_IMPORT = {
+    "core": {"core"},
+    "models": {"core", "models"},
+    "data": {"core", "data"},
+    "workload": {"core", "models", "data", "workload"},
+    "learner": {"core", "models", "data", "workload", "learner"},
+    "syncer": {"core", "models", "data", "workload", "syncer"},
+}
+
+
+def trainer_layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in TRAINER_PACKAGES else "core"
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{name} -> {dep}"
+        for name, deps in graph.items()
+        if name.startswith("diloco_trainer")
+        for dep in deps
+        if dep.startswith("diloco_trainer")
+        and trainer_layer(dep) not in MAY_IMPORT[trainer_layer(name)]
+    )
+
+
+def test_trainer_layers_import_only_downwards() -> None:
+    known = modules()
+    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+    assert graph["diloco_trainer.learner.loop"]  # the walk found the trainer
+    assert layering_violations(graph) == []
+
+
+def test_the_layering_check_catches_a_learner_importing_the_syncer() -> None:
+    graph = {"diloco_trainer.learner.loop": {"diloco_trainer.syncer.core"}}
+    assert layering_violations(graph) == [
+        "diloco_trainer.learner.loop -> diloco_trainer.syncer.core"
+    ]

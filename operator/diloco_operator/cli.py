@@ -108,7 +108,7 @@ def _check_resume_dir(path: Path) -> str | None:
         return f"--resume-from: checkpoint directory {path} is empty (no checkpoint to resume)"
     # The syncer's own reader (numpy + safetensors, no JAX): a corrupt checkpoint is reported
     # now, before anything starts, with the reader's message.
-    from diloco_trainer.checkpoint import CheckpointError, CheckpointStore
+    from diloco_trainer.syncer.checkpoint import CheckpointError, CheckpointStore
 
     try:
         CheckpointStore(path).load_latest()

@@ -38,8 +38,8 @@ def series_names(registry: CollectorRegistry) -> set[str]:
 def exported_names() -> set[str]:
     # Importing the operator's modules registers their metrics in the default registry.
     from diloco_operator import handlers, run_metrics  # noqa: F401
-    from diloco_trainer.learner_metrics import LearnerMetrics
-    from diloco_trainer.syncer_metrics import SyncerMetrics
+    from diloco_trainer.learner.metrics import LearnerMetrics
+    from diloco_trainer.syncer.metrics import SyncerMetrics
     from prometheus_client import REGISTRY
 
     return (
@@ -91,8 +91,8 @@ def test_the_dashboard_covers_what_an_operator_watches() -> None:
 def test_counters_are_named_as_prometheus_expects() -> None:
     # A counter's series end in _total; nothing else may (a gauge named *_total misleads rate()).
     from diloco_operator import handlers, run_metrics  # noqa: F401
-    from diloco_trainer.learner_metrics import LearnerMetrics
-    from diloco_trainer.syncer_metrics import SyncerMetrics
+    from diloco_trainer.learner.metrics import LearnerMetrics
+    from diloco_trainer.syncer.metrics import SyncerMetrics
     from prometheus_client import REGISTRY
 
     for registry in (REGISTRY, SyncerMetrics().registry, LearnerMetrics("u", "g", 1, 1).registry):

@@ -3,7 +3,7 @@ attempt is never reported with the dead attempt's heartbeat, which would look st
 
 from __future__ import annotations
 
-from diloco_trainer.learners import LearnerRegistry
+from diloco_trainer.syncer.registry import LearnerRegistry
 
 
 def test_new_attempt_does_not_inherit_the_old_heartbeat() -> None:

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from diloco_trainer.auth import unit_token
 from diloco_trainer.config import ModelConfig, TrainingConfig
-from diloco_trainer.learner_metrics import (
+from diloco_trainer.learner.metrics import (
     PEAK_FLOPS_ENV,
     LearnerMetrics,
     flops_per_token,
@@ -26,10 +26,10 @@ from diloco_trainer.learner_metrics import (
     peak_flops_per_device,
 )
 from diloco_trainer.logfmt import JsonFormatter, resolve_log_format
-from diloco_trainer.model import param_shapes
-from diloco_trainer.syncer import Syncer
-from diloco_trainer.syncer_http import build_app
-from diloco_trainer.syncer_metrics import SyncerMetrics
+from diloco_trainer.models.gpt import param_shapes
+from diloco_trainer.syncer.core import Syncer
+from diloco_trainer.syncer.http_api import build_app
+from diloco_trainer.syncer.metrics import SyncerMetrics
 from prometheus_client.parser import text_string_to_metric_families
 
 TOKEN = "obs-token"
@@ -115,7 +115,7 @@ class Served:
 
 
 def test_a_learner_serves_its_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
-    from diloco_trainer.learner import LearnerOptions, run_learner
+    from diloco_trainer.learner.loop import LearnerOptions, run_learner
 
     cfg = TrainingConfig.model_validate(
         {
@@ -197,11 +197,11 @@ def test_programs_refuse_an_unknown_log_format(
 ) -> None:
     monkeypatch.setenv("DILOCO_LOG_FORMAT", "xml")
     if program == "learner":
-        from diloco_trainer import learner_main
+        from diloco_trainer.learner import main as learner_main
 
         code = learner_main.main(["--config", "unused.yaml"])
     else:
-        from diloco_trainer import syncer_main
+        from diloco_trainer.syncer import main as syncer_main
 
         code = syncer_main.main(["--config", "unused.yaml"])
     assert code == 2

@@ -3,7 +3,7 @@
 A spare learner exec'd from scratch spends most of its warm-up importing JAX and the trainer,
 which on a machine whose cores the learners keep busy takes 15-20 s; kills that come closer
 together than that find no ready spare and pay a cold start. Python's `multiprocessing` fork
-server imports those modules once (`diloco_trainer.forked.PRELOAD`); each spare is then a fork
+server imports those modules once (`diloco_trainer.learner.forked.PRELOAD`); each spare is then a fork
 of it that only builds and compiles its step.
 
 Forking is asynchronous: the first request waits for the server's own imports, and the
@@ -28,7 +28,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import IO
 
-from diloco_trainer.forked import PRELOAD, probe, run_forked_learner
+from diloco_trainer.learner.forked import PRELOAD, probe, run_forked_learner
 
 # A forked child calls setpgid(0, 0) first thing; a signal to its group before that would miss it.
 GROUP_WAIT_SECONDS = 5.0

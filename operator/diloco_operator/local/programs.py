@@ -7,8 +7,8 @@ import signal
 import sys
 from pathlib import Path
 
-LEARNER_ARGV = (sys.executable, "-m", "diloco_trainer.learner_main")
-SYNCER_ARGV = (sys.executable, "-m", "diloco_trainer.syncer_main")
+LEARNER_ARGV = (sys.executable, "-m", "diloco_trainer.learner.main")
+SYNCER_ARGV = (sys.executable, "-m", "diloco_trainer.syncer.main")
 # Exit code of both programs for a config error (docs/contracts.md): restarting cannot help.
 CONFIG_ERROR_EXIT = 2
 

@@ -1,0 +1,37 @@
+"""The syncer's learner registry: who a phase-locked merge waits for and is a share of."""
+
+from __future__ import annotations
+
+from diloco_trainer.syncer.registry import LearnerRegistry
+
+
+def test_in_phase_drops_silent_units_and_attempts_newer_than_the_last_merge() -> None:
+    reg = LearnerRegistry(offline_after=10.0)
+    for unit in ("a", "b", "c"):
+        reg.seen(unit, 0, "default", now=100.0)
+    reg.heartbeat("a", 0, "default", 50, 100, 1.0, None, now=110.0)
+    reg.heartbeat("b", 0, "default", 50, 100, 1.0, None, now=107.0)  # silent for 4 s at 111
+    reg.seen("c", 1, "default", now=108.0)  # a replacement of c, joined after the merge at 105
+    assert reg.online(111.0) == ["a", "b", "c"]
+    assert reg.in_phase(111.0, fresh_within=2.0, last_merge=105.0) == ["a"]
+    assert reg.in_phase(111.0, fresh_within=5.0, last_merge=105.0) == ["a", "b"]
+    # After the next merge the replacement has installed a version: in step again.
+    assert reg.in_phase(111.0, fresh_within=5.0, last_merge=109.0) == ["a", "b", "c"]
+    # A fragment never merged: every fresh unit starts its countdown at the same step.
+    assert reg.in_phase(111.0, fresh_within=5.0, last_merge=None) == ["a", "b", "c"]
+
+
+def test_in_phase_falls_back_to_every_fresh_unit_when_all_restarted() -> None:
+    reg = LearnerRegistry()
+    reg.seen("a", 3, "default", now=200.0)
+    reg.seen("b", 2, "default", now=201.0)
+    assert reg.in_phase(202.0, fresh_within=5.0, last_merge=150.0) == ["a", "b"]
+
+
+def test_restored_units_count_as_in_phase() -> None:
+    reg = LearnerRegistry()
+    reg.seen("a", 0, "default", now=10.0)
+    restored = LearnerRegistry()
+    restored.load_json(reg.to_json(), now=500.0)
+    restored.heartbeat("a", 0, "default", 5, 10, 1.0, None, now=501.0)
+    assert restored.in_phase(502.0, fresh_within=5.0, last_merge=400.0) == ["a"]

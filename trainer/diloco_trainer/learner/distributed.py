@@ -1,0 +1,140 @@
+"""Multi-host learner units: `jax.distributed` from the GKE TPU environment, leader broadcast.
+
+A unit that spans several hosts (a TPU slice) runs one learner process per host; together they
+form one SPMD program. Only process 0 (the *leader*) talks to the syncer. Everything that changes
+the parameters from outside (an arriving global fragment) must reach every process at the same
+step, so the leader broadcasts it at fixed step boundaries (`broadcast_from_leader`); pushes read
+the replicated parameters from the leader's local copy. With one process all of this is identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_PORT = 8476
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DistributedArgs:
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+
+
+def distributed_args(env: Mapping[str, str]) -> DistributedArgs | None:
+    """Arguments for jax.distributed.initialize, or None for a single-host unit.
+
+    TPU_WORKER_HOSTNAMES is the comma-separated host list of the slice (index = worker id), and
+    TPU_WORKER_ID this host's index; the first host coordinates.
+    """
+    hosts = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    if len(hosts) <= 1:
+        return None
+    raw_id = env.get("TPU_WORKER_ID", "")
+    try:
+        worker = int(raw_id)
+    except ValueError:
+        raise ValueError(f"TPU_WORKER_ID must be an integer, got {raw_id!r}") from None
+    if not 0 <= worker < len(hosts):
+        raise ValueError(f"TPU_WORKER_ID {worker} outside 0..{len(hosts) - 1}")
+    return DistributedArgs(f"{hosts[0]}:{COORDINATOR_PORT}", len(hosts), worker)
+
+
+def init_distributed(env: Mapping[str, str] | None = None) -> int:
+    """Initialise jax.distributed when the unit has several hosts; returns this process's index."""
+    args = distributed_args(os.environ if env is None else env)
+    if args is None:
+        return 0
+    log.info(
+        "event=distributed_init coordinator=%s processes=%d process=%d",
+        args.coordinator_address,
+        args.num_processes,
+        args.process_id,
+    )
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator_address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
+    return args.process_id
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+def broadcast_from_leader(tree: T) -> T:
+    """The leader's value of a pytree of arrays on every process (identity on one process).
+
+    Every process must call this at the same point with a tree of the same structure and shapes.
+    """
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    result: Any = multihost_utils.broadcast_one_to_all(tree)
+    return result
+
+
+def broadcast_int(value: int) -> int:
+    """The leader's `value` on every process of the unit (identity on a single process)."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.asarray(broadcast_from_leader(np.asarray(value, np.int64))))
+
+
+def exchange_arrivals(
+    arrivals: dict[int, tuple[int, dict[str, np.ndarray]]],
+    layout: list[list[str]],
+    shapes: Mapping[str, tuple[int, ...]],
+    stop: bool,
+) -> tuple[dict[int, tuple[int, dict[str, np.ndarray]]], bool]:
+    """The leader's newest fragment arrivals and stop flag, on every process of the unit.
+
+    Two broadcasts keep the structure identical everywhere: first a header (one version per
+    fragment, -1 = nothing new, plus the stop flag), then the arrays of exactly those fragments.
+    Non-leaders pass empty `arrivals`. Identity on a single process.
+    """
+    if jax.process_count() == 1:
+        return arrivals, stop
+    header = np.full(len(layout) + 1, -1, np.int64)
+    for fragment, (version, _) in arrivals.items():
+        header[fragment] = version
+    header[-1] = int(stop)
+    header = np.asarray(broadcast_from_leader(header))
+    chosen = [p for p in range(len(layout)) if header[p] >= 0]
+    payload = {
+        f"{p}/{name}": (
+            arrivals[p][1][name] if p in arrivals else np.zeros(shapes[name], np.float32)
+        )
+        for p in chosen
+        for name in layout[p]
+    }
+    payload = broadcast_from_leader(payload)
+    received = {
+        p: (int(header[p]), {name: np.asarray(payload[f"{p}/{name}"]) for name in layout[p]})
+        for p in chosen
+    }
+    return received, bool(header[-1])
+
+
+def enable_compilation_cache(env: Mapping[str, str] | None = None) -> None:
+    """Persist compiled XLA programs (~/.cache/diloco/jax unless JAX_COMPILATION_CACHE_DIR is
+    set): a restarted learner, or the next of several learners of one model, skips compiling."""
+    env = os.environ if env is None else env
+    if env.get("JAX_COMPILATION_CACHE_DIR"):
+        return  # JAX reads it itself
+    from diloco_trainer.data.corpus import cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -1,0 +1,94 @@
+"""The learner's bookkeeping per fragment between train steps: which fragments are due for a push
+(handed to the sender thread), and installing the newer global fragments that arrived (the same on
+every host of the unit). `learner.run_learner` calls both once a step."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from diloco_trainer.config import TrainingConfig
+from diloco_trainer.fragments import FragmentCounters, PushClock
+from diloco_trainer.learner.distributed import exchange_arrivals
+from diloco_trainer.learner.sync_link import PendingPush, SyncLink
+from diloco_trainer.learner.train import Params, replicated
+
+
+@dataclass
+class FragmentBook:
+    """The learner's bookkeeping per fragment: the global version it holds, where the next push's
+    delta is measured from (the fragment at the last push (device) or install (host), whichever
+    came later), the steps and tokens since, and when a push is due."""
+
+    layout: list[list[str]]
+    shapes: dict[str, tuple[int, ...]]
+    versions: list[int]
+    base: dict[int, Mapping[str, np.ndarray | jax.Array]]
+    counters: FragmentCounters
+    clock: PushClock
+
+    @classmethod
+    def starting(
+        cls,
+        cfg: TrainingConfig,
+        layout: list[list[str]],
+        shapes: dict[str, tuple[int, ...]],
+        versions: list[int],
+        fragments: Mapping[int, Mapping[str, np.ndarray]],
+    ) -> FragmentBook:
+        """At the start: `versions` and `fragments` are what the unit starts from; a fragment
+        already merged (version > 0) is one the run is under way on (`PushClock.joined_running`)."""
+        clock = PushClock(cfg.inner_steps, len(layout), cfg.phase_lock)
+        for p in range(len(layout)):
+            if versions[p] > 0:
+                clock.joined_running(p)
+        base: dict[int, Mapping[str, np.ndarray | jax.Array]] = dict(fragments)
+        return cls(layout, shapes, versions, base, FragmentCounters(len(layout)), clock)
+
+    def push_due(
+        self, step: int, params: Params, link: SyncLink | None, tokens_per_step: int
+    ) -> None:
+        """Count the step, then hand each fragment due now to the sender (leader only)."""
+        self.counters.add_step(tokens_per_step)
+        for p in range(len(self.layout)):
+            if not self.clock.due(step, p):
+                continue
+            self.clock.pushed(step, p)
+            if link is not None:
+                c_steps, c_tokens = self.counters.get(p)
+                theta = {n: params[n] for n in self.layout[p]}
+                link.enqueue_push(
+                    PendingPush(p, self.versions[p], self.base[p], theta, c_steps, c_tokens, step)
+                )
+                # The next push of p carries only what comes after this one.
+                self.base[p] = theta
+            self.counters.reset(p)
+
+    def install_arrivals(
+        self, step: int, params: Params, mesh: Mesh, link: SyncLink | None, done: bool
+    ) -> bool:
+        """Install the newer global fragments the pollers received (the same on every host);
+        returns the unit's stop decision (`done`, or the run complete), agreed by every host."""
+        newest: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        if link is not None:
+            done = done or link.complete.is_set()
+            for arrival in link.drain():
+                newest[arrival.fragment] = (arrival.version, arrival.tensors)
+        if link is not None:  # references of sent pushes move to host (device memory back)
+            for p in range(len(self.layout)):
+                self.base[p] = link.settled(p, self.base[p])
+        newest, done = exchange_arrivals(newest, self.layout, self.shapes, done)
+        for p, (version, tensors) in sorted(newest.items()):
+            if version <= self.versions[p]:
+                continue
+            sharding = replicated(mesh)
+            for name, value in tensors.items():
+                params[name] = jax.device_put(value, sharding)
+            self.base[p], self.versions[p] = tensors, version
+            self.counters.overwrite(p)
+            self.clock.installed(step, p)
+        return done

@@ -1,0 +1,410 @@
+"""The learner: inner AdamW steps on its own shard; fragments go out and come back in the background.
+
+    join + pull the global parameters (a fresh learner waits for the syncer, with backoff);
+        the join says where the unit's LR schedule continues (its steps in earlier attempts)
+    loop:
+        one train step (async dispatch; at most one step in flight)
+        for each fragment due now: hand (base_p, theta_p, counters_p) to the sender thread
+        install new global fragments the pollers received: overwrite theta_p (AdamW state kept),
+            base_p = new global, reset counters_p
+        heartbeat thread reports progress; stop when the syncer says the run is complete
+
+Once running, the loop never waits on the syncer: an unreachable syncer only means pushes are
+retried (newest per fragment kept) and nothing new arrives; training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from diloco_trainer.config import TrainingConfig
+from diloco_trainer.data.corpus import train_batches
+from diloco_trainer.fragments import pack_fragments
+from diloco_trainer.learner.client import SyncerClient
+from diloco_trainer.learner.distributed import broadcast_int, exchange_arrivals, is_leader
+from diloco_trainer.learner.fragment_sync import FragmentBook
+from diloco_trainer.learner.metrics import LearnerMetrics, start_learner_metrics
+from diloco_trainer.learner.sync_link import Progress, SyncLink, retry_until
+from diloco_trainer.learner.train import (
+    Params,
+    TrainStep,
+    check_batch_divisible,
+    init_opt_state,
+    learning_rate_schedule,
+    make_mesh,
+    make_optimizer,
+    make_train_step,
+    place_params,
+    resume_schedule,
+    resumed_learning_rate,
+    rewarmup_steps,
+    shard_batch,
+)
+from diloco_trainer.models.gpt import init_params, param_shapes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LearnerOptions:
+    syncer: str
+    token: str
+    unit: int
+    num_units: int
+    unit_name: str = ""
+    attempt: int = 0
+    group: str = "default"
+    slowdown: float = 1.0  # >= 1: sleep (slowdown-1) * step time after each step
+    log_every: int = 50
+    max_steps: int | None = None  # stop after this many local steps (benchmarks, debugging)
+    metrics_port: int = 0  # > 0: the leader serves Prometheus /metrics here (learner_metrics.py)
+
+    @property
+    def name(self) -> str:
+        return self.unit_name or f"unit-{self.unit}"
+
+
+@dataclass
+class LearnerResult:
+    steps: int
+    tokens: int
+    seconds: float
+    complete: bool
+    final_loss: float | None
+    versions: list[int]
+    link_stats: dict[str, int] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_joined: int = 0  # of bytes_received: the join and the full pull of the parameters
+    # Where the loop's time went after its first (compiling) step: "train" = dispatching the step
+    # and waiting for the previous one; "slowdown" = the --slowdown sleep; "other" = the rest of
+    # the loop (installing arrivals, queueing pushes' references, logging). Nothing in the loop
+    # waits on other learners or the syncer, so a unit's idle time would show up under "other".
+    loop_seconds: dict[str, float] = field(default_factory=dict)
+    # Of the learner's steps on each fragment, the share that installs replaced before a push
+    # carried them: mostly the steps made while a merge it pushed to was under way.
+    overwritten_share: float = 0.0
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """What a learner builds before training that does not depend on which unit it is: the mesh,
+    the inner optimizer (its schedule depends only on the run's size) and the jit-compiled train
+    step. A warm spare (`standby.py`) builds and compiles it before it knows its unit."""
+
+    num_units: int
+    mesh: Mesh
+    optimizer: optax.GradientTransformation
+    train_step: TrainStep
+
+
+def build_step_program(cfg: TrainingConfig, num_units: int) -> StepProgram:
+    mesh = make_mesh()
+    check_batch_divisible(cfg.data.batch_size, mesh.devices.size)
+    optimizer = make_optimizer(cfg.inner_optimizer, learner_horizon(cfg, num_units))
+    return StepProgram(num_units, mesh, optimizer, make_train_step(optimizer, mesh))
+
+
+def learner_horizon(cfg: TrainingConfig, num_units: int) -> int:
+    """This learner's expected share of the run's inner steps (for the LR schedule)."""
+    if cfg.total_steps is not None:
+        total = cfg.total_steps
+    else:
+        assert cfg.total_tokens is not None
+        total = -(-cfg.total_tokens // cfg.tokens_per_step)
+    return max(1, -(-total // num_units))
+
+
+@dataclass(frozen=True)
+class Joined:
+    layout: list[list[str]]
+    params: dict[str, np.ndarray]
+    versions: list[int]
+    complete: bool
+    resume_step: int = 0  # the unit's steps in earlier attempts (0 for a new unit)
+
+
+def join_and_pull(client: SyncerClient, stop: threading.Event) -> Joined | None:
+    """Join the run and fetch the current global parameters, retrying while unreachable."""
+    joined = retry_until(client.join, stop, "join")
+    if joined is None:
+        return None
+    if joined.complete:
+        return Joined(joined.layout, {}, joined.versions, True, joined.resume_step)
+    pulled = retry_until(client.pull_all, stop, "pull")
+    if pulled is None:
+        return None
+    return Joined(joined.layout, pulled[0], pulled[1], False, joined.resume_step)
+
+
+def run_learner(
+    cfg: TrainingConfig,
+    opts: LearnerOptions,
+    stop: threading.Event | None = None,
+    program: StepProgram | None = None,
+) -> LearnerResult:
+    """Train as unit `opts` until the run is complete or `stop` is set. `program`: the train step
+    already built and compiled (a warm spare); None builds it here (it compiles at step 1)."""
+    stop = stop or threading.Event()
+    leader = is_leader()
+    started = time.monotonic()
+    client = SyncerClient(
+        opts.syncer, opts.token, opts.name, opts.attempt, opts.group, compression=cfg.compression
+    )
+    start = _start(cfg, opts, client, stop, leader, started)
+    if isinstance(start, LearnerResult):  # stopped while waiting, or nothing left to train
+        return start
+    if program is None or program.num_units != opts.num_units:
+        program = build_step_program(cfg, opts.num_units)
+    mesh, train_step = program.mesh, program.train_step
+    params, opt_state, batches = _training_state(cfg, opts, program, start)
+    frags = FragmentBook.starting(cfg, start.layout, start.shapes, start.versions, start.fragments)
+    report = _Report.starting(cfg, opts, client, start, leader)
+    link, tokens_per_step = report.link, cfg.tokens_per_step
+
+    step, prev_loss, last_done = 0, None, time.monotonic()
+    loop_seconds = {"train": 0.0, "slowdown": 0.0, "other": 0.0}
+    try:
+        while True:
+            top = time.monotonic()
+            params, opt_state, loss = train_step(
+                params, opt_state, shard_batch(next(batches), mesh)
+            )
+            step += 1
+            frags.push_due(step, params, link, tokens_per_step)
+            if prev_loss is not None:
+                prev_loss.block_until_ready()  # keep one step in flight, no more
+            prev_loss = loss
+            now = time.monotonic()
+            step_time, last_done = now - last_done, now
+            if step == 1:  # its time is the compile (or the cache hit of a warm spare)
+                log.info("event=first_step unit=%s seconds=%.2f", opts.name, now - started)
+            if opts.slowdown > 1.0 and step > 2:  # the first steps' time is compilation
+                time.sleep((opts.slowdown - 1.0) * step_time)
+                last_done = time.monotonic()
+            slept = last_done - now
+            if report.metrics is not None:
+                report.metrics.step(step_time if step > 1 else None, tokens_per_step)
+
+            # ---- arrivals from the syncer (and the stop decision) reach every host at this step
+            done = stop.is_set() or (opts.max_steps is not None and step >= opts.max_steps)
+            done = frags.install_arrivals(step, params, mesh, link, done)
+            report.step(step, loss, done, frags)
+            if step > 1:
+                loop_seconds["train"] += now - top
+                loop_seconds["slowdown"] += slept
+                loop_seconds["other"] += time.monotonic() - now - slept
+            if done:
+                break
+    finally:
+        if link is not None:
+            link.stop()
+        client.close()
+    return _result(step, prev_loss, started, client, start, frags, link, loop_seconds, cfg)
+
+
+@dataclass(frozen=True)
+class _Start:
+    """What a unit starts from, the same on every host of the unit."""
+
+    layout: list[list[str]]
+    shapes: dict[str, tuple[int, ...]]
+    versions: list[int]  # the global version of each fragment in `params`
+    params: dict[str, np.ndarray]  # the global parameters (initial values where none arrived)
+    fragments: dict[int, dict[str, np.ndarray]]  # per fragment: its values in `params`
+    resume_step: int  # where this unit's LR schedule continues (its steps in earlier attempts)
+    bytes_joined: int
+
+
+def _start(
+    cfg: TrainingConfig,
+    opts: LearnerOptions,
+    client: SyncerClient,
+    stop: threading.Event,
+    leader: bool,
+    started: float,
+) -> _Start | LearnerResult:
+    """The leader joins and pulls; other hosts of the unit get the same via broadcast. A result
+    instead when stopped while waiting for the syncer, or when the run is already complete."""
+    shapes = param_shapes(cfg.model)
+    layout = pack_fragments(shapes, cfg.fragments)
+    global_params: dict[str, np.ndarray] = init_params(cfg.model, cfg.seed)
+    versions = [0] * len(layout)
+    resume_step = 0
+    bytes_joined = 0
+    if leader:
+        joined = join_and_pull(client, stop)
+        if joined is None:  # stopped while waiting for the syncer
+            return LearnerResult(0, 0, time.monotonic() - started, False, None, versions)
+        if joined.complete:
+            log.info("event=already_complete unit=%s", opts.name)
+            return LearnerResult(0, 0, time.monotonic() - started, True, None, joined.versions)
+        layout, versions, resume_step = joined.layout, joined.versions, joined.resume_step
+        bytes_joined = client.bytes_received
+        global_params.update(joined.params)
+        log.info(
+            "event=joined unit=%s attempt=%d versions=%s resume_step=%d",
+            opts.name, opts.attempt, versions, resume_step,
+        )  # fmt: skip
+    resume_step = broadcast_int(resume_step)
+    startup = {
+        p: (versions[p], {n: global_params[n] for n in layout[p]}) for p in range(len(layout))
+    }
+    startup, _ = exchange_arrivals(startup, layout, shapes, stop=False)
+    fragments = {p: tensors for p, (_, tensors) in startup.items()}
+    params = {**global_params, **{n: a for t in fragments.values() for n, a in t.items()}}
+    versions = [startup[p][0] for p in range(len(layout))]
+    return _Start(layout, shapes, versions, params, fragments, resume_step, bytes_joined)
+
+
+def _training_state(
+    cfg: TrainingConfig, opts: LearnerOptions, program: StepProgram, start: _Start
+) -> tuple[Params, Any, Iterator[np.ndarray]]:
+    """The unit's SPMD training state: parameters on the mesh, fresh AdamW moments with the LR
+    schedule continuing at the unit's step (short re-warmup), and this host's batches."""
+    params = place_params(start.params, program.mesh)
+    opt_state = resume_schedule(
+        init_opt_state(program.optimizer, params, program.mesh), start.resume_step, program.mesh
+    )
+    rows = cfg.data.batch_size // jax.process_count()
+    batches = train_batches(
+        cfg, opts.unit, opts.num_units, opts.attempt, jax.process_index(), batch_size=rows
+    )
+    return params, opt_state, batches
+
+
+@dataclass
+class _Report:
+    """What the learner tells the outside: the sync link's heartbeats (leader only), the
+    progress log every `log_every` steps, and the leader's Prometheus metrics."""
+
+    opts: LearnerOptions
+    client: SyncerClient
+    link: SyncLink | None
+    metrics: LearnerMetrics | None
+    progress: Progress
+    schedule: optax.Schedule
+    ramp: int
+    resume_step: int
+    tokens_per_step: int
+    window_start: float = field(default_factory=time.monotonic)
+    window_steps: int = 0
+
+    @classmethod
+    def starting(
+        cls,
+        cfg: TrainingConfig,
+        opts: LearnerOptions,
+        client: SyncerClient,
+        start: _Start,
+        leader: bool,
+    ) -> _Report:
+        progress = Progress()
+        link = SyncLink(client, start.versions, cfg.heartbeat_seconds, progress) if leader else None
+        if link is not None:
+            link.start()
+        metrics = None
+        if link is not None and opts.metrics_port > 0:
+            metrics = start_learner_metrics(
+                cfg.model, opts.name, opts.group, opts.metrics_port,
+                jax.devices()[0].device_kind, jax.device_count(), os.environ,
+            )  # fmt: skip
+        schedule = learning_rate_schedule(cfg.inner_optimizer, learner_horizon(cfg, opts.num_units))
+        ramp = rewarmup_steps(cfg.inner_optimizer)
+        return cls(
+            opts, client, link, metrics, progress, schedule, ramp, start.resume_step,
+            cfg.tokens_per_step,
+        )  # fmt: skip
+
+    def step(self, step: int, loss: jax.Array, done: bool, frags: FragmentBook) -> None:
+        self.window_steps += 1
+        progress, tokens_per_step = self.progress, self.tokens_per_step
+        progress.step, progress.tokens, progress.loss = step, step * tokens_per_step, loss
+        if step % self.opts.log_every != 0 and not done:
+            return
+        elapsed = time.monotonic() - self.window_start
+        progress.tokens_per_sec = self.window_steps * tokens_per_step / max(elapsed, 1e-9)
+        self.window_start, self.window_steps = time.monotonic(), 0
+        resume = self.resume_step
+        lr = float(resumed_learning_rate(self.schedule, resume + step - 1, resume, self.ramp))
+        overwritten = frags.counters.overwritten_share(step)
+        _log_progress(
+            self.opts, step, progress, frags.versions, self.link, resume + step, lr, overwritten
+        )
+        if self.metrics is not None and self.link is not None:
+            self.metrics.progress(
+                float(loss), progress.tokens_per_sec, self.link.stats,
+                self.client.bytes_sent, self.client.bytes_received,
+            )  # fmt: skip
+
+
+def _result(
+    step: int,
+    last_loss: jax.Array | None,
+    started: float,
+    client: SyncerClient,
+    start: _Start,
+    frags: FragmentBook,
+    link: SyncLink | None,
+    loop_seconds: dict[str, float],
+    cfg: TrainingConfig,
+) -> LearnerResult:
+    return LearnerResult(
+        steps=step,
+        tokens=step * cfg.tokens_per_step,
+        seconds=time.monotonic() - started,
+        complete=link is not None and link.complete.is_set(),
+        final_loss=float(last_loss) if last_loss is not None else None,
+        versions=frags.versions,
+        link_stats=dict(link.stats) if link is not None else {},
+        bytes_sent=client.bytes_sent,
+        bytes_received=client.bytes_received,
+        bytes_joined=start.bytes_joined,
+        loop_seconds=loop_seconds,
+        overwritten_share=frags.counters.overwritten_share(step),
+    )
+
+
+def _log_progress(
+    opts: LearnerOptions,
+    step: int,
+    progress: Progress,
+    versions: list[int],
+    link: Any,
+    schedule_step: int,
+    lr: float,
+    overwritten: float,
+) -> None:
+    """step/tokens: this attempt's (what heartbeats report); schedule_step: the unit's step in
+    its LR schedule (earlier attempts included); lr: the LR of the last step; overwritten: the
+    share of its fragment-steps so far that installs replaced before a push carried them."""
+    loss = float(progress.loss) if progress.loss is not None else float("nan")
+    log.info(
+        "event=progress unit=%s step=%d schedule_step=%d lr=%.3g tokens=%d loss=%.4f "
+        "tokens_per_sec=%.0f versions=%s pending_pushes=%d overwritten_share=%.3f",
+        opts.name,
+        step,
+        schedule_step,
+        lr,
+        progress.tokens,
+        loss,
+        progress.tokens_per_sec,
+        ",".join(map(str, versions)),
+        link.pending_pushes() if link is not None else 0,
+        overwritten,
+    )

@@ -1,0 +1,261 @@
+"""`diloco-learner --config FILE --unit N`: one learner unit (flags or DILOCO_* env, see contracts).
+
+`diloco-learner --config FILE --standby`: a warm spare for the local runtime (standby.py): it
+imports JAX and compiles the train step first, then reads its unit identity on stdin.
+
+Exit codes: 0 when the syncer reports the run complete (or --max-steps was reached), 2 for a
+config/usage error (the message names the field), 143 after SIGTERM/SIGINT (stopped, not done),
+1 for anything else (the supervisor restarts the unit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from diloco_trainer.config import ConfigError, TrainingConfig, load_training_config, resolve_token
+from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
+
+if TYPE_CHECKING:
+    from diloco_trainer.learner.loop import StepProgram
+
+log = logging.getLogger("diloco_trainer.learner.main")
+EXIT_STOPPED = 143
+
+
+class UsageError(Exception):
+    """A flag or environment variable with an unusable value; the message names it."""
+
+
+def _env_default(env: Mapping[str, str], name: str, default: str | None = None) -> str | None:
+    value = env.get(name)
+    return value if value not in (None, "") else default
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diloco-learner", description=__doc__)
+    add = parser.add_argument
+    add("--config", required=True, help="DilocoRun manifest or bare training block (YAML/JSON)")
+    add("--syncer", default=_env_default(env, "DILOCO_SYNCER_ADDR"), help="syncer base URL")
+    add("--token", default=None, help="this unit's bearer token (else DILOCO_TOKEN)")
+    add(
+        "--token-file",
+        default=None,
+        help="file holding this unit's bearer token (else DILOCO_TOKEN, DILOCO_TOKEN_FILE)",
+    )
+    add("--unit", default=_env_default(env, "DILOCO_UNIT"), help="global unit index 0..N-1")
+    add("--unit-name", default=_env_default(env, "DILOCO_UNIT_NAME", ""), help="name in status")
+    add("--num-units", default=_env_default(env, "DILOCO_NUM_UNITS"), help="units in the run")
+    add("--attempt", default=_env_default(env, "DILOCO_ATTEMPT", "0"), help="restart attempt")
+    add("--group", default=_env_default(env, "DILOCO_GROUP", "default"), help="unit group")
+    add("--slowdown", default=_env_default(env, "DILOCO_SLOWDOWN", "1"), help="factor >= 1")
+    add("--log-every", type=int, default=50, help="progress log period in steps")
+    add("--max-steps", type=int, default=None, help="stop after this many local steps")
+    add(
+        "--metrics-port",
+        default=_env_default(env, "DILOCO_METRICS_PORT", "0"),
+        help="serve Prometheus /metrics on this port (leader host only; 0: off)",
+    )
+    add("--log-level", default="INFO")
+    add("--log-format", choices=FORMATS, default=None, help=f"text or json (else {LOG_FORMAT_ENV})")
+    add(
+        "--standby",
+        action="store_true",
+        help="warm spare (local runtime): import, build and compile first, then read the unit "
+        "identity as one JSON line on stdin",
+    )
+    return parser
+
+
+def _int(value: str | None, flag: str, env: str, minimum: int = 0) -> int:
+    if value is None:
+        raise UsageError(f"{flag} (or {env}) is required")
+    try:
+        number = int(value)
+    except ValueError:
+        raise UsageError(f"{flag} (or {env}) must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise UsageError(f"{flag} (or {env}) must be >= {minimum}, got {number}")
+    return number
+
+
+def _port(value: str | None) -> int:
+    port = _int(value or "0", "--metrics-port", "DILOCO_METRICS_PORT")
+    if port > 65535:
+        raise UsageError(f"--metrics-port (or DILOCO_METRICS_PORT) must be <= 65535, got {port}")
+    return port
+
+
+def resolve(
+    args: argparse.Namespace, env: Mapping[str, str]
+) -> tuple[TrainingConfig, dict[str, Any]]:
+    """The training config and the LearnerOptions fields from flags/env; raises ConfigError or
+    UsageError naming what is wrong."""
+    cfg = load_training_config(args.config)
+    unit = _int(args.unit, "--unit", "DILOCO_UNIT")
+    num_units = _int(args.num_units or str(unit + 1), "--num-units", "DILOCO_NUM_UNITS", 1)
+    if unit >= num_units:
+        raise UsageError(f"--unit {unit} must be < --num-units {num_units}")
+    attempt = _int(args.attempt, "--attempt", "DILOCO_ATTEMPT")
+    try:
+        slowdown = float(args.slowdown)
+    except ValueError:
+        raise UsageError(
+            f"--slowdown (or DILOCO_SLOWDOWN) must be a number, got {args.slowdown!r}"
+        ) from None
+    if not slowdown >= 1.0:
+        raise UsageError(f"--slowdown (or DILOCO_SLOWDOWN) must be >= 1, got {slowdown}")
+    if not args.syncer:
+        raise UsageError("--syncer (or DILOCO_SYNCER_ADDR) is required")
+    token = resolve_token(args.token, env, args.token_file)
+    options = {
+        "syncer": args.syncer,
+        "token": token,
+        "unit": unit,
+        "num_units": num_units,
+        "unit_name": args.unit_name,
+        "attempt": attempt,
+        "group": args.group,
+        "slowdown": slowdown,
+        "log_every": args.log_every,
+        "max_steps": args.max_steps,
+        "metrics_port": _port(args.metrics_port),
+    }
+    return cfg, options
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    args = build_parser(env).parse_args(argv)
+    try:
+        log_format = resolve_log_format(args.log_format, env)
+    except ValueError as exc:
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level.upper(), log_format)
+    if args.standby:
+        return standby_main(args, env)
+    try:
+        cfg, options = resolve(args, env)
+    except (ConfigError, UsageError) as exc:
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return 2
+    # Heavy imports (JAX) only after the config is known to be good: errors stay fast.
+    from diloco_trainer.learner.distributed import enable_compilation_cache
+
+    enable_compilation_cache()
+    return train(cfg, options)
+
+
+def standby_main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    """--standby: a warm spare (standby.py). Warm up, wait for a unit identity on stdin, then
+    run exactly as a learner started with those flags would."""
+    try:
+        cfg = load_training_config(args.config)
+        num_units = _int(args.num_units, "--num-units", "DILOCO_NUM_UNITS", 1)
+    except (ConfigError, UsageError) as exc:
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return 2
+    from diloco_trainer.learner.distributed import distributed_args, enable_compilation_cache
+    from diloco_trainer.learner.standby import (
+        IdentityError,
+        take_identity,
+        wait_for_identity,
+        warm_up,
+    )
+
+    if distributed_args(env) is not None:
+        print("diloco-learner: --standby runs single-host units only", file=sys.stderr)
+        return 2
+    enable_compilation_cache()
+    try:
+        program = warm_up(cfg, num_units)
+    except ValueError as exc:  # the same config errors a unit would hit at its start
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return 2
+    try:
+        identity = wait_for_identity(sys.stdin)
+        if identity is None:
+            log.info("event=standby_released")
+            return 0
+        take_identity(args, identity)
+        cfg, options = resolve(args, env)
+    except (ConfigError, UsageError, IdentityError) as exc:
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return 2
+    return train(cfg, options, program)
+
+
+def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | None = None) -> int:
+    """Run the learner (JAX imported by now) until complete or stopped; the exit code."""
+    from diloco_trainer.learner.distributed import init_distributed
+    from diloco_trainer.learner.loop import LearnerOptions, run_learner
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("event=signal signal=%s", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    init_distributed()
+    opts = LearnerOptions(**options)
+    try:
+        result = run_learner(cfg, opts, stop, program)
+    except ValueError as exc:  # e.g. batch size vs devices, data that cannot be windowed
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return 2
+    log.info(
+        "event=exit unit=%s steps=%d tokens=%d tokens_per_sec=%.0f complete=%s loss=%s "
+        "versions=%s bytes_sent=%d bytes_received=%d train_seconds=%.2f slowdown_seconds=%.2f "
+        "other_seconds=%.2f overwritten_share=%.3f link=%s",
+        opts.name,
+        result.steps,
+        result.tokens,
+        result.tokens_per_sec,
+        result.complete,
+        result.final_loss,
+        ",".join(map(str, result.versions)),
+        result.bytes_sent,
+        result.bytes_received,
+        result.loop_seconds.get("train", 0.0),
+        result.loop_seconds.get("slowdown", 0.0),
+        result.loop_seconds.get("other", 0.0),
+        result.overwritten_share,
+        ",".join(f"{k}:{v}" for k, v in result.link_stats.items()),
+    )
+    if stop.is_set() and not result.complete:
+        return EXIT_STOPPED
+    return 0
+
+
+def run() -> NoReturn:
+    """The console script: `main`, then leave without interpreter finalization.
+
+    The sync link's long-poll threads are daemons that may still be inside a request when the
+    learner is done. Finalizing the interpreter around them force-unwinds those threads, and a
+    thread inside native code (XLA's, via a host copy) then aborts the process with SIGABRT
+    ("FATAL: exception not rethrown", seen once in the three-learner test), turning a finished
+    learner's exit 0 into a crash. Nothing is left to clean up by then, so flush and exit."""
+    code = main()
+    jax = sys.modules.get("jax")
+    if jax is not None:  # what JAX's own atexit hook would do for a multi-host unit
+        with contextlib.suppress(Exception):
+            jax.distributed.shutdown()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    run()

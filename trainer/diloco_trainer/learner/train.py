@@ -1,0 +1,185 @@
+"""The inner optimizer and the jit-compiled, data-parallel train step of one learner unit.
+
+SPMD layout: one 1-D mesh axis ``data`` over every device of the unit (all local devices, and all
+hosts' devices once ``jax.distributed`` is initialised). The batch is sharded along ``data``;
+parameters and AdamW state are replicated, so XLA inserts one gradient all-reduce per step inside
+the unit. Every process feeds only its own rows (`shard_batch`), which is what multi-host needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diloco_trainer.config import InnerOptimizerConfig
+from diloco_trainer.models.gpt import loss_fn
+
+DATA_AXIS = "data"
+Params = dict[str, jax.Array]
+TrainStep = Callable[[Params, Any, jax.Array], tuple[Params, Any, jax.Array]]
+
+
+def learning_rate_schedule(cfg: InnerOptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup to cfg.lr, then constant or cosine decay to 10% of it at `total_steps`."""
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    if cfg.schedule == "constant":
+        after: optax.Schedule = optax.constant_schedule(cfg.lr)
+    else:
+        after = optax.cosine_decay_schedule(cfg.lr, max(total_steps - warmup, 1), alpha=0.1)
+    if warmup == 0:
+        return after
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, cfg.lr, warmup), after], boundaries=[warmup]
+    )
+
+
+# A restarted unit re-warms for at most this many steps: its AdamW moments are fresh, and Adam's
+# first updates with fresh moments are close to sign(g) (|m|/sqrt(v) ~ 1 per coordinate) until the
+# second moment has averaged over some steps; 20 steps is one b2=0.95 time constant (two of b1=0.9).
+REWARMUP_STEPS = 20
+
+
+def rewarmup_steps(cfg: InnerOptimizerConfig) -> int:
+    """Length of a resumed learner's linear re-warmup: min(warmupSteps, REWARMUP_STEPS)."""
+    return min(cfg.warmup_steps, REWARMUP_STEPS)
+
+
+def resumed_learning_rate(schedule: optax.Schedule, count: Any, start: Any, rewarmup: int) -> Any:
+    """The LR at schedule step `count` of a learner whose optimizer started at step `start`.
+
+    start == 0 (a new unit): exactly `schedule(count)`, whose own warmup applies. start > 0 (a
+    unit resumed at the step it had reached): the schedule continues from there, times a linear
+    ramp over the first `rewarmup` steps of this process, (count - start + 1) / rewarmup, so step
+    `start + rewarmup - 1` and later train at the scheduled LR. Works on Python ints and jnp."""
+    lr = schedule(count)
+    if rewarmup <= 0:
+        return lr
+    ramp = jnp.clip((count - start + 1) / rewarmup, 0.0, 1.0)
+    return jnp.where(start > 0, lr * ramp, lr)
+
+
+class ResumableScheduleState(NamedTuple):
+    step: jax.Array  # schedule step of the next update
+    start: jax.Array  # schedule step this optimizer state started at (0: a new unit)
+
+
+def scale_by_resumable_schedule(
+    schedule: optax.Schedule, rewarmup: int
+) -> optax.GradientTransformation:
+    """optax.scale_by_learning_rate(schedule) whose state also holds the step it started at, so
+    one compiled train step serves a new unit (start 0) and a resumed one (`resume_schedule`)."""
+
+    def init(params: Any) -> ResumableScheduleState:
+        del params
+        return ResumableScheduleState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+
+    def update(updates: Any, state: ResumableScheduleState, params: Any = None) -> Any:
+        del params
+        lr = resumed_learning_rate(schedule, state.step, state.start, rewarmup)
+        updates = jax.tree_util.tree_map(lambda g: jnp.array(-lr, dtype=g.dtype) * g, updates)
+        step = optax.safe_int32_increment(state.step)
+        return updates, ResumableScheduleState(step, state.start)
+
+    return optax.GradientTransformation(init, update)
+
+
+def resume_schedule(opt_state: Any, step: int, mesh: Mesh | None = None) -> Any:
+    """A fresh optimizer state whose LR schedule continues at `step` (AdamW moments untouched)."""
+    value = np.asarray(step, np.int32)
+
+    def fix(node: Any) -> Any:
+        if isinstance(node, ResumableScheduleState):
+            arr = (
+                jax.device_put(value, replicated(mesh)) if mesh is not None else jnp.asarray(value)
+            )
+            return ResumableScheduleState(arr, arr)
+        return node
+
+    is_schedule = lambda node: isinstance(node, ResumableScheduleState)  # noqa: E731
+    return jax.tree_util.tree_map(fix, opt_state, is_leaf=is_schedule)
+
+
+def _decay_mask(params: Mapping[str, Any]) -> dict[str, bool]:
+    # Decay matrices only: norm scales are 1-D and decaying them toward 0 hurts.
+    return {name: len(value.shape) >= 2 for name, value in params.items()}
+
+
+def make_optimizer(cfg: InnerOptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping and warmup/cosine schedule over this learner's horizon.
+
+    The same chain as optax.adamw, with its last stage (the LR) resumable: `resume_schedule` sets
+    where the schedule continues for a restarted unit (see `resumed_learning_rate`)."""
+    adamw = optax.chain(
+        optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2),
+        optax.add_decayed_weights(cfg.weight_decay, _decay_mask),
+        scale_by_resumable_schedule(learning_rate_schedule(cfg, total_steps), rewarmup_steps(cfg)),
+    )
+    if cfg.grad_clip is None:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+
+
+def make_mesh(devices: list[jax.Device] | None = None) -> Mesh:
+    return Mesh(np.array(devices if devices is not None else jax.devices()), (DATA_AXIS,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(DATA_AXIS))
+
+
+def place_params(params: Mapping[str, np.ndarray | jax.Array], mesh: Mesh) -> Params:
+    """Copy parameters onto every device of the unit (replicated)."""
+    sharding = replicated(mesh)
+    return {name: jax.device_put(np.asarray(value), sharding) for name, value in params.items()}
+
+
+def shard_batch(local_batch: np.ndarray, mesh: Mesh) -> jax.Array:
+    """This process's rows of the global batch, laid out along the data axis."""
+    return jax.make_array_from_process_local_data(batch_sharding(mesh), local_batch)
+
+
+def check_batch_divisible(global_batch: int, devices: int) -> None:
+    if global_batch % devices:
+        raise ValueError(
+            f"data.batchSize ({global_batch}) must be divisible by the unit's {devices} devices"
+        )
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, params: Params, mesh: Mesh) -> Any:
+    return jax.jit(optimizer.init, out_shardings=replicated(mesh))(params)
+
+
+def make_train_step(
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    compute_dtype: jnp.dtype = jnp.float32,
+) -> TrainStep:
+    """(params, opt_state, batch) -> (params, opt_state, loss), jit-compiled over the mesh.
+
+    Buffers are not donated: the learner hands the previous step's parameter arrays to a
+    background sender thread, which reads them to host while later steps run.
+    """
+
+    def step(params: Params, opt_state: Any, batch: jax.Array) -> tuple[Params, Any, jax.Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, compute_dtype)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rep = replicated(mesh)
+    jitted: TrainStep = jax.jit(
+        step,
+        in_shardings=(rep, rep, batch_sharding(mesh)),
+        out_shardings=(rep, rep, rep),
+    )
+    return jitted

@@ -1,0 +1,232 @@
+"""Per-fragment state of the syncer and the pure checks on a push (no I/O, no event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from diloco_trainer.config import ModelConfig, TrainingConfig
+from diloco_trainer.downlink import Publication
+from diloco_trainer.wire import PushHeader, decode_push, parse_count
+
+InitFn = Callable[[ModelConfig, int], dict[str, np.ndarray]]
+EvalFn = Callable[[Mapping[str, np.ndarray], TrainingConfig, int], float]
+MAX_POLL_WAIT = 60.0
+SEEN_PER_FRAGMENT = 4096  # recent push keys remembered for idempotent retries
+# Per-value magnitude below which a fragment's norm is not trusted as the push bound's reference
+# (half the init std of the model's matrices; its norm scales are ones).
+NORM_FLOOR = 0.01
+
+
+def default_init(model: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    from diloco_trainer.models.gpt import init_params
+
+    return init_params(model, seed)
+
+
+def default_eval(params: Mapping[str, np.ndarray], cfg: TrainingConfig, batches: int) -> float:
+    from diloco_trainer.workload.evaluate import eval_loss
+
+    return eval_loss(params, cfg, batches)
+
+
+class Reject(Exception):
+    """A request refused with an HTTP status; never applied."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+@dataclass
+class Pending:
+    header: PushHeader
+    delta: dict[str, np.ndarray]
+    arrived: float
+
+    def plus(self, later: Pending) -> Pending:
+        """Two unmerged pushes of one unit as one contribution. A push carries only the progress
+        since the learner's previous push of the fragment, so two of one attempt add up. So do
+        a dead attempt's last push and its successor's: the new attempt started from global
+        parameters that did not contain the unmerged push, so their progress is disjoint. The
+        header is the newer attempt's (the later one's on a tie), with the counters of both."""
+        newest = later if later.header.attempt >= self.header.attempt else self
+        header = replace(
+            newest.header,
+            c_steps=self.header.c_steps + later.header.c_steps,
+            c_tokens=self.header.c_tokens + later.header.c_tokens,
+        )
+        delta = {name: value + later.delta[name] for name, value in self.delta.items()}
+        return Pending(header, delta, self.arrived)
+
+
+@dataclass
+class FragmentState:
+    index: int
+    names: list[str]
+    params: dict[str, np.ndarray]
+    opt_state: Any
+    version: int = 0
+    last_merge: float | None = None
+    max_body: int = 0
+    pending: dict[str, Pending] = field(default_factory=dict)
+    first_arrival: float | None = None
+    first_unit: str | None = None
+    quorum_time: float | None = None
+    last_push: dict[str, float] = field(default_factory=dict)  # unit -> arrival of its last push
+    merge_task: asyncio.Task[None] | None = None
+    all_in: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    seen: OrderedDict[tuple[str, int, int, int], int] = field(default_factory=OrderedDict)
+    # The current version's downloads, encoded once: as a step (True) and as values (False).
+    encoded: dict[bool, tuple[int, asyncio.Future[bytes]]] = field(default_factory=dict)
+    # What learners hold (downlink.py); None: the downlink sends `params` themselves.
+    publication: Publication | None = None
+    # L2 norm of `params`, the reference of the push norm bound (kept current by the syncer).
+    norm: float = 0.0
+    merge_failures: int = 0  # consecutive failed merges (their retries back off)
+
+    def published(self) -> dict[str, np.ndarray]:
+        return self.publication.tensors if self.publication is not None else self.params
+
+
+def validate_content(
+    f: FragmentState,
+    header: PushHeader,
+    delta: Mapping[str, np.ndarray],
+    shapes: Mapping[str, tuple[int, ...]],
+    max_norm_ratio: float | None,
+    norm: float | None = None,
+) -> None:
+    """What makes a decoded push unusable whatever the syncer's state: wrong fragment or tensors,
+    non-finite values, a delta too large for the fragment. `norm`: the delta's L2 norm if known
+    (`decode_measured` takes it off the event loop). Raises Reject, changes nothing."""
+    if header.fragment != f.index:
+        raise Reject(
+            400, "malformed", f"payload fragment {header.fragment} != URL fragment {f.index}"
+        )
+    missing, extra = sorted(set(f.names) - set(delta)), sorted(set(delta) - set(f.names))
+    if missing or extra:
+        raise Reject(
+            422,
+            "mismatch",
+            f"fragment {f.index} tensors: missing {missing}, unexpected {extra}",
+        )
+    for name in f.names:
+        arr = delta[name]
+        if arr.dtype != np.float32:
+            raise Reject(422, "mismatch", f"tensor {name}: dtype {arr.dtype}, expected float32")
+        if tuple(arr.shape) != shapes[name]:
+            raise Reject(
+                422,
+                "mismatch",
+                f"tensor {name}: shape {tuple(arr.shape)}, expected {shapes[name]}",
+            )
+        if not np.all(np.isfinite(arr)):
+            raise Reject(422, "non_finite", f"tensor {name}: contains NaN or Inf")
+    if max_norm_ratio is not None:
+        reference = norm_reference(f)
+        norm = l2_norm(delta) if norm is None else norm
+        bound = max_norm_ratio * reference
+        if not norm <= bound:
+            raise Reject(
+                422,
+                "norm_bound",
+                f"delta L2 norm {norm:.4g} exceeds merge.maxPushNorm {max_norm_ratio:g} x "
+                f"fragment {f.index}'s norm {reference:.4g} = {bound:.4g}",
+            )
+
+
+def validate_version(f: FragmentState, header: PushHeader, max_staleness: int) -> None:
+    """Whether the push's base version can still be merged into `f` (checked after the retry
+    check: a retry of a push that was accepted is answered as such even once it is stale)."""
+    if header.base_version > f.version:
+        raise Reject(
+            409,
+            "future_base",
+            f"base version {header.base_version} is newer than fragment {f.index}'s "
+            f"version {f.version} (syncer restored from a checkpoint): pull again",
+        )
+    if header.base_version < f.version - max_staleness:
+        raise Reject(
+            409,
+            "stale",
+            f"base version {header.base_version} is older than {f.version} - "
+            f"maxStaleness {max_staleness}: pull fragment {f.index} again",
+        )
+
+
+def validate_push(
+    f: FragmentState,
+    header: PushHeader,
+    delta: Mapping[str, np.ndarray],
+    shapes: Mapping[str, tuple[int, ...]],
+    max_staleness: int,
+    max_norm_ratio: float | None = None,
+) -> None:
+    """Everything that makes a decoded push unusable; raises Reject, changes nothing."""
+    validate_content(f, header, delta, shapes, max_norm_ratio)
+    validate_version(f, header, max_staleness)
+
+
+def l2_norm(tensors: Mapping[str, np.ndarray]) -> float:
+    """The L2 norm of all tensors together, summed in float64 (a float32 sum of squares of large
+    finite values overflows to inf)."""
+    return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in tensors.values()))
+
+
+def decode_measured(body: bytes) -> tuple[PushHeader, dict[str, np.ndarray], float]:
+    """A push body's header, delta and the delta's L2 norm (run in a worker thread)."""
+    header, delta = decode_push(body)
+    return header, delta, l2_norm(delta)
+
+
+def norm_reference(f: FragmentState) -> float:
+    """What a push's norm is compared with: the fragment's L2 norm, but at least that of a
+    fragment whose values all had magnitude NORM_FLOOR (a fragment near zero would otherwise
+    refuse every push)."""
+    elements = sum(v.size for v in f.params.values())
+    return max(f.norm, NORM_FLOOR * math.sqrt(elements))
+
+
+def finite_norm(tensors: Mapping[str, np.ndarray]) -> float | None:
+    """The L2 norm of float32 tensors, or None when any value is NaN or Inf (in float64 the
+    squares of finite float32 values cannot overflow, so a finite sum means finite values)."""
+    norm = l2_norm(tensors)
+    return norm if math.isfinite(norm) else None
+
+
+def parse_fragment_index(raw: str, count: int) -> int | None:
+    """The fragment index in a URL: ASCII digits only, no sign or space, in 0..count-1."""
+    value = parse_count(raw)
+    return value if value is not None and value < count else None
+
+
+def put_back(f: FragmentState, taken: dict[str, Pending]) -> None:
+    """Return the contributions a failed merge took to `f.pending`, ahead of any that arrived
+    meanwhile (a unit's two add up, as unmerged pushes always do), so nothing is lost and a
+    retry of one of them is rightly answered as a duplicate of a pending push."""
+    merged = dict(taken)
+    for unit, later in f.pending.items():
+        merged[unit] = merged[unit].plus(later) if unit in merged else later
+    f.pending = merged
+    if merged:
+        first = min(merged.values(), key=lambda p: p.arrived)
+        f.first_arrival, f.first_unit = first.arrived, first.header.unit
+
+
+def expected_arrival(
+    last_push: float | None, step_time: float | None, inner_steps: int, now: float
+) -> float | None:
+    """Seconds until a learner is expected to push a fragment again: its last push of it plus H
+    steps at its EMA step time. None when unknown, or overdue (it may arrive any moment)."""
+    if last_push is None or step_time is None:
+        return None
+    eta = last_push + inner_steps * step_time - now
+    return eta if eta >= 0 else None

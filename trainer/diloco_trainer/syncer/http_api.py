@@ -1,0 +1,318 @@
+"""HTTP surface of the syncer (aiohttp): auth, request parsing, error mapping. See docs/protocol.md."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from diloco_trainer.auth import UNIT_HEADER, Caller, identify
+from diloco_trainer.syncer.conn import (
+    CONNECTIONS_KEY,
+    KEEPALIVE_SECONDS,
+    ConnectionGuard,
+    read_body,
+)
+from diloco_trainer.syncer.core import Syncer
+from diloco_trainer.syncer.fragment import MAX_POLL_WAIT, Reject
+from diloco_trainer.wire import MAX_COUNTER, encode_params, loads_json, parse_count
+
+log = logging.getLogger("diloco.syncer")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+SYNCER_KEY = web.AppKey("syncer", Syncer)
+CALLER_KEY = web.RequestKey("caller", Caller)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, text=json.dumps(data), content_type="application/json")
+
+
+def _tensors(payload: bytes, **headers: str) -> web.Response:
+    return web.Response(body=payload, content_type="application/octet-stream", headers=headers)
+
+
+def json_error(status: int, reason: str, message: str) -> web.Response:
+    return web.Response(
+        status=status,
+        text=json.dumps({"error": message, "reason": reason}),
+        content_type="application/json",
+    )
+
+
+@web.middleware
+async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Bearer auth on /v1/*, and one place that turns Reject into a 4xx + log line."""
+    syncer = request.app[SYNCER_KEY]
+    request.app[CONNECTIONS_KEY].served(request)
+    try:
+        if request.path.startswith("/v1/"):
+            caller = identify(
+                syncer.token,
+                request.headers.get("Authorization", ""),
+                request.headers.get(UNIT_HEADER),
+            )
+            if caller is None:
+                raise Reject(401, "unauthorized", "missing or wrong bearer token")
+            if caller.operator and request.method != "GET":
+                raise Reject(
+                    403,
+                    "forbidden",
+                    "the run token is for status reads; a learner sends its unit token "
+                    f"and {UNIT_HEADER}",
+                )
+            request[CALLER_KEY] = caller
+        return await handler(request)
+    except Reject as exc:
+        if request.path.endswith("/push"):
+            syncer.metrics.pushes.labels("rejected", exc.reason).inc()
+        log.warning(
+            "event=rejected method=%s path=%s status=%d reason=%s message=%r peer=%s",
+            request.method, request.path, exc.status, exc.reason, exc.message, request.remote,
+        )  # fmt: skip
+        return json_error(exc.status, exc.reason, exc.message)
+    except web.HTTPRequestEntityTooLarge as exc:
+        syncer.metrics.pushes.labels("rejected", "too_large").inc()
+        log.warning("event=rejected path=%s status=413 reason=too_large", request.path)
+        return json_error(413, "too_large", exc.text or "request body too large")
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    body = await read_body(request, JSON_BODY_LIMIT)
+    request.app[SYNCER_KEY].bytes_received += len(body)
+    try:
+        data = loads_json(body or b"{}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Reject(400, "malformed", f"body is not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise Reject(400, "malformed", "body must be a JSON object")
+    return data
+
+
+def _field(
+    data: dict[str, Any],
+    name: str,
+    kind: type,
+    default: Any = ...,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> Any:
+    if name not in data or data[name] is None:
+        if default is ...:
+            raise Reject(400, "bad_request", f"{name}: required")
+        return default
+    value = data[name]
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if kind is float:
+        # math.isfinite of an int beyond float's range raises OverflowError: bound it first.
+        ok = (isinstance(value, float) and math.isfinite(value)) or (
+            isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_COUNTER
+        )
+    if not ok:
+        raise Reject(400, "bad_request", f"{name}: expected {kind.__name__}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise Reject(400, "bad_request", f"{name}: must be >= {minimum}, got {_short(value)}")
+    if maximum is not None and value > maximum:
+        raise Reject(400, "bad_request", f"{name}: must be <= {maximum:.0f}, got {_short(value)}")
+    return float(value) if kind is float else value
+
+
+def _short(value: float) -> str:
+    """A number for an error message: huge integers as their digit count (str() of one with
+    more than 4300 digits raises)."""
+    if isinstance(value, int) and abs(value) > MAX_COUNTER:
+        return f"an integer of {value.bit_length() * 30103 // 100000 + 1} digits"
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def _counter(data: dict[str, Any], name: str, default: Any = ...) -> int:
+    """A step/token/attempt count: an integer in 0..MAX_COUNTER, refused (never stored) else."""
+    return int(_field(data, name, int, default, 0, MAX_COUNTER))
+
+
+def _identity(request: web.Request, data: dict[str, Any]) -> tuple[str, int, str]:
+    """The learner a JSON request speaks for: it must be the authenticated unit, and a unit new
+    to the run only while the run has room for it."""
+    unit = _field(data, "unit", str)
+    if not unit:
+        raise Reject(400, "bad_request", "unit: must not be empty")
+    caller: Caller = request[CALLER_KEY]
+    if unit != caller.unit:
+        raise Reject(403, "identity_mismatch", f"unit {unit!r} != caller {caller.unit!r}")
+    group = _field(data, "group", str, "default")
+    if len(group) > 63:  # a DNS label, like every group name; status and logs carry it
+        raise Reject(400, "bad_request", f"group: at most 63 characters, got {len(group)}")
+    request.app[SYNCER_KEY].admit(unit)
+    return unit, _counter(data, "attempt", 0), group
+
+
+async def join(request: web.Request) -> web.Response:
+    s = request.app[SYNCER_KEY]
+    unit, attempt, group = _identity(request, await _json_body(request))
+
+    s.learners.seen(unit, attempt, group, time.time()).joined.add(attempt)
+    resume_step = s.learners.resume_step(unit, attempt)  # where its LR schedule continues
+    log.info(
+        "event=join unit=%s attempt=%d group=%s versions=%s resume_step=%d",
+        unit, attempt, group, s.versions(), resume_step,
+    )  # fmt: skip
+    # The learner holds the same config (compression, innerSteps, ...); the reply carries only
+    # what the run's state decides.
+    return _json(
+        {
+            "run": s.run,
+            "layout": [f.names for f in s.frags],
+            "versions": s.versions(),
+            "complete": s.complete,
+            "outerStep": s.outer_step,
+            "resumeStep": resume_step,
+            "shapes": {k: list(v) for k, v in s.shapes.items()},
+        }
+    )
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    s = request.app[SYNCER_KEY]
+    data = await _json_body(request)
+    unit, attempt, group = _identity(request, data)
+
+    s.learners.heartbeat(
+        unit,
+        attempt,
+        group,
+        step=_counter(data, "step"),
+        tokens=_counter(data, "tokens"),
+        tokens_per_sec=_field(data, "tokensPerSec", float, 0.0, 0.0, float(MAX_COUNTER)),
+        loss=_field(data, "loss", float, None),
+        now=time.time(),
+    )
+    s._publish_gauges()
+    s.check_complete()
+    return _json({"complete": s.complete, "versions": s.versions(), "outerStep": s.outer_step})
+
+
+async def params(request: web.Request) -> web.Response:
+    s = request.app[SYNCER_KEY]
+    snap: dict[str, Any] = {}
+    for f in s.frags:
+        snap.update(f.published())
+    versions = s.versions()
+    payload = await asyncio.get_running_loop().run_in_executor(
+        None, encode_params, snap, versions, None, s.epoch
+    )
+    s.bytes_sent += len(payload)
+    s.metrics.bytes_out.inc(len(payload))
+    return _tensors(payload, **{"X-Diloco-Versions": json.dumps(versions)})
+
+
+async def push(request: web.Request) -> web.Response:
+    s = request.app[SYNCER_KEY]
+    f = s.fragment(request.match_info["p"])
+    length = request.content_length
+    if length is not None and length > f.max_body:
+        raise Reject(
+            413, "too_large", f"body of {length} bytes exceeds {f.max_body} for fragment {f.index}"
+        )
+    body = await read_body(request, f.max_body)
+    s.bytes_received += len(body)
+    s.metrics.bytes_in.inc(len(body))
+    caller: Caller = request[CALLER_KEY]
+    if caller.unit is None:  # unreachable: the guard lets the run token only GET
+        raise Reject(403, "forbidden", "pushes need a unit token")
+    reply = await s.accept_push(f, body, caller.unit)
+    s.metrics.pushes.labels("accepted", "duplicate" if reply["duplicate"] else "ok").inc()
+    return _json(reply)
+
+
+async def poll(request: web.Request) -> web.Response:
+    s = request.app[SYNCER_KEY]
+    f = s.fragment(request.match_info["p"])
+    raw_after = request.query.get("after", "-1")
+    after = -1 if raw_after == "-1" else parse_count(raw_after)
+    if after is None:
+        raise Reject(400, "bad_request", f"after: not a version (-1 or 0..): {raw_after[:40]!r}")
+    try:
+        wait = float(request.query.get("wait", "0"))
+    except ValueError as exc:
+        raise Reject(400, "bad_request", f"wait: {exc}") from exc
+    if not math.isfinite(wait) or wait < 0:
+        raise Reject(400, "bad_request", f"wait: must be a finite number >= 0, got {wait}")
+    if not await s.wait_for_change(f, after, min(wait, MAX_POLL_WAIT)):
+        return web.Response(status=204, headers={"X-Diloco-Version": str(f.version)})
+    payload = await s.fragment_payload(f, after, request.query.get("epoch", ""))
+    s.bytes_sent += len(payload)
+    s.metrics.bytes_out.inc(len(payload))
+    return _tensors(payload, **{"X-Diloco-Version": str(f.version)})
+
+
+async def status(request: web.Request) -> web.Response:
+    return _json(request.app[SYNCER_KEY].status().to_json())
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: the process serves requests (a restart would not fix a full disk)."""
+    return web.Response(text="ok")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: 200 while the syncer can merge and write checkpoints, else 503 naming what
+    fails (docs/protocol.md, "Readiness")."""
+    health = request.app[SYNCER_KEY].health
+    if health.ready:
+        return web.Response(text="ready")
+    return _json(health.to_json(), status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    s = request.app[SYNCER_KEY]
+    s._publish_gauges()
+    return web.Response(
+        body=generate_latest(s.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
+# Join and heartbeat bodies are a few hundred bytes.
+JSON_BODY_LIMIT = 64 * 1024
+
+
+def build_app(syncer: Syncer) -> web.Application:
+    # The global cap is the largest fragment's bound; each push is checked against its own.
+    app = web.Application(
+        middlewares=[guard], client_max_size=max(f.max_body for f in syncer.frags) + 1
+    )
+    app[SYNCER_KEY] = syncer
+    app[CONNECTIONS_KEY] = ConnectionGuard()
+    app.router.add_post("/v1/join", join)
+    app.router.add_post("/v1/heartbeat", heartbeat)
+    app.router.add_get("/v1/params", params)
+    app.router.add_post("/v1/fragments/{p}/push", push)
+    app.router.add_get("/v1/fragments/{p}", poll)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(syncer.start_background)
+    app.on_shutdown.append(syncer.wake_pollers)
+    app.on_cleanup.append(syncer.stop_background)
+    return app
+
+
+async def start_server(syncer: Syncer, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `syncer` on host:port (0: any free port) with the connection time limits of
+    syncer_conn.py; returns the runner (`cleanup()` stops it) and the bound port."""
+    app = build_app(syncer)
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, keepalive_timeout=KEEPALIVE_SECONDS
+    )
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    # A background task of the syncer: stop_background (app cleanup) cancels it.
+    syncer._background.append(asyncio.create_task(app[CONNECTIONS_KEY].watch(runner)))
+    bound = [addr[1] for addr in runner.addresses if isinstance(addr, tuple)]
+    return runner, int(bound[0]) if bound else port

@@ -1,0 +1,152 @@
+"""`diloco-syncer`: run the syncer service.
+
+    diloco-syncer --config run.yaml [--host 0.0.0.0] [--port 8470] [--token T] [--checkpoint-dir D]
+                  [--max-units N]
+
+Environment (docs/contracts.md): DILOCO_TOKEN / DILOCO_TOKEN_FILE (the run secret),
+DILOCO_SYNCER_PORT, DILOCO_CHECKPOINT_PATH, DILOCO_MAX_UNITS, and DILOCO_RUN (run name; defaults
+to the manifest's metadata.name or the config file's stem). Exit 2 on a config error (the message names the field). SIGTERM/SIGINT stop
+serving, write a final checkpoint and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from diloco_trainer.config import (
+    ConfigError,
+    load_training_config,
+    read_document,
+    resolve_token,
+)
+from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
+from diloco_trainer.syncer.checkpoint import CheckpointError, CheckpointStore
+
+log = logging.getLogger("diloco.syncer")
+DEFAULT_PORT = 8470
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="diloco-syncer", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="DilocoRun manifest or bare training block")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=None, help="listen port (0: any free port)")
+    p.add_argument("--token", default=None, help="bearer token (else DILOCO_TOKEN[_FILE])")
+    p.add_argument("--checkpoint-dir", default=None, help="overrides training.checkpoint.path")
+    p.add_argument("--run", default=None, help="run name shown in status")
+    p.add_argument(
+        "--max-units",
+        default=None,
+        help="distinct learner units admitted (else DILOCO_MAX_UNITS; unset: any number)",
+    )
+    p.add_argument("--log-level", default=os.environ.get("DILOCO_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--log-format", choices=FORMATS, default=None, help=f"text or json (else {LOG_FORMAT_ENV})"
+    )
+    return p.parse_args(argv)
+
+
+def resolve_port(flag: int | None) -> int:
+    if flag is not None:
+        return flag
+    raw = os.environ.get("DILOCO_SYNCER_PORT")
+    if not raw:
+        return DEFAULT_PORT
+    try:
+        port = int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"DILOCO_SYNCER_PORT: not an integer: {raw!r}") from exc
+    if not 0 <= port < 65536:
+        raise ConfigError(f"DILOCO_SYNCER_PORT: out of range: {port}")
+    return port
+
+
+def resolve_max_units(flag: str | None, env: Mapping[str, str]) -> int | None:
+    raw = flag if flag is not None else env.get("DILOCO_MAX_UNITS")
+    if raw is None or raw == "":
+        return None
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+        raise ConfigError(f"--max-units (or DILOCO_MAX_UNITS): not an integer >= 1: {raw!r}")
+    return int(raw)
+
+
+def run_name(flag: str | None, config_path: str) -> str:
+    if flag or os.environ.get("DILOCO_RUN"):
+        return flag or os.environ["DILOCO_RUN"]
+    doc = read_document(config_path)
+    name = (doc.get("metadata") or {}).get("name") if doc.get("kind") == "DilocoRun" else None
+    return str(name) if name else Path(config_path).stem
+
+
+async def serve(syncer: object, host: str, port: int) -> None:
+    from diloco_trainer.syncer.core import Syncer
+    from diloco_trainer.syncer.http_api import start_server
+
+    assert isinstance(syncer, Syncer)
+    runner, bound = await start_server(syncer, host, port)
+    log.info(
+        "event=listening host=%s port=%s run=%s fragments=%d",
+        host,
+        bound,
+        syncer.run,
+        len(syncer.frags),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("event=stopping reason=signal")
+    await runner.cleanup()  # stops background tasks and writes the final checkpoint
+    await syncer.save_checkpoint(force=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        log_format = resolve_log_format(args.log_format, os.environ)
+    except ValueError as exc:
+        print(f"diloco-syncer: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level.upper(), log_format)
+    try:
+        cfg = load_training_config(args.config)
+        token = resolve_token(args.token, os.environ)
+        port = resolve_port(args.port)
+        max_units = resolve_max_units(args.max_units, os.environ)
+        name = run_name(args.run, args.config)
+        ckpt_path = (
+            args.checkpoint_dir or os.environ.get("DILOCO_CHECKPOINT_PATH") or cfg.checkpoint.path
+        )
+    except ConfigError as exc:
+        print(f"diloco-syncer: config error: {exc}", file=sys.stderr)
+        return 2
+    store = CheckpointStore(ckpt_path, cfg.checkpoint.keep)
+    try:
+        snapshot = store.load_latest()  # before importing JAX: a bad checkpoint dir fails fast
+    except CheckpointError as exc:
+        print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
+        return 1
+    from diloco_trainer.syncer.core import Syncer
+
+    try:
+        syncer = Syncer(cfg, token, run=name, store=store, restore=snapshot, max_units=max_units)
+    except ValueError as exc:  # a checkpoint that does not fit this config
+        print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(syncer, args.host, port))
+    finally:
+        syncer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

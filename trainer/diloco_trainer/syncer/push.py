@@ -1,0 +1,103 @@
+"""The syncer's push intake: decode a fragment push off the loop, check who sent it and what it
+holds, drop exact repeats, and queue it for the fragment's next merge (docs/protocol.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from diloco_trainer.syncer.fragment import (
+    SEEN_PER_FRAGMENT,
+    FragmentState,
+    Pending,
+    Reject,
+    decode_measured,
+    validate_content,
+    validate_version,
+)
+from diloco_trainer.syncer.rounds import schedule_merge
+from diloco_trainer.wire import PayloadMismatch, WireError
+
+if TYPE_CHECKING:
+    from diloco_trainer.syncer.core import Syncer
+
+log = logging.getLogger("diloco.syncer")
+
+
+async def accept_push(
+    s: Syncer, f: FragmentState, body: bytes, caller: str | None = None
+) -> dict[str, Any]:
+    """Decode, check and queue one push. `caller`: the authenticated unit, which must be
+    the payload's (None skips that check: in-process callers)."""
+    if len(body) > f.max_body:
+        raise Reject(
+            413,
+            "too_large",
+            f"body of {len(body)} bytes exceeds {f.max_body} for fragment {f.index}",
+        )
+    loop = asyncio.get_running_loop()
+    s._decoding += 1
+    try:
+        header, delta, norm = await loop.run_in_executor(s._decode_pool, decode_measured, body)
+    except PayloadMismatch as exc:
+        raise Reject(422, "mismatch", str(exc)) from exc
+    except WireError as exc:
+        raise Reject(400, "malformed", str(exc)) from exc
+    finally:
+        s._decoding -= 1
+    if caller is not None and header.unit != caller:
+        raise Reject(403, "identity_mismatch", f"payload unit {header.unit!r} != caller {caller!r}")
+    record = s.learners.records.get(header.unit)
+    if record is None or header.attempt not in record.joined:
+        raise Reject(
+            409,
+            "not_joined",
+            f"unit {header.unit!r} attempt {header.attempt} has not joined: join first",
+        )
+    # Content first: a payload that can never be merged is refused even when its key
+    # repeats an accepted push's.
+    validate_content(f, header, delta, s.shapes, s.cfg.merge.max_push_norm, norm)
+    # A retry repeats the same push exactly: the learner's step names it. (A learner that
+    # predates the field sends step 0; then a later push on the same base has more c_steps.)
+    key = (
+        (header.unit, header.attempt, -1, header.step)  # -1: no base version is negative
+        if header.step > 0
+        else (header.unit, header.attempt, header.base_version, header.c_steps)
+    )
+    if key in f.seen and header.fragment == f.index:
+        return {
+            "accepted": True,
+            "duplicate": True,
+            "version": f.version,
+            "pending": len(f.pending),
+        }
+    validate_version(f, header, s.cfg.max_staleness)
+    now = time.time()
+    f.seen[key] = f.version
+    while len(f.seen) > SEEN_PER_FRAGMENT:
+        f.seen.popitem(last=False)
+    s.learners.seen(header.unit, header.attempt, s.learners.get(header.unit).group, now)
+    if not f.pending:
+        f.first_arrival, f.first_unit = now, header.unit
+    pending = Pending(header, delta, now)
+    earlier = f.pending.get(header.unit)
+    if earlier is not None:
+        pending = earlier.plus(pending)  # unmerged pushes of one unit add up
+    f.pending[header.unit] = pending
+    f.last_push[header.unit] = now
+    if header.quant_error is not None:
+        s.metrics.quant_error.observe(header.quant_error)
+    log.info(
+        "event=push_accepted fragment=%d unit=%s attempt=%d base=%d version=%d c_steps=%d c_tokens=%d pending=%d scheme=%s",
+        f.index, header.unit, header.attempt, header.base_version, f.version,
+        header.c_steps, header.c_tokens, len(f.pending), header.scheme,
+    )  # fmt: skip
+    schedule_merge(s, f)
+    return {
+        "accepted": True,
+        "duplicate": False,
+        "version": f.version,
+        "pending": len(f.pending),
+    }

@@ -1,0 +1,233 @@
+"""What the syncer knows about learners: heartbeats, per-attempt counters, timings, status JSON.
+
+Counting rule: a learner's step/tokens in a heartbeat are cumulative within its attempt. A restart
+(attempt+1) starts again from zero, and what earlier attempts did still counts: per (unit, attempt)
+we keep the maxima seen, and a unit's total is the sum over its attempts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco_trainer.status import LearnerStatus
+from diloco_trainer.syncer.grace import Ema
+from diloco_trainer.wire import MAX_COUNTER
+
+log = logging.getLogger("diloco.syncer")
+
+
+@dataclass
+class LearnerRecord:
+    unit: str
+    group: str = "default"
+    attempt: int = 0
+    attempts: dict[int, list[int]] = field(default_factory=dict)  # attempt -> [steps, tokens]
+    joined: set[int] = field(default_factory=set)  # attempts that joined (a push needs it)
+    # Where the unit's LR schedule began: 0 for the run's first units, the run's progress for a
+    # unit that joined a running run (LearnerRegistry.get).
+    start_step: int = 0
+    last_seen: float | None = None
+    last_heartbeat: float | None = None
+    attempt_since: float | None = None  # when the current attempt was first heard from
+    tokens_per_sec: float = 0.0
+    loss: float | None = None
+    step_time: Ema = field(default_factory=lambda: Ema(0.2))
+    _last_hb: tuple[int, int, float] | None = None  # (attempt, step, time) of the previous beat
+
+    @property
+    def steps(self) -> int:
+        return sum(s for s, _ in self.attempts.values())
+
+    @property
+    def tokens(self) -> int:
+        return sum(t for _, t in self.attempts.values())
+
+    @property
+    def schedule_position(self) -> int:
+        return self.start_step + self.steps
+
+
+class LearnerRegistry:
+    def __init__(self, ema: float = 0.2, offline_after: float = 10.0) -> None:
+        self.ema = ema
+        self.offline_after = offline_after
+        self.records: dict[str, LearnerRecord] = {}
+
+    def get(self, unit: str) -> LearnerRecord:
+        """The unit's record; a unit new to the run starts its LR schedule where the run is,
+        the mean schedule position of the units known so far, instead of at step 0: at step 0
+        it would warm up and then train at peak LR while everyone else is deep into the decay,
+        and its deltas would be the largest in every merge."""
+        if unit not in self.records:
+            known = [r.schedule_position for r in self.records.values()]
+            start = int(sum(known) / len(known)) if known else 0
+            self.records[unit] = LearnerRecord(unit, start_step=start, step_time=Ema(self.ema))
+        return self.records[unit]
+
+    def seen(self, unit: str, attempt: int, group: str, now: float) -> LearnerRecord:
+        rec = self.get(unit)
+        if attempt > rec.attempt or rec.attempt_since is None:
+            rec.attempt_since = now
+        if attempt > rec.attempt:
+            # A new attempt must not inherit the dead attempt's last heartbeat: a supervisor
+            # would call it stale right after it joined (status falls back to last_seen).
+            rec.last_heartbeat = None
+            rec._last_hb = None
+        if attempt >= rec.attempt:
+            rec.attempt, rec.group = attempt, group
+        rec.attempts.setdefault(attempt, [0, 0])
+        rec.last_seen = now
+        return rec
+
+    def heartbeat(
+        self,
+        unit: str,
+        attempt: int,
+        group: str,
+        step: int,
+        tokens: int,
+        tokens_per_sec: float,
+        loss: float | None,
+        now: float,
+    ) -> LearnerRecord:
+        rec = self.seen(unit, attempt, group, now)
+        counts = rec.attempts[attempt]
+        counts[0], counts[1] = max(counts[0], step), max(counts[1], tokens)
+        if attempt == rec.attempt:
+            prev = rec._last_hb
+            if prev is not None and prev[0] == attempt and step > prev[1] and now > prev[2]:
+                rec.step_time.update((now - prev[2]) / (step - prev[1]))
+            rec._last_hb = (attempt, step, now)
+            rec.last_heartbeat = now
+            rec.tokens_per_sec = tokens_per_sec
+            rec.loss = loss
+        return rec
+
+    def resume_step(self, unit: str, attempt: int) -> int:
+        """Where attempt `attempt` of `unit` continues its LR schedule: where the unit started
+        (`get`) plus the steps its other attempts reported. Steps an attempt did after its last
+        heartbeat are not known here (they are not counted as tokens either)."""
+        rec = self.get(unit)
+        return rec.start_step + sum(s for a, (s, _) in rec.attempts.items() if a != attempt)
+
+    def online(self, now: float, within: float | None = None) -> list[str]:
+        """Units seen within `within` seconds (default `offline_after`)."""
+        window = self.offline_after if within is None else within
+        return sorted(
+            u
+            for u, r in self.records.items()
+            if r.last_seen is not None and now - r.last_seen <= window
+        )
+
+    def in_phase(self, now: float, fresh_within: float, last_merge: float | None) -> list[str]:
+        """The units a phase-locked merge of a fragment waits for and shares with: heard from
+        within `fresh_within` seconds (a killed learner drops out after that, not after
+        `offline_after`), and on an attempt that began before the fragment's `last_merge`, so
+        that it installed a version and pushes in step with the others. A learner that joined
+        since then pushes the fragment first one round later (`PushClock.joined_running`).
+        With `last_merge` None (a fragment not merged yet), or when no fresh unit is in phase
+        (every unit restarted), every fresh unit: they all start the fragment's countdown at the
+        same step."""
+        fresh = self.online(now, fresh_within)
+        phased = [
+            u
+            for u in fresh
+            if last_merge is None or (self.records[u].attempt_since or 0.0) < last_merge
+        ]
+        return phased or fresh
+
+    def totals(self) -> tuple[int, int]:
+        return (
+            sum(r.steps for r in self.records.values()),
+            sum(r.tokens for r in self.records.values()),
+        )
+
+    def train_loss(self) -> float | None:
+        """Token-weighted mean of the learners' latest reported losses."""
+        pairs = [(r.tokens, r.loss) for r in self.records.values() if r.loss is not None]
+        weight = sum(t for t, _ in pairs)
+        if not pairs:
+            return None
+        if weight <= 0:
+            return sum(loss for _, loss in pairs) / len(pairs)
+        return sum(t * loss for t, loss in pairs) / weight
+
+    def status(self, now: float) -> dict[str, LearnerStatus]:
+        out = {}
+        for unit in sorted(self.records):
+            r = self.records[unit]
+            # Last sign of life: a heartbeat, else a join or push (never null once seen).
+            alive = r.last_heartbeat if r.last_heartbeat is not None else r.last_seen
+            out[unit] = LearnerStatus(
+                attempt=r.attempt,
+                group=r.group,
+                last_heartbeat=alive,
+                age_seconds=None if alive is None else round(now - alive, 3),
+                step=r.steps,
+                tokens=r.tokens,
+                tokens_per_sec=r.tokens_per_sec,
+                loss=r.loss,
+            )
+        return out
+
+    # Checkpointed form: counters only (timings are re-learned after a restart).
+    def to_json(self) -> dict[str, Any]:
+        return {
+            u: {
+                "group": r.group,
+                "attempt": r.attempt,
+                "attempts": {str(a): c for a, c in r.attempts.items()},
+                "startStep": r.start_step,
+                "loss": r.loss,
+                "joined": sorted(r.joined),
+            }
+            for u, r in self.records.items()
+        }
+
+    def load_json(self, data: dict[str, Any], now: float | None = None) -> None:
+        """Restore counters. Restored learners count as last seen `now` (the restart), so the
+        supervisor's staleness clock for them starts at the syncer's restart, not at null.
+
+        A counter outside 0..MAX_COUNTER (written by a syncer that did not bound them, or a
+        damaged file) would fail every status and metrics read, and every restart after it: it
+        is dropped with an ERROR line naming unit and field, and the rest of the record kept."""
+        for unit, raw in data.items():
+            if not isinstance(raw, dict):
+                log.error("event=checkpoint_counter_dropped unit=%s field=(record)", unit)
+                continue
+            rec = self.get(unit)
+            rec.last_seen = now
+            rec.attempt_since = 0.0  # it holds versions already: in phase (`in_phase`)
+            rec.group = str(raw.get("group", "default"))
+            rec.attempt = _counter(raw.get("attempt", 0), unit, "attempt") or 0
+            rec.attempts = {}
+            for a, c in (raw.get("attempts") or {}).items():
+                attempt = _counter(a, unit, "attempts")
+                pair = c if isinstance(c, list) and len(c) == 2 else [None, None]
+                steps = _counter(pair[0], unit, f"attempts.{a}.steps")
+                tokens = _counter(pair[1], unit, f"attempts.{a}.tokens")
+                if attempt is not None and steps is not None and tokens is not None:
+                    rec.attempts[attempt] = [steps, tokens]
+            # absent before the field existed
+            rec.start_step = _counter(raw.get("startStep", 0), unit, "startStep") or 0
+            loss = raw.get("loss")
+            rec.loss = float(loss) if isinstance(loss, int | float) else None
+            # Absent before the field existed: then every attempt the checkpoint knows joined.
+            joined = raw.get("joined", list(rec.attempts))
+            rec.joined = {j for a in joined if (j := _counter(a, unit, "joined")) is not None}
+
+
+def _counter(value: Any, unit: str, name: str) -> int | None:
+    """A checkpointed counter as an int in 0..MAX_COUNTER, else None with an ERROR line."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)  # attempt numbers are JSON object keys, hence strings
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNTER:
+        return value
+    log.error(
+        "event=checkpoint_counter_dropped unit=%s field=%s value=%.40r reason=not an integer "
+        "in 0..%d",
+        unit, name, value, MAX_COUNTER,
+    )  # fmt: skip
+    return None

@@ -1,0 +1,182 @@
+"""The syncer's merge rounds: when a fragment's pending pushes merge (quorum, then a grace window
+for the learners still expected), and the merge itself: outer step off the loop, journal the new
+version, advance the downlink publication, then install it on the loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from diloco_trainer.downlink import Publication
+from diloco_trainer.merge import Contribution, participation_share
+from diloco_trainer.syncer.fragment import (
+    FragmentState,
+    expected_arrival,
+    finite_norm,
+    put_back,
+)
+from diloco_trainer.syncer.grace import grace_window, slack_seconds
+from diloco_trainer.syncer.health import retry_delay
+
+if TYPE_CHECKING:
+    from diloco_trainer.syncer.core import Syncer
+
+log = logging.getLogger("diloco.syncer")
+
+
+def contributors(s: Syncer, f: FragmentState, now: float) -> list[str]:
+    """The learners a merge of `f` waits for and is a share of. Phase-locked: those in step
+    with the others on `f` (`LearnerRegistry.in_phase`); a unit killed a heartbeat or two
+    ago, or one that joined since f's last merge, would only hold the merge back for the
+    whole grace window and make its step smaller. Otherwise: every online learner."""
+    if s.cfg.phase_lock:
+        return s.learners.in_phase(now, 2 * s.cfg.heartbeat_seconds, f.last_merge)
+    return s.learners.online(now)
+
+
+def schedule_merge(s: Syncer, f: FragmentState) -> None:
+    if len(f.pending) < s.cfg.quorum:
+        return
+    now = time.time()
+    missing = [u for u in contributors(s, f, now) if u not in f.pending]
+    if f.merge_task is not None:
+        if not missing:
+            f.all_in.set()
+        return
+    if (
+        s.cfg.phase_lock
+        and missing
+        and all(p.header.base_version < f.version for p in f.pending.values())
+    ):
+        # Only pushes that missed the last merge: they ride along with the next round's. A
+        # merge of them alone would be a version in mid-round, and installing it overwrites
+        # every learner's progress on f since the round's merge.
+        return
+    f.quorum_time = now
+    first = s.learners.get(f.first_unit) if f.first_unit else None
+    # Phase-locked learners push p together. One that misses the merge sends a delta from
+    # the old version into the next one (stale), which costs more than the few steps the
+    # others drop while the merge waits: the bound is maxSeconds, not the overlap slack.
+    slack = (
+        s.cfg.grace.max_seconds
+        if s.cfg.phase_lock
+        else slack_seconds(
+            s.cfg.overlap,
+            first.step_time.value if first else None,
+            now - (f.first_arrival or now),
+            s.sync_time.value or 0.0,
+            s.cfg.grace.max_seconds,
+        )
+    )
+    lateness = [
+        expected_arrival(
+            f.last_push.get(u), s.learners.get(u).step_time.value, s.cfg.inner_steps, now
+        )
+        for u in missing
+    ]
+    grace = grace_window(
+        s.cfg.grace.mode, s.cfg.grace.max_seconds, lateness, slack,
+        whole_slack=s.cfg.phase_lock,
+    )  # fmt: skip
+    s.metrics.grace_seconds.observe(grace)
+    f.all_in = asyncio.Event()
+    f.merge_task = asyncio.get_running_loop().create_task(_merge_after(s, f, grace))
+
+
+async def _merge_after(s: Syncer, f: FragmentState, grace: float) -> None:
+    try:
+        if grace > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(f.all_in.wait(), grace)
+        await _merge(s, f)
+        f.merge_failures = 0
+        if all(g.merge_failures == 0 for g in s.frags):  # no other fragment failing
+            s.health.recovered("merge")
+    except Exception as exc:
+        f.merge_failures += 1
+        s.health.failed("merge", exc)
+        delay = retry_delay(f.merge_failures)
+        log.exception(
+            "event=merge_failed fragment=%d failures=%d retry_in=%.1f pending=%d",
+            f.index, f.merge_failures, delay, len(f.pending),
+        )  # fmt: skip
+        await asyncio.sleep(delay)  # still the fragment's merge task: no merge meanwhile
+    finally:
+        f.merge_task = None
+    if len(f.pending) >= s.cfg.quorum:
+        schedule_merge(s, f)
+
+
+async def _merge(s: Syncer, f: FragmentState) -> None:
+    pending, f.pending = f.pending, {}
+    f.first_arrival = f.first_unit = f.quorum_time = None
+    contributions = [
+        Contribution(p.delta, p.header.c_steps, p.header.c_tokens) for p in pending.values()
+    ]
+    share = 1.0
+    if s.cfg.merge.participation_scaling:
+        online = set(contributors(s, f, time.time())) | set(pending)
+        share = participation_share(len(contributions), len(online))
+    started = time.perf_counter()
+    try:
+        computed = await _merge_steps(s, f, contributions, share)
+    except BaseException:
+        put_back(f, pending)  # nothing was installed: the round merges on the next try
+        raise
+    if computed is None:
+        s.metrics.merges_refused.labels(str(f.index)).inc()
+        log.error(
+            "event=merge_refused fragment=%d version=%d reason=non_finite units=%s "
+            "action=contributions_dropped",
+            f.index, f.version, ",".join(sorted(pending)),
+        )  # fmt: skip
+        return
+    new_params, new_state, publication, norm = computed
+    new_version = f.version + 1
+    elapsed = time.perf_counter() - started
+    f.params, f.opt_state, f.publication, f.norm = new_params, new_state, publication, norm
+    f.version = new_version
+    f.last_merge = time.time()
+    s.sync_time.update(elapsed)
+    s.metrics.merges.labels(str(f.index)).inc()
+    s.metrics.merge_seconds.observe(elapsed)
+    s.metrics.merge_contributions.observe(len(contributions))
+    s._publish_gauges()
+    f.changed.set()
+    f.changed = asyncio.Event()
+    log.info(
+        "event=merged fragment=%d version=%d contributions=%d share=%.3f units=%s seconds=%.4f",
+        f.index, f.version, len(contributions), share, ",".join(sorted(pending)), elapsed,
+    )  # fmt: skip
+
+
+async def _merge_steps(
+    s: Syncer, f: FragmentState, contributions: list[Contribution], share: float
+) -> tuple[dict[str, np.ndarray], Any, Publication | None, float] | None:
+    """The merge's new parameters, optimizer state, publication and norm, with the new
+    version journaled; None (nothing journaled) when the parameters are not finite."""
+    loop = asyncio.get_running_loop()
+    new_params, new_state = await loop.run_in_executor(
+        s._merge_pool, s._merge_compute, f.params, f.opt_state, contributions, share
+    )
+    norm = await loop.run_in_executor(s._merge_pool, finite_norm, new_params)
+    if norm is None:
+        return None
+    new_version = f.version + 1
+    if s.store is not None:
+        # Journal first, announce second: a number a learner has seen is never reissued.
+        s._published[f.index] = max(s._published[f.index], new_version)
+        await loop.run_in_executor(s._journal_pool, s.store.record_versions, list(s._published))
+    publication = f.publication
+    if publication is not None:
+        comp = s.cfg.compression
+        publication = await loop.run_in_executor(
+            s._merge_pool,
+            publication.advance, new_params, new_version, comp.downlink, comp.block_size,
+        )  # fmt: skip
+    return new_params, new_state, publication, norm
