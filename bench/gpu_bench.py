@@ -19,10 +19,13 @@ from diloco_trainer.learner.train import (
     make_train_step,
     place_params,
     shard_batch,
+    step_key,
 )
 from diloco_trainer.models.gpt import init_params
 
 from bench.common import BenchContext, Section, md_table
+
+KEY = step_key(0, 0)  # the built-in model's loss draws nothing from its rng
 
 # Dense bf16 peak FLOP/s by GPU name fragment (vendor data sheets, SXM parts, no sparsity).
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
@@ -61,11 +64,11 @@ def measure_mfu(batch: int, steps: int) -> tuple[float, float, int]:
     step = make_train_step(opt, mesh, compute_dtype=jnp.bfloat16)
     batches = train_batches(cfg, 0, 1)
     for _ in range(3):
-        params, state, loss = step(params, state, shard_batch(next(batches), mesh))
+        params, state, loss, _ = step(params, state, shard_batch(next(batches), mesh), KEY)
     loss.block_until_ready()
     start = time.perf_counter()
     for _ in range(steps):
-        params, state, loss = step(params, state, shard_batch(next(batches), mesh))
+        params, state, loss, _ = step(params, state, shard_batch(next(batches), mesh), KEY)
     loss.block_until_ready()
     tps = steps * cfg.tokens_per_step / (time.perf_counter() - start)
     n = sum(v.size for v in host.values())

@@ -16,17 +16,21 @@ from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data.corpus import train_batches
 from diloco_trainer.learner.loop import LearnerOptions, learner_horizon, run_learner
 from diloco_trainer.learner.train import (
+    LossFn,
     init_opt_state,
     make_mesh,
     make_optimizer,
     make_train_step,
     place_params,
     shard_batch,
+    step_key,
 )
 from diloco_trainer.models.gpt import init_params
 
 from bench.common import BenchContext, Section, log, md_table, median
 from bench.live import TOKEN, recording, syncer
+
+KEY = step_key(0, 0)  # the built-in model's loss draws nothing from its rng
 
 
 def bench_config(scheme: str = "int4", inner_steps: int = 50) -> TrainingConfig:
@@ -48,12 +52,12 @@ def bench_config(scheme: str = "int4", inner_steps: int = 50) -> TrainingConfig:
 class BareLoop:
     """The learner's train step with nothing around it: batch in, step, one step in flight."""
 
-    def __init__(self, cfg: TrainingConfig) -> None:
+    def __init__(self, cfg: TrainingConfig, loss: LossFn | None = None) -> None:
         self.mesh = make_mesh()
         opt = make_optimizer(cfg.inner_optimizer, learner_horizon(cfg, 1))
         self.params = place_params(init_params(cfg.model, cfg.seed), self.mesh)
         self.opt_state = init_opt_state(opt, self.params, self.mesh)
-        self.step = make_train_step(opt, self.mesh)
+        self.step = make_train_step(opt, self.mesh, loss)
         self.batches = train_batches(cfg, 0, 1, attempt=99)
         self.run(3)  # compile
 
@@ -62,8 +66,8 @@ class BareLoop:
         start = time.perf_counter()
         prev = None
         for _ in range(steps):
-            self.params, self.opt_state, loss = self.step(
-                self.params, self.opt_state, shard_batch(next(self.batches), self.mesh)
+            self.params, self.opt_state, loss, _ = self.step(
+                self.params, self.opt_state, shard_batch(next(self.batches), self.mesh), KEY
             )
             if prev is not None:
                 prev.block_until_ready()

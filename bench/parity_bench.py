@@ -36,6 +36,7 @@ from diloco_trainer.learner.train import (
     make_train_step,
     place_params,
     shard_batch,
+    step_key,
 )
 from diloco_trainer.merge import Contribution, merge_fragment
 from diloco_trainer.models.gpt import init_params, param_shapes
@@ -45,6 +46,8 @@ from diloco_trainer.workload.evaluate import eval_loss
 from bench.common import BenchContext, Section, log, md_table, mean_interval
 from bench.decoupled_model import roundtrip
 from bench.live import TOKEN, syncer
+
+KEY = step_key(0, 0)  # the built-in model's loss draws nothing from its rng
 
 M = 4
 EVAL_BATCHES = 16
@@ -109,7 +112,7 @@ def data_parallel(cfg: TrainingConfig, steps: int, learners: int = M) -> Outcome
     batches = train_batches(dp, 0, 1)
     curve = []
     for s in range(1, steps + 1):
-        params, state, _ = step(params, state, shard_batch(next(batches), mesh))
+        params, state, _, _ = step(params, state, shard_batch(next(batches), mesh), KEY)
         if _curve_due(s, steps):
             host = {k: np.asarray(v) for k, v in params.items()}
             curve.append((s * dp.tokens_per_step, eval_loss(host, cfg, EVAL_BATCHES)))
@@ -138,7 +141,7 @@ def sync_diloco(
     curve = []
     for s in range(1, steps + 1):
         for lr in learners:
-            lr[0], lr[1], _ = step(lr[0], lr[1], shard_batch(next(lr[2]), mesh))
+            lr[0], lr[1], _, _ = step(lr[0], lr[1], shard_batch(next(lr[2]), mesh), KEY)
         if _curve_due(s, steps):
             curve.append((s * M * cfg.tokens_per_step, eval_loss(global_params, cfg, EVAL_BATCHES)))
         if s % cfg.inner_steps and s != steps:

@@ -20,6 +20,7 @@ BENCHES: list[tuple[str, str]] = [
     ("syncer", "bench.syncer_bench"),
     ("communication", "bench.comm_bench"),
     ("overhead", "bench.overhead_bench"),
+    ("entrypoint", "bench.entrypoint_bench"),
     ("parity", "bench.parity_bench"),
     ("parity_chaos", "bench.parity_chaos"),
     ("ablations", "bench.ablation_bench"),
@@ -45,6 +46,7 @@ the same machine; absolute times are context only. Sections: {names}.
 | chaos vs no chaos: final loss within 3% | chaos_loss |
 | simulator within 3 points of each published goodput figure | simulator |
 | learner overhead <= 3% | overhead |
+| model entrypoint path costs <= 2% tokens/s vs the built-in path (issue 17) | entrypoint |
 | syncer >= 30% of memory-copy bandwidth | syncer |
 | pod failure -> Offline <= 2 s, -> replacement <= 5 s beyond backoff; RSS < 300 MiB at 50x16 | operator |
 | real pods: learner killed -> replacement training again, median <= 15 s beyond backoff (issue 16) | real_pods |

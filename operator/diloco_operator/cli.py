@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from diloco_trainer.config import TrainingConfig
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -117,6 +122,18 @@ def _check_resume_dir(path: Path) -> str | None:
     return None
 
 
+def check_entrypoints(training: TrainingConfig) -> None:
+    """A user model or data source is checked here, before any process starts (ValueError naming
+    the field), imported as each learner will: `python -m` puts the working directory first."""
+    if training.model.entrypoint is None and training.data.entrypoint is None:
+        return
+    from diloco_trainer.workload.check import prepare
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    prepare(training)
+
+
 def _local_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -137,6 +154,7 @@ def _local_run(args: argparse.Namespace) -> int:
         run = load_manifest(args.manifest)
         chaos = chaos_settings(run.spec.chaos, args.chaos, args.seed)
         check_chaos_units(chaos, run.spec.total_units)
+        check_entrypoints(run.spec.training)
     except (ManifestError, ValueError) as exc:
         console.print(f"[bold red]invalid manifest {args.manifest}:[/]")
         console.print(str(exc), markup=False, highlight=False)

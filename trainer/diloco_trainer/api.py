@@ -62,5 +62,6 @@ def partition_rules(model: Model) -> Sequence[PartitionRule]:
     return tuple(getattr(model, "partition_rules", ()) or ())
 
 
-class EntrypointError(Exception):
-    """A model or data entrypoint that cannot be used; the message names the manifest field."""
+class EntrypointError(ValueError):
+    """A model or data entrypoint that cannot be used; the message names the manifest field.
+    A ValueError, as every other bad-config error the learner and syncer exit 2 on."""

@@ -44,6 +44,8 @@ class Strict(BaseModel):
 
 
 ModelPreset = Literal["tiny", "small", "100m"]
+# `package.module:attribute` (the attribute may be dotted: `models:Registry.build`).
+ENTRYPOINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
 # Decoder-only transformer sizes. Byte-level vocabulary (256) keeps the embedded corpus
 # tokenizer-free; `100m` is ~85M parameters at byte vocabulary.
@@ -55,8 +57,19 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 
 
 class ModelConfig(Strict):
-    """Decoder-only transformer. A preset fills every size not given explicitly."""
+    """The model. Without an entrypoint: the built-in decoder-only transformer, a preset filling
+    every size not given explicitly. With one: the user's model (`diloco_trainer.api.Model`), and
+    `seqLen` is the tokens per example (what token budgets and token weighting count)."""
 
+    entrypoint: str | None = Field(
+        None,
+        pattern=ENTRYPOINT_PATTERN,
+        description="module:attribute of a callable returning the model, called with args; "
+        "unset: the built-in transformer.",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the model entrypoint."
+    )
     preset: ModelPreset = Field("tiny", description="Size preset: tiny, small or 100m.")
     vocab_size: int | None = Field(None, ge=2, le=1 << 20, description="Vocabulary size.")
     d_model: int | None = Field(None, ge=8, le=65536, description="Residual stream width.")
@@ -107,7 +120,18 @@ class DataConfig(Strict):
     """Where tokens come from. `stdlib` is the embedded corpus: the Python standard library's own
     sources, byte-tokenized, present on every machine. `memmap` reads pre-tokenized shards."""
 
-    source: Literal["stdlib", "memmap"] = Field("stdlib", description="Token source.")
+    source: Literal["stdlib", "memmap"] = Field(
+        "stdlib", description="Built-in token source (when no entrypoint is set)."
+    )
+    entrypoint: str | None = Field(
+        None,
+        pattern=ENTRYPOINT_PATTERN,
+        description="module:attribute of a data source (diloco_trainer.api.DataSource), called "
+        "with args; unset: the built-in source.",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the data entrypoint."
+    )
     path: str | None = Field(
         None, description="For source=memmap: a .npy/.bin file or a directory of shards."
     )

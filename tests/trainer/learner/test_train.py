@@ -20,7 +20,7 @@ from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data.corpus import train_batches
 from diloco_trainer.models.gpt import init_params
 from diloco_trainer.learner.train import (init_opt_state, make_mesh, make_optimizer, make_train_step,
-                                  place_params, shard_batch)
+                                  place_params, shard_batch, step_key)
 cfg = TrainingConfig.model_validate({"totalSteps": 1, "seed": 3, "data": {"batchSize": 8,
     "maxBytes": 262144}, "model": {"dModel": 32, "nLayers": 1, "nHeads": 2, "seqLen": 32},
     "innerOptimizer": {"lr": 3e-3, "warmupSteps": 2}})
@@ -32,8 +32,8 @@ state = init_opt_state(opt, params, mesh)
 step = make_train_step(opt, mesh)
 batches = train_batches(cfg, unit=0, num_units=1)
 losses = []
-for _ in range(steps):
-    params, state, loss = step(params, state, shard_batch(next(batches), mesh))
+for i in range(steps):
+    params, state, loss, _ = step(params, state, shard_batch(next(batches), mesh), step_key(0, i))
     losses.append(float(loss))
 assert params["embed"].sharding.mesh.devices.size == len(jax.devices())
 np.savez(sys.argv[2], losses=np.array(losses), devices=len(jax.devices()),

@@ -186,7 +186,9 @@ class FullDisk:
 def test_a_failed_merge_puts_its_contributions_back_and_readiness_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("diloco_trainer.syncer.health.RETRY_SECONDS", 0.1)
+    # Retries 2 s apart: the checks below run between two attempts (while one runs, its
+    # contributions are out of `pending`), with room to spare on a loaded machine.
+    monkeypatch.setattr("diloco_trainer.syncer.health.RETRY_SECONDS", 2.0)
     cfg = tiny_cfg(checkpoint={"path": str(tmp_path), "everySeconds": 3600})
     store = CheckpointStore(tmp_path)
     server = LiveSyncer(Syncer(cfg, TOKEN, store=store, eval_fn=None))

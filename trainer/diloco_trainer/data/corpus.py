@@ -19,6 +19,7 @@ Sources:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -196,13 +197,15 @@ def train_batches(
     process: int = 0,
     batch_size: int | None = None,
     stream: TokenStream | None = None,
+    seed: int | None = None,
 ) -> Iterator[np.ndarray]:
-    """Endless training batches from the unit's shard, seeded by (seed, unit, attempt, process)."""
+    """Endless training batches from the unit's shard, seeded by (seed, unit, attempt, process);
+    `seed` defaults to the run's."""
     stream = stream or open_stream(cfg)
     shard = train_shard(len(stream), cfg.data.eval_fraction, unit, num_units)
     window = cfg.model.context + 1
     _check_window_fits(shard, window, f"the shard of unit {unit}")
-    rng = np.random.default_rng([cfg.seed, unit, attempt, process])
+    rng = np.random.default_rng([cfg.seed if seed is None else seed, unit, attempt, process])
     size = batch_size or cfg.data.batch_size
     vocab = cfg.model.vocab
     while True:
@@ -212,15 +215,20 @@ def train_batches(
         yield batch
 
 
-def eval_batches(
-    cfg: TrainingConfig, count: int, stream: TokenStream | None = None
-) -> list[np.ndarray]:
-    """The same `count` held-out batches on every call and in every process."""
+def iter_eval_batches(
+    cfg: TrainingConfig, stream: TokenStream | None = None
+) -> Iterator[np.ndarray]:
+    """The held-out batches in a fixed order, the same in every call and every process."""
     stream = stream or open_stream(cfg)
     split = eval_split(len(stream), cfg.data.eval_fraction)
     _check_window_fits(split, cfg.model.context + 1, "the eval split")
     rng = np.random.default_rng([cfg.seed, 0xE7A1])
-    return [
-        sample_batch(stream, split, cfg.data.batch_size, cfg.model.context, rng)
-        for _ in range(count)
-    ]
+    while True:
+        yield sample_batch(stream, split, cfg.data.batch_size, cfg.model.context, rng)
+
+
+def eval_batches(
+    cfg: TrainingConfig, count: int, stream: TokenStream | None = None
+) -> list[np.ndarray]:
+    """The first `count` held-out batches."""
+    return list(itertools.islice(iter_eval_batches(cfg, stream), count))

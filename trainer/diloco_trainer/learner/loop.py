@@ -29,7 +29,6 @@ import optax
 from jax.sharding import Mesh
 
 from diloco_trainer.config import TrainingConfig
-from diloco_trainer.data.corpus import train_batches
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.learner.distributed import broadcast_int, exchange_arrivals, is_leader
@@ -50,8 +49,9 @@ from diloco_trainer.learner.train import (
     resumed_learning_rate,
     rewarmup_steps,
     shard_batch,
+    step_key,
 )
-from diloco_trainer.models.gpt import init_params, param_shapes
+from diloco_trainer.workload.check import Workload, prepare
 
 log = logging.getLogger(__name__)
 
@@ -111,13 +111,18 @@ class StepProgram:
     mesh: Mesh
     optimizer: optax.GradientTransformation
     train_step: TrainStep
+    workload: Workload
 
 
-def build_step_program(cfg: TrainingConfig, num_units: int) -> StepProgram:
+def build_step_program(
+    cfg: TrainingConfig, num_units: int, workload: Workload | None = None
+) -> StepProgram:
+    workload = workload or prepare(cfg)
     mesh = make_mesh()
     check_batch_divisible(cfg.data.batch_size, mesh.devices.size)
     optimizer = make_optimizer(cfg.inner_optimizer, learner_horizon(cfg, num_units))
-    return StepProgram(num_units, mesh, optimizer, make_train_step(optimizer, mesh))
+    train_step = make_train_step(optimizer, mesh, workload.flat_loss())
+    return StepProgram(num_units, mesh, optimizer, train_step, workload)
 
 
 def learner_horizon(cfg: TrainingConfig, num_units: int) -> int:
@@ -166,15 +171,16 @@ def run_learner(
     client = SyncerClient(
         opts.syncer, opts.token, opts.name, opts.attempt, opts.group, compression=cfg.compression
     )
-    start = _start(cfg, opts, client, stop, leader, started)
+    if program is None or program.num_units != opts.num_units:
+        program = build_step_program(cfg, opts.num_units, program.workload if program else None)
+    start = _start(cfg, opts, client, stop, leader, started, program.workload)
     if isinstance(start, LearnerResult):  # stopped while waiting, or nothing left to train
         return start
-    if program is None or program.num_units != opts.num_units:
-        program = build_step_program(cfg, opts.num_units)
     mesh, train_step = program.mesh, program.train_step
+    unit_key = step_key(cfg.seed, opts.unit)
     params, opt_state, batches = _training_state(cfg, opts, program, start)
     frags = FragmentBook.starting(cfg, start.layout, start.shapes, start.versions, start.fragments)
-    report = _Report.starting(cfg, opts, client, start, leader)
+    report = _Report.starting(cfg, opts, client, start, leader, program.workload.flops_per_token)
     link, tokens_per_step = report.link, cfg.tokens_per_step
 
     step, prev_loss, last_done = 0, None, time.monotonic()
@@ -182,8 +188,9 @@ def run_learner(
     try:
         while True:
             top = time.monotonic()
-            params, opt_state, loss = train_step(
-                params, opt_state, shard_batch(next(batches), mesh)
+            rng = jax.random.fold_in(unit_key, start.resume_step + step)
+            params, opt_state, loss, metrics = train_step(
+                params, opt_state, shard_batch(next(batches), mesh), rng
             )
             step += 1
             frags.push_due(step, params, link, tokens_per_step)
@@ -204,7 +211,7 @@ def run_learner(
             # ---- arrivals from the syncer (and the stop decision) reach every host at this step
             done = stop.is_set() or (opts.max_steps is not None and step >= opts.max_steps)
             done = frags.install_arrivals(step, params, mesh, link, done)
-            report.step(step, loss, done, frags)
+            report.step(step, loss, metrics, done, frags)
             if step > 1:
                 loop_seconds["train"] += now - top
                 loop_seconds["slowdown"] += slept
@@ -238,12 +245,13 @@ def _start(
     stop: threading.Event,
     leader: bool,
     started: float,
+    workload: Workload,
 ) -> _Start | LearnerResult:
     """The leader joins and pulls; other hosts of the unit get the same via broadcast. A result
     instead when stopped while waiting for the syncer, or when the run is already complete."""
-    shapes = param_shapes(cfg.model)
+    shapes = workload.shapes
     layout = pack_fragments(shapes, cfg.fragments)
-    global_params: dict[str, np.ndarray] = init_params(cfg.model, cfg.seed)
+    global_params: dict[str, np.ndarray] = workload.initial_params()
     versions = [0] * len(layout)
     resume_step = 0
     bytes_joined = 0
@@ -281,11 +289,21 @@ def _training_state(
     opt_state = resume_schedule(
         init_opt_state(program.optimizer, params, program.mesh), start.resume_step, program.mesh
     )
-    rows = cfg.data.batch_size // jax.process_count()
-    batches = train_batches(
-        cfg, opts.unit, opts.num_units, opts.attempt, jax.process_index(), batch_size=rows
-    )
+    hosts = jax.process_count()
+    rows = cfg.data.batch_size // hosts
+    # Each host reads its own shard; a restarted attempt draws fresh windows (its own seed).
+    seed = cfg.seed if opts.attempt == 0 else attempt_seed(cfg.seed, opts.attempt)
+    batches = iter(
+        program.workload.source(
+            opts.unit * hosts + jax.process_index(), opts.num_units * hosts, seed=seed,
+            batch_size=rows, split="train", position=0,
+        )
+    )  # fmt: skip
     return params, opt_state, batches
+
+
+def attempt_seed(seed: int, attempt: int) -> int:
+    return int(np.random.SeedSequence([seed, attempt]).generate_state(1)[0])
 
 
 @dataclass
@@ -313,6 +331,7 @@ class _Report:
         client: SyncerClient,
         start: _Start,
         leader: bool,
+        flops_per_token: float | None,
     ) -> _Report:
         progress = Progress()
         link = SyncLink(client, start.versions, cfg.heartbeat_seconds, progress) if leader else None
@@ -321,7 +340,7 @@ class _Report:
         metrics = None
         if link is not None and opts.metrics_port > 0:
             metrics = start_learner_metrics(
-                cfg.model, opts.name, opts.group, opts.metrics_port,
+                flops_per_token, opts.name, opts.group, opts.metrics_port,
                 jax.devices()[0].device_kind, jax.device_count(), os.environ,
             )  # fmt: skip
         schedule = learning_rate_schedule(cfg.inner_optimizer, learner_horizon(cfg, opts.num_units))
@@ -331,7 +350,9 @@ class _Report:
             cfg.tokens_per_step,
         )  # fmt: skip
 
-    def step(self, step: int, loss: jax.Array, done: bool, frags: FragmentBook) -> None:
+    def step(
+        self, step: int, loss: jax.Array, metrics: Any, done: bool, frags: FragmentBook
+    ) -> None:
         self.window_steps += 1
         progress, tokens_per_step = self.progress, self.tokens_per_step
         progress.step, progress.tokens, progress.loss = step, step * tokens_per_step, loss
@@ -346,6 +367,11 @@ class _Report:
         _log_progress(
             self.opts, step, progress, frags.versions, self.link, resume + step, lr, overwritten
         )
+        if metrics:  # the model's own (float() waits for the step: only on logged steps)
+            log.info(
+                "event=model_metrics unit=%s step=%d %s", self.opts.name, step,
+                " ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items())),
+            )  # fmt: skip
         if self.metrics is not None and self.link is not None:
             self.metrics.progress(
                 float(loss), progress.tokens_per_sec, self.link.stats,

@@ -17,7 +17,9 @@ from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from diloco_trainer.config import ModelConfig
+from diloco_trainer.models.gpt import flops_per_token, param_count
+
+__all__ = ["flops_per_token", "param_count", "start_learner_metrics"]
 
 PEAK_FLOPS_ENV = "DILOCO_PEAK_FLOPS"
 # Dense bf16 peak FLOP/s per chip by JAX device_kind fragment, from the Cloud TPU pages:
@@ -30,19 +32,6 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("TPU v5", 459e12),
     ("TPU v4", 275e12),
 )
-
-
-def param_count(model: ModelConfig) -> int:
-    """Parameters of the bundled GPT (model.param_shapes, counted without building them)."""
-    d, v, t, hidden = model.width, model.vocab, model.context, model.mlp_ratio * model.width
-    per_block = 2 * d + 3 * d * d + d * d + 2 * d * hidden
-    return v * d + t * d + model.depth * per_block + d
-
-
-def flops_per_token(model: ModelConfig) -> float:
-    """Training FLOPs per token: 6 N for the weight matmuls (forward + backward) plus the
-    attention score and value matmuls, 12 x layers x context x width."""
-    return 6.0 * param_count(model) + 12.0 * model.depth * model.context * model.width
 
 
 def peak_flops_per_device(device_kind: str, env: Mapping[str, str]) -> float | None:
@@ -162,7 +151,7 @@ class LearnerMetrics:
 
 
 def start_learner_metrics(
-    model: ModelConfig,
+    flops_per_token: float | None,
     unit: str,
     group: str,
     port: int,
@@ -170,9 +159,10 @@ def start_learner_metrics(
     devices: int,
     env: Mapping[str, str],
 ) -> LearnerMetrics:
-    """Metrics for a unit whose `devices` chips are of `device_kind`, served on `port`."""
+    """Metrics for a unit whose `devices` chips are of `device_kind`, served on `port`. MFU
+    needs the model's `flops_per_token` (None: no MFU gauge)."""
     per_device = peak_flops_per_device(device_kind, env)
-    peak = per_device * devices if per_device is not None else None
-    metrics = LearnerMetrics(unit, group, flops_per_token(model), peak)
+    peak = per_device * devices if per_device is not None and flops_per_token else None
+    metrics = LearnerMetrics(unit, group, flops_per_token or 0.0, peak)
     metrics.serve(port)
     return metrics

@@ -27,13 +27,10 @@ import time
 from typing import IO, Any
 
 import jax
-import numpy as np
 
 from diloco_trainer.config import TrainingConfig
-from diloco_trainer.data.corpus import train_batches
 from diloco_trainer.learner.loop import StepProgram, build_step_program
-from diloco_trainer.learner.train import init_opt_state, place_params, shard_batch
-from diloco_trainer.models.gpt import init_params
+from diloco_trainer.learner.train import init_opt_state, place_params, shard_batch, step_key
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +55,14 @@ def warm_up(cfg: TrainingConfig, num_units: int) -> StepProgram:
     (the jit cache is per process; the persistent XLA cache only saves the compile itself)."""
     started = time.monotonic()
     program = build_step_program(cfg, num_units)
-    params = place_params(init_params(cfg.model, cfg.seed), program.mesh)
+    workload = program.workload
+    params = place_params(workload.initial_params(), program.mesh)
     opt_state = init_opt_state(program.optimizer, params, program.mesh)
-    batch = next(train_batches(cfg, 0, num_units, batch_size=cfg.data.batch_size))
-    _, _, loss = program.train_step(params, opt_state, shard_batch(np.asarray(batch), program.mesh))
+    batch = next(iter(workload.source(
+        0, num_units, seed=cfg.seed, batch_size=cfg.data.batch_size, split="train", position=0
+    )))  # fmt: skip
+    batch = shard_batch(batch, program.mesh)
+    _, _, loss, _ = program.train_step(params, opt_state, batch, step_key(cfg.seed, 0))
     jax.block_until_ready(loss)
     log.info("event=standby_ready seconds=%.2f pid=%d", time.monotonic() - started, os.getpid())
     return program

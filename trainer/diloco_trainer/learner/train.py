@@ -23,7 +23,11 @@ from diloco_trainer.models.gpt import loss_fn
 
 DATA_AXIS = "data"
 Params = dict[str, jax.Array]
-TrainStep = Callable[[Params, Any, jax.Array], tuple[Params, Any, jax.Array]]
+Metrics = dict[str, jax.Array]
+# (flat params, batch, rng) -> (scalar loss, metrics): a model's loss over the trainer's flat dict.
+LossFn = Callable[[Params, Any, jax.Array], tuple[jax.Array, Metrics]]
+# (params, opt_state, batch, rng) -> (params, opt_state, loss, metrics)
+TrainStep = Callable[[Params, Any, Any, jax.Array], tuple[Params, Any, jax.Array, Metrics]]
 
 
 def learning_rate_schedule(cfg: InnerOptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -144,9 +148,13 @@ def place_params(params: Mapping[str, np.ndarray | jax.Array], mesh: Mesh) -> Pa
     return {name: jax.device_put(np.asarray(value), sharding) for name, value in params.items()}
 
 
-def shard_batch(local_batch: np.ndarray, mesh: Mesh) -> jax.Array:
-    """This process's rows of the global batch, laid out along the data axis."""
-    return jax.make_array_from_process_local_data(batch_sharding(mesh), local_batch)
+def shard_batch(local_batch: Any, mesh: Mesh) -> Any:
+    """This process's rows of the global batch (a pytree of arrays), along the data axis."""
+    sharding = batch_sharding(mesh)
+    return jax.tree_util.tree_map(
+        lambda rows: jax.make_array_from_process_local_data(sharding, np.asarray(rows)),
+        local_batch,
+    )
 
 
 def check_batch_divisible(global_batch: int, devices: int) -> None:
@@ -160,26 +168,45 @@ def init_opt_state(optimizer: optax.GradientTransformation, params: Params, mesh
     return jax.jit(optimizer.init, out_shardings=replicated(mesh))(params)
 
 
+def gpt_loss(compute_dtype: jnp.dtype = jnp.float32) -> LossFn:
+    """The built-in transformer's loss in the LossFn form (no metrics)."""
+
+    def loss(params: Params, batch: Any, rng: jax.Array) -> tuple[jax.Array, Metrics]:
+        return loss_fn(params, batch, compute_dtype), {}
+
+    return loss
+
+
 def make_train_step(
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
+    loss: LossFn | None = None,
     compute_dtype: jnp.dtype = jnp.float32,
 ) -> TrainStep:
-    """(params, opt_state, batch) -> (params, opt_state, loss), jit-compiled over the mesh.
+    """(params, opt_state, batch, rng) -> (params, opt_state, loss, metrics), jit-compiled over
+    the mesh. `loss`: the model's (default: the built-in transformer at `compute_dtype`).
 
     Buffers are not donated: the learner hands the previous step's parameter arrays to a
     background sender thread, which reads them to host while later steps run.
     """
+    loss = loss or gpt_loss(compute_dtype)
 
-    def step(params: Params, opt_state: Any, batch: jax.Array) -> tuple[Params, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch, compute_dtype)
+    def step(
+        params: Params, opt_state: Any, batch: Any, rng: jax.Array
+    ) -> tuple[Params, Any, jax.Array, Metrics]:
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, rng)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, value, metrics
 
     rep = replicated(mesh)
     jitted: TrainStep = jax.jit(
         step,
-        in_shardings=(rep, rep, batch_sharding(mesh)),
-        out_shardings=(rep, rep, rep),
+        in_shardings=(rep, rep, batch_sharding(mesh), rep),
+        out_shardings=(rep, rep, rep, rep),
     )
     return jitted
+
+
+def step_key(seed: int, step: int) -> jax.Array:
+    """The rng a model's loss gets at `step` (dropout and the like): the same on every host."""
+    return jax.random.fold_in(jax.random.key(seed), step)

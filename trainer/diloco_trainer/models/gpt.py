@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco_trainer.config import ModelConfig
+from diloco_trainer.models.lm import next_token_loss
 
 Leaf = jax.Array | np.ndarray
 Params = Mapping[str, Leaf]
@@ -71,6 +72,19 @@ def init_params(model: ModelConfig, seed: int) -> dict[str, np.ndarray]:
         std = INIT_STD * (residual_scale if name.endswith(("attn.wo", "mlp.w_out")) else 1.0)
         params[name] = (_leaf_rng(seed, name).standard_normal(shape) * std).astype(np.float32)
     return params
+
+
+def param_count(model: ModelConfig) -> int:
+    """Parameters of the bundled GPT (param_shapes, counted without building them)."""
+    d, v, t, hidden = model.width, model.vocab, model.context, model.mlp_ratio * model.width
+    per_block = 2 * d + 3 * d * d + d * d + 2 * d * hidden
+    return v * d + t * d + model.depth * per_block + d
+
+
+def flops_per_token(model: ModelConfig) -> float:
+    """Training FLOPs per token: 6 N for the weight matmuls (forward + backward) plus the
+    attention score and value matmuls, 12 x layers x context x width."""
+    return 6.0 * param_count(model) + 12.0 * model.depth * model.context * model.width
 
 
 def count_params(params: Mapping[str, np.ndarray | jax.Array]) -> int:
@@ -121,8 +135,32 @@ def logits_fn(
 
 def loss_fn(params: Params, tokens: jax.Array, compute_dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """Mean next-token cross entropy over all positions of int32 windows (B, T+1)."""
-    logits = logits_fn(params, tokens[:, :-1], compute_dtype)
-    targets = tokens[:, 1:]
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    return -jnp.mean(picked)
+    return next_token_loss(logits_fn(params, tokens[:, :-1], compute_dtype), tokens[:, 1:])
+
+
+class Gpt:
+    """The built-in transformer as a `diloco_trainer.api.Model`.
+
+    `init` ignores its key: every leaf is drawn from (seed, crc32 of its name) with numpy, so the
+    syncer builds the same starting parameters as the learners without compiling anything."""
+
+    def __init__(self, config: ModelConfig, seed: int, compute_dtype: jnp.dtype = jnp.float32):
+        self.config, self.seed, self.compute_dtype = config, seed, compute_dtype
+
+    def init(self, rng: jax.Array | None = None) -> dict[str, np.ndarray]:
+        return init_params(self.config, self.seed)
+
+    def loss(
+        self, params: Params, batch: jax.Array, rng: jax.Array | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return loss_fn(params, batch, self.compute_dtype), {}
+
+    @property
+    def flops_per_token(self) -> float:
+        return flops_per_token(self.config)
+
+
+def build(seed: int = 0, **sizes: object) -> Gpt:
+    """Entrypoint form (`diloco_trainer.models.gpt:build`): sizes as in `training.model`
+    (`preset`, `vocabSize`, `dModel`, ...)."""
+    return Gpt(ModelConfig.model_validate(sizes), seed)

@@ -77,7 +77,7 @@ class Syncer:
             cfg.outer_optimizer.nesterov,
             per_round=cfg.outer_optimizer.momentum_per == "round",
         )
-        params = init_fn(cfg.model, cfg.seed)
+        params = init_fn(cfg)
         self.shapes = {k: tuple(int(d) for d in v.shape) for k, v in params.items()}
         layout = pack_fragments(self.shapes, cfg.fragments)
         self.frags = [self._new_fragment(i, names, params) for i, names in enumerate(layout)]

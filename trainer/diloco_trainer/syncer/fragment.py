@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from diloco_trainer.config import ModelConfig, TrainingConfig
+from diloco_trainer.config import TrainingConfig
 from diloco_trainer.downlink import Publication
 from diloco_trainer.wire import PushHeader, decode_push, parse_count
 
-InitFn = Callable[[ModelConfig, int], dict[str, np.ndarray]]
+InitFn = Callable[[TrainingConfig], dict[str, np.ndarray]]
 EvalFn = Callable[[Mapping[str, np.ndarray], TrainingConfig, int], float]
 MAX_POLL_WAIT = 60.0
 SEEN_PER_FRAGMENT = 4096  # recent push keys remembered for idempotent retries
@@ -24,10 +24,12 @@ SEEN_PER_FRAGMENT = 4096  # recent push keys remembered for idempotent retries
 NORM_FLOOR = 0.01
 
 
-def default_init(model: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    from diloco_trainer.models.gpt import init_params
+def default_init(cfg: TrainingConfig) -> dict[str, np.ndarray]:
+    """The run's starting parameters from its model (checked first: a bad entrypoint is a
+    ValueError naming the field, before the syncer serves anything)."""
+    from diloco_trainer.workload.check import prepare
 
-    return init_params(model, seed)
+    return prepare(cfg).initial_params()
 
 
 def default_eval(params: Mapping[str, np.ndarray], cfg: TrainingConfig, batches: int) -> float:

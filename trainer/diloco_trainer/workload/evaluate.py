@@ -1,35 +1,54 @@
-"""Held-out loss of a parameter dict (used by the syncer on the global model, and by tests)."""
+"""Held-out loss of flat parameters (the syncer on the global model; tests; benches)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
 
+from diloco_trainer.api import Batch
 from diloco_trainer.config import TrainingConfig
-from diloco_trainer.data.corpus import eval_batches
-from diloco_trainer.models.gpt import loss_fn
-
-# One jitted function per process; XLA caches one executable per (param shapes, batch shape).
-_jit_loss = jax.jit(loss_fn)
-_batch_cache: dict[str, list[np.ndarray]] = {}
+from diloco_trainer.workload.check import Workload, prepare
+from diloco_trainer.workload.entrypoints import DATA_FIELD, first_batches
 
 
-def _cached_eval_batches(cfg: TrainingConfig, count: int) -> list[np.ndarray]:
-    # Only the fields that change which tokens are drawn key the cache.
-    key = json.dumps([cfg.data.to_wire(), cfg.model.to_wire(), cfg.seed, count], sort_keys=True)
-    if key not in _batch_cache:
-        _batch_cache[key] = eval_batches(cfg, count)
-    return _batch_cache[key]
+class Evaluator:
+    """The mean loss over the run's first `count` held-out batches, the same ones every time
+    (fetched once); the loss jit-compiled once per process."""
+
+    def __init__(self, workload: Workload, cfg: TrainingConfig) -> None:
+        self.workload, self.cfg = workload, cfg
+        self._loss = jax.jit(workload.flat_loss())
+        self._key = jax.random.key(cfg.seed)
+        self._batches: list[Batch] = []
+
+    def batches(self, count: int) -> list[Batch]:
+        if len(self._batches) < count:
+            self._batches = first_batches(
+                self.workload.source, count, DATA_FIELD, shard=0, num_shards=1,
+                seed=self.cfg.seed, batch_size=self.cfg.data.batch_size, split="eval", position=0,
+            )  # fmt: skip
+        return self._batches[:count]
+
+    def __call__(self, params: Mapping[str, Any], count: int | None = None) -> float:
+        device_params = {name: jax.numpy.asarray(value) for name, value in params.items()}
+        losses = [
+            float(self._loss(device_params, batch, self._key)[0])
+            for batch in self.batches(count or self.cfg.eval.batches)
+        ]
+        return float(np.mean(losses))
+
+
+_evaluators: dict[str, Evaluator] = {}
 
 
 def eval_loss(
     params: Mapping[str, np.ndarray | jax.Array], cfg: TrainingConfig, batches: int | None = None
 ) -> float:
-    """Mean next-token loss over `batches` (default cfg.eval.batches) fixed held-out batches."""
-    count = batches or cfg.eval.batches
-    device_params = {name: jax.numpy.asarray(value) for name, value in params.items()}
-    losses = [_jit_loss(device_params, batch) for batch in _cached_eval_batches(cfg, count)]
-    return float(np.mean([float(loss) for loss in losses]))
+    """Mean held-out loss of `params` under `cfg`'s model and data (one evaluator per config)."""
+    key = cfg.model_dump_json()
+    if key not in _evaluators:
+        _evaluators[key] = Evaluator(prepare(cfg), cfg)
+    return _evaluators[key](params, batches)
