@@ -5,9 +5,9 @@
 
 Environment (docs/contracts.md): DILOCO_TOKEN / DILOCO_TOKEN_FILE (the run secret),
 DILOCO_SYNCER_PORT, DILOCO_CHECKPOINT_PATH, DILOCO_MAX_UNITS, and DILOCO_RUN (run name; defaults
-to the manifest's metadata.name or the config file's stem). Exit 2 on a config error (the message names the field),
-including `training.model.initFrom` weights that cannot be read or do not fit the model. SIGTERM/SIGINT stop
-serving, write a final checkpoint and exit 0.
+to the manifest's metadata.name or the config file's stem). Exit 2 on a config error (the
+message names the field), `training.model.initFrom` weights that cannot be read or do not fit
+the model included. SIGTERM/SIGINT stop serving, write a final checkpoint and exit 0.
 """
 
 from __future__ import annotations
