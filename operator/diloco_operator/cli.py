@@ -3,6 +3,7 @@
     diloco local run FILE [--chaos] [--report-dir D] [--max-seconds S] [--seed N] [--spares N]
                          [--no-fork-server]
     diloco simulate [--chips 150000,...] [--learners 1,2,...] [--plot FILE] [--json]
+    diloco export RUN_OR_CHECKPOINT --out FILE.safetensors
 
 Subcommands hang off argparse subparsers; each registers itself in `build_parser` with a
 `handler` default, so adding one (e.g. `simulate`) touches nothing else.
@@ -93,6 +94,40 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     simulate.set_defaults(handler=simulator.run_from_args)
 
 
+def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    export = sub.add_parser(
+        "export",
+        help="write a run's global model to a safetensors file (leaf names = pytree paths)",
+        description="Write the global parameters of a syncer checkpoint to one safetensors "
+        "file, loadable with safetensors.flax.load_file.",
+    )
+    export.add_argument(
+        "source",
+        metavar="RUN_OR_CHECKPOINT",
+        type=Path,
+        help="a checkpoint (ckpt-*), a checkpoint directory (its newest valid checkpoint) or "
+        "a local run's report folder",
+    )
+    export.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
+    export.set_defaults(handler=_export)
+
+
+def _export(args: argparse.Namespace) -> int:
+    # numpy + safetensors only: no JAX import for an export.
+    from diloco_trainer.syncer.export import ExportError, export_checkpoint
+
+    try:
+        done = export_checkpoint(args.source, args.out)
+    except ExportError as exc:
+        print(f"diloco export: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(
+        f"wrote {done.out}: {done.leaves} leaves, outer step {done.outer_step}, "
+        f"from {done.checkpoint}"
+    )
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diloco", description="Elastic decoupled DiLoCo: local runs and tools."
@@ -100,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_local(sub)
     _add_simulate(sub)
+    _add_export(sub)
     return parser
 
 

@@ -77,6 +77,14 @@ class ModelConfig(Strict):
     n_heads: int | None = Field(None, ge=1, le=512, description="Attention heads.")
     seq_len: int | None = Field(None, ge=2, le=1 << 17, description="Context length in tokens.")
     mlp_ratio: int = Field(4, ge=1, le=16, description="MLP hidden width / d_model.")
+    init_from: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="A safetensors file or orbax checkpoint directory holding the starting "
+        "global parameters, named by pytree path (as `diloco export` writes them). Read by "
+        "the syncer on a fresh run; a run resuming from its own checkpoint ignores it.",
+    )
 
     @model_validator(mode="after")
     def _fill_from_preset(self) -> ModelConfig:

@@ -5,8 +5,9 @@
 
 Environment (docs/contracts.md): DILOCO_TOKEN / DILOCO_TOKEN_FILE (the run secret),
 DILOCO_SYNCER_PORT, DILOCO_CHECKPOINT_PATH, DILOCO_MAX_UNITS, and DILOCO_RUN (run name; defaults
-to the manifest's metadata.name or the config file's stem). Exit 2 on a config error (the message names the field). SIGTERM/SIGINT stop
-serving, write a final checkpoint and exit 0.
+to the manifest's metadata.name or the config file's stem). Exit 2 on a config error (the
+message names the field), `training.model.initFrom` weights that cannot be read or do not fit
+the model included. SIGTERM/SIGINT stop serving, write a final checkpoint and exit 0.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from diloco_trainer.config import (
     resolve_token,
 )
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
-from diloco_trainer.syncer.checkpoint import CheckpointError, CheckpointStore
+from diloco_trainer.syncer.checkpoint import CheckpointError, CheckpointStore, Snapshot
+from diloco_trainer.syncer.fragment import InitFn, default_init
+from diloco_trainer.workload.weights import WeightsError
+from diloco_trainer.workload.weights import init_from as init_from_weights
 
 log = logging.getLogger("diloco.syncer")
 DEFAULT_PORT = 8470
@@ -108,6 +112,21 @@ async def serve(syncer: object, host: str, port: int) -> None:
     await syncer.save_checkpoint(force=False)
 
 
+def starting_params(init_from: str | None, snapshot: Snapshot | None) -> InitFn:
+    """The model's own init, or the initFrom weights (read now: a bad file fails before the
+    port is bound) on a fresh run. A run resuming from its checkpoint keeps the checkpoint."""
+    if not init_from:
+        return default_init
+    if snapshot is not None:
+        log.info(
+            "event=init_from_ignored reason=resuming_checkpoint seq=%d init_from=%s",
+            snapshot.seq,
+            init_from,
+        )
+        return default_init
+    return init_from_weights(init_from, default_init)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -134,11 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as exc:
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 1
+    try:
+        init_fn = starting_params(cfg.model.init_from, snapshot)
+    except WeightsError as exc:
+        print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
+        return 2
     from diloco_trainer.syncer.core import Syncer
 
     try:
-        syncer = Syncer(cfg, token, run=name, store=store, restore=snapshot, max_units=max_units)
-    except ValueError as exc:  # a checkpoint that does not fit this config
+        syncer = Syncer(
+            cfg, token, run=name, store=store, restore=snapshot, max_units=max_units,
+            init_fn=init_fn,
+        )  # fmt: skip
+    except ValueError as exc:  # a checkpoint or initFrom weights that do not fit this config
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 2
     try:

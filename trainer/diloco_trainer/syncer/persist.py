@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from diloco_trainer.config import TrainingConfig
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer.checkpoint import Snapshot
 
@@ -64,6 +67,13 @@ def resume_numbering(s: Syncer) -> list[int]:
     return versions
 
 
+def config_hash(cfg: TrainingConfig) -> str:
+    """A short digest of the training block: tells which config a checkpoint (or an export)
+    was made under."""
+    wire = json.dumps(cfg.to_wire(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(wire.encode()).hexdigest()[:16]
+
+
 def snapshot(s: Syncer) -> Snapshot:
     """References to the current state (taken on the loop thread; arrays are never mutated)."""
     params: dict[str, np.ndarray] = {}
@@ -78,6 +88,7 @@ def snapshot(s: Syncer) -> Snapshot:
         learners=s.learners.to_json(),
         extra={
             "run": s.run,
+            "configHash": config_hash(s.cfg),
             "evalLoss": s.eval_loss,
             "finalLoss": s.final_loss,
             "lastMerge": [f.last_merge for f in s.frags],
