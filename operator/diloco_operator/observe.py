@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from diloco_operator.api import LABEL_ATTEMPT, LABEL_GROUP, LABEL_INDEX, LABEL_UNIT
+from diloco_operator.kueue import QUEUE_NAME_LABEL
 from diloco_operator.planner.model import (
     DISRUPTION_TARGET,
     JOB_FAILED,
@@ -65,6 +66,10 @@ class JobView:
     message: str
     created: float
     uid: str = ""
+    suspended: bool = False
+    queue: str = ""
+    # status.startTime: reset by the Job controller each time a suspended Job resumes.
+    started: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ class PodView:
     message: str
     job_uid: str = ""
     disruption_reason: str = ""
+    created: float = 0.0
 
 
 def job_view(body: Mapping[str, Any]) -> JobView:
@@ -101,6 +107,9 @@ def job_view(body: Mapping[str, Any]) -> JobView:
         message=f"{failed.get('reason', '')}: {failed.get('message', '')}" if failed else "",
         created=_time(meta.get("creationTimestamp")),
         uid=meta.get("uid", ""),
+        suspended=spec.get("suspend") is True,
+        queue=str(labels.get(QUEUE_NAME_LABEL, "")),
+        started=_time(status.get("startTime")),
     )
 
 
@@ -125,6 +134,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         message=str(message),
         job_uid=labels.get(CONTROLLER_UID, ""),
         disruption_reason=str(disrupted.get("reason", "")) if disrupted is not None else "",
+        created=_time(meta.get("creationTimestamp")),
     )
 
 
@@ -132,22 +142,31 @@ def node_ready(body: Mapping[str, Any]) -> bool:
     return _condition((body.get("status") or {}).get("conditions"), "Ready") is not None
 
 
+def _before_start(created: float, job: JobView) -> bool:
+    """Whether a pod was made before the Job's current start: a leftover of a run of the Job
+    that a suspension ended (its deletion is the suspension's doing, not a failure)."""
+    return bool(created and job.started and created < job.started)
+
+
 def observe_unit(
     job: JobView,
     pods: Iterable[PodView],
     nodes: Mapping[str, bool] | None,
-    deleted_pods: Iterable[str] = (),
+    deleted_pods: Mapping[str, float] | Iterable[str] = (),
 ) -> ObservedUnit:
     """One unit as the planner sees it. `nodes` maps node name -> Ready (None: nodes unknown,
     e.g. no permission; node signals are then skipped). `deleted_pods`: names of this unit's
-    pods seen deleted while the Job was alive."""
+    pods seen deleted while the Job was alive (a mapping: name -> the pod's creation time)."""
     mine = [
         p
         for p in pods
         if p.unit == job.name
         and p.attempt == job.attempt
         and (not job.uid or not p.job_uid or p.job_uid == job.uid)
+        and not _before_start(p.created, job)
     ]
+    created = deleted_pods if isinstance(deleted_pods, Mapping) else {}
+    deleted = [n for n in deleted_pods if not _before_start(created.get(n, 0.0), job)]
 
     def unit(
         phase: Any,
@@ -167,10 +186,13 @@ def observe_unit(
             message=message,
             since=job.created,
             disruption_reason=disruption_reason,
+            queue=job.queue,
         )
 
     if job.terminating:
         return unit("Terminating")
+    if job.suspended:
+        return unit("Suspended")
     for pod in mine:
         if pod.disrupted:
             return unit(
@@ -197,7 +219,7 @@ def observe_unit(
     for pod in mine:
         if pod.terminating:
             return unit("Running", POD_DELETED, f"pod {pod.name} is being deleted")
-    gone = sorted(set(deleted_pods))
+    gone = sorted(set(deleted))
     if gone:
         return unit("Running", POD_DELETED, f"pod {gone[0]} was deleted")
     running = [p for p in mine if p.phase == "Running"]
