@@ -378,5 +378,5 @@ def test_the_local_runtime_refuses_a_suspended_manifest(tmp_path: Path) -> None:
         "apiVersion: diloco.dev/v1alpha1\nkind: DilocoRun\nmetadata: {name: r}\n"
         "spec: {image: t, suspend: true, training: {totalSteps: 5}}\n"
     )
-    with pytest.raises(ManifestError, match="spec.suspend"):
+    with pytest.raises(ManifestError, match=r"spec\.suspend"):
         load_manifest(manifest)
