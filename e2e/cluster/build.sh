@@ -209,11 +209,12 @@ build_pause() {
   stamp "$d" "$t0"
 }
 
-# Kueue's manager binary and, next to it, the CRDs of that very version (config/components/crd/
-# bases in the module source): the e2e harness applies them and runs the manager as a host process.
+# Kueue's manager binary and, next to it, the parts of that very version's config/ directory the
+# harness needs: the CRDs (config/components/crd/bases) and the webhook configurations
+# (config/components/webhook/manifests.yaml). The e2e harness runs the manager as a host process.
 build_kueue() {
   local d; d=$(kueue_dir)
-  if is_done "$d" kueue && [[ -f "$d/crds/.complete" ]]; then
+  if is_done "$d" kueue && [[ -f "$d/config/.complete" ]]; then
     log "kueue $KUEUE_VERSION: cached in $d/bin"; return
   fi
   local t0; t0=$(date +%s)
@@ -225,9 +226,11 @@ build_kueue() {
   local src
   src=$(GOFLAGS= go mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
   [[ -d "$src/config/components/crd/bases" ]] || die "kueue module source has no config/components/crd/bases"
-  rm -rf "$d/crds"; mkdir -p "$d/crds"
-  cp "$src"/config/components/crd/bases/*.yaml "$d/crds/"
-  chmod -R u+w "$d/crds"; touch "$d/crds/.complete"
+  [[ -f "$src/config/components/webhook/manifests.yaml" ]] || die "kueue module source has no webhook manifests"
+  rm -rf "$d/config" "$d/crds"; mkdir -p "$d/config/crds"
+  cp "$src"/config/components/crd/bases/*.yaml "$d/config/crds/"
+  cp "$src/config/components/webhook/manifests.yaml" "$d/config/webhooks.yaml"
+  chmod -R u+w "$d/config"; touch "$d/config/.complete"
   stamp "$d" "$t0"
 }
 

@@ -68,8 +68,9 @@ class JobView:
     uid: str = ""
     suspended: bool = False
     queue: str = ""
-    # status.startTime: reset by the Job controller each time a suspended Job resumes.
-    started: float = 0.0
+    # When the Job last resumed from a suspension (its Suspended condition turned False); 0.0
+    # for a Job never suspended.
+    resumed: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,13 @@ class PodView:
     job_uid: str = ""
     disruption_reason: str = ""
     created: float = 0.0
+
+
+def _resumed(conditions: Iterable[Mapping[str, Any]] | None) -> float:
+    for c in conditions or ():
+        if c.get("type") == "Suspended" and c.get("status") == "False":
+            return _time(c.get("lastTransitionTime"))
+    return 0.0
 
 
 def job_view(body: Mapping[str, Any]) -> JobView:
@@ -107,9 +115,11 @@ def job_view(body: Mapping[str, Any]) -> JobView:
         message=f"{failed.get('reason', '')}: {failed.get('message', '')}" if failed else "",
         created=_time(meta.get("creationTimestamp")),
         uid=meta.get("uid", ""),
-        suspended=spec.get("suspend") is True,
+        # Suspended until the Job controller says it resumed: right after spec.suspend turns
+        # false, the pods of the run before the suspension may still be seen going.
+        suspended=spec.get("suspend") is True or _condition(conditions, "Suspended") is not None,
         queue=str(labels.get(QUEUE_NAME_LABEL, "")),
-        started=_time(status.get("startTime")),
+        resumed=_resumed(conditions),
     )
 
 
@@ -143,9 +153,9 @@ def node_ready(body: Mapping[str, Any]) -> bool:
 
 
 def _before_start(created: float, job: JobView) -> bool:
-    """Whether a pod was made before the Job's current start: a leftover of a run of the Job
-    that a suspension ended (its deletion is the suspension's doing, not a failure)."""
-    return bool(created and job.started and created < job.started)
+    """Whether a pod was made before the Job last resumed: a leftover of a run of the Job that a
+    suspension ended (its deletion is the suspension's doing, not a failure)."""
+    return bool(created and job.resumed and created < job.resumed)
 
 
 def observe_unit(

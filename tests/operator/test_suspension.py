@@ -259,7 +259,7 @@ def test_a_suspended_job_without_a_queue_is_resumed_by_the_operator() -> None:
 # -- Kubernetes mapping
 
 
-def job(suspend: bool = False, started: str | None = "2026-01-01T00:01:00Z") -> dict[str, Any]:
+def job(suspend: bool = False, resumed: str | None = "2026-01-01T00:01:00Z") -> dict[str, Any]:
     labels = {
         "diloco.dev/group": "default",
         "diloco.dev/index": "0",
@@ -268,7 +268,11 @@ def job(suspend: bool = False, started: str | None = "2026-01-01T00:01:00Z") -> 
     }
     meta = {"name": "r-default-0", "uid": "u1", "creationTimestamp": "2026-01-01T00:00:00Z",
             "labels": labels}  # fmt: skip
-    status: dict[str, Any] = {"startTime": started} if started else {}
+    # The Job controller's Suspended condition: True while suspended, False once resumed.
+    cond = {"type": "Suspended", "status": "False" if resumed else "True"}
+    if resumed:
+        cond["lastTransitionTime"] = resumed
+    status: dict[str, Any] = {"conditions": [cond]}
     return {"metadata": meta, "spec": {"completions": 1, "suspend": suspend}, "status": status}
 
 
@@ -291,13 +295,22 @@ def pod(name: str, created: str, deleting: bool = False) -> dict[str, Any]:
 
 def test_a_suspended_job_is_observed_suspended_with_its_queue_whatever_its_pods_do() -> None:
     leftover = pod_view(pod("r-default-0-0-a", "2026-01-01T00:00:30Z", deleting=True))
-    o = observe_unit(job_view(job(suspend=True, started=None)), [leftover], {"n1": True},
+    o = observe_unit(job_view(job(suspend=True, resumed=None)), [leftover], {"n1": True},
                      {"r-default-0-0-a": 0.0})  # fmt: skip
     assert (o.phase, o.failure, o.queue) == ("Suspended", None, QUEUE)
 
 
+def test_a_job_unsuspended_but_not_yet_resumed_by_its_controller_is_still_suspended() -> None:
+    # spec.suspend is false already, the status still says Suspended: the pods of before are
+    # still being deleted and must not count as failures (seen on a real control plane).
+    unsuspended = {**job(resumed=None), "spec": {"completions": 1, "suspend": False}}
+    leftover = pod_view(pod("r-default-0-0-a", "2026-01-01T00:00:30Z", deleting=True))
+    o = observe_unit(job_view(unsuspended), [leftover], {"n1": True}, {"r-default-0-0-a": 0.0})
+    assert (o.phase, o.failure) == ("Suspended", None)
+
+
 def test_pods_of_the_jobs_run_before_its_resume_are_not_failures() -> None:
-    old = "2026-01-01T00:00:30Z"  # before the Job's (re)start at 00:01:00
+    old = "2026-01-01T00:00:30Z"  # before the Job resumed at 00:01:00
     leftover = pod_view(pod("r-default-0-0-a", old, deleting=True))
     fresh = pod_view(pod("r-default-0-0-b", "2026-01-01T00:01:02Z"))
     j = job_view(job())
