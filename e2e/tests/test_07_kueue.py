@@ -8,7 +8,9 @@ serve the API server at 127.0.0.1).
   unit Jobs stay suspended, the units Queued; quota raised: Kueue admits them and they come
   Online; a plain Job of a higher WorkloadPriorityClass on the same queue preempts one unit
   (Queued again, its pods gone); that Job deleted: the unit is admitted again and rejoins.
-  Throughout: no restart, no preemption counted, no unit Failed, no UnitOffline Event.
+  Suspended with spec.suspend, the queued run's Jobs (and so their Workloads and quota) go;
+  resumed, new Jobs are queued and admitted. Throughout: no restart, no preemption counted, no
+  unit Failed, no UnitOffline Event.
 - A run labelled with a LocalQueue that does not exist: QueueFound=False and a Warning Event.
 """
 
@@ -85,6 +87,18 @@ def suspended(cluster: Any, namespace: str, run: str) -> dict[str, bool]:
     return {n: bool(j["spec"].get("suspend")) for n, j in jobs(cluster, namespace, run).items()}
 
 
+def workloads(cluster: Any, namespace: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = cluster.kubectl_json(
+        "get", "workloads.kueue.x-k8s.io", "-n", namespace
+    )["items"]
+    return out
+
+
+def patch_suspend(cluster: Any, namespace: str, run: str, value: bool) -> None:
+    patch = json.dumps({"spec": {"suspend": value}})
+    kubectl(cluster, "patch", "dlr", run, "-n", namespace, "--type=merge", "-p", patch)
+
+
 def delete_run(cluster: Any, namespace: str, run: str) -> None:
     kubectl(cluster, "delete", "dlr", run, "-n", namespace, "--wait=true", "--timeout=60s")
     wait_for(f"{run}'s Jobs gone", lambda: not jobs(cluster, namespace, run), timeout=60)
@@ -98,8 +112,7 @@ def test_suspend_and_resume_without_a_queue(
     wait_for("2 units Online", lambda: all_units_online(cluster, namespace, run, 2), timeout=90)
     before = job_facts(cluster, namespace, run)
 
-    kubectl(cluster, "patch", "dlr", run, "-n", namespace, "--type=merge",
-            "-p", '{"spec":{"suspend":true}}')  # fmt: skip
+    patch_suspend(cluster, namespace, run, True)
     wait_for(
         "Jobs suspended, pods gone, syncer at 0, run Suspended",
         lambda: (
@@ -118,8 +131,7 @@ def test_suspend_and_resume_without_a_queue(
     assert cond is not None and cond["status"] == "True"
     assert job_facts(cluster, namespace, run) == before  # suspended in place, not recreated
 
-    kubectl(cluster, "patch", "dlr", run, "-n", namespace, "--type=merge",
-            "-p", '{"spec":{"suspend":false}}')  # fmt: skip
+    patch_suspend(cluster, namespace, run, False)
     wait_for("2 units Online again", lambda: all_units_online(cluster, namespace, run, 2),
              timeout=90)  # fmt: skip
     assert (
@@ -245,8 +257,7 @@ def test_queued_admitted_preempted_and_admitted_again(
     assert queued is not None and queued["status"] == "True"
     found = condition(status(cluster, namespace, run), "QueueFound")
     assert found is not None and found["status"] == "True"
-    workloads = cluster.kubectl_json("get", "workloads.kueue.x-k8s.io", "-n", namespace)["items"]
-    assert len(workloads) == 2
+    assert len(workloads(cluster, namespace)) == 2
     before = job_facts(cluster, namespace, run)
     nothing_counted(cluster, namespace, run)
 
@@ -276,6 +287,24 @@ def test_queued_admitted_preempted_and_admitted_again(
              timeout=90)  # fmt: skip
     assert job_facts(cluster, namespace, run) == before
     assert len(events(cluster, namespace, run, "UnitQueued")) >= 3
+    nothing_counted(cluster, namespace, run)
+
+    # Suspending a queued run deletes its Jobs (Kueue would unsuspend an admitted one): their
+    # Workloads go and the quota is free; resumed, new Jobs queue and are admitted again.
+    patch_suspend(cluster, namespace, run, True)
+    wait_for(
+        "Jobs and Workloads gone, units Suspended",
+        lambda: (
+            not jobs(cluster, namespace, run)
+            and not workloads(cluster, namespace)
+            and unit_states(cluster, namespace, run) == ["Suspended", "Suspended"]
+        ),
+        timeout=60,
+    )
+    patch_suspend(cluster, namespace, run, False)
+    wait_for("2 units Online after the resume", lambda: all_units_online(cluster, namespace, run, 2),
+             timeout=90)  # fmt: skip
+    assert {attempt for _, attempt in job_facts(cluster, namespace, run).values()} == {"1"}
     nothing_counted(cluster, namespace, run)
     delete_run(cluster, namespace, run)
 

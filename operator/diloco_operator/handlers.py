@@ -89,7 +89,7 @@ class Options:
 class State:
     options: Options = field(default_factory=Options)
     wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
-    # Pods seen deleted while their Job lived: Job uid -> pod name -> the pod's creation time.
+    # Pods seen deleted while their Job lived: Job uid -> pod name -> when deletion was asked.
     deleted_pods: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
     tokens: dict[tuple[str, str], str] = field(default_factory=dict)
     chaos: dict[tuple[str, str], chaos.RunChaos] = field(default_factory=dict)
@@ -223,8 +223,8 @@ def learner_pod_deleted(
         # Keyed by the owning Job's uid: a same-named unit of a re-created run is another Job.
         if len(STATE.deleted_pods) > 10_000:  # bound the memory; only recent Jobs matter
             STATE.deleted_pods.clear()
-        created = pod_view({"metadata": dict(meta)}).created
-        STATE.deleted_pods[labels.get(CONTROLLER_UID, "")][name] = created
+        deleted_at = pod_view({"metadata": dict(meta)}).deleted_at
+        STATE.deleted_pods[labels.get(CONTROLLER_UID, "")][name] = deleted_at
         wake(namespace, labels.get(LABEL_RUN))
 
 

@@ -86,7 +86,8 @@ class PodView:
     message: str
     job_uid: str = ""
     disruption_reason: str = ""
-    created: float = 0.0
+    # When its deletion was requested (deletionTimestamp less the grace period); 0.0: not deleted.
+    deleted_at: float = 0.0
 
 
 def _resumed(conditions: Iterable[Mapping[str, Any]] | None) -> float:
@@ -144,7 +145,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         message=str(message),
         job_uid=labels.get(CONTROLLER_UID, ""),
         disruption_reason=str(disrupted.get("reason", "")) if disrupted is not None else "",
-        created=_time(meta.get("creationTimestamp")),
+        deleted_at=_deleted_at(meta),
     )
 
 
@@ -152,10 +153,16 @@ def node_ready(body: Mapping[str, Any]) -> bool:
     return _condition((body.get("status") or {}).get("conditions"), "Ready") is not None
 
 
-def _before_start(created: float, job: JobView) -> bool:
-    """Whether a pod was made before the Job last resumed: a leftover of a run of the Job that a
-    suspension ended (its deletion is the suspension's doing, not a failure)."""
-    return bool(created and job.resumed and created < job.resumed)
+def _deleted_at(meta: Mapping[str, Any]) -> float:
+    at = _time(meta.get("deletionTimestamp"))
+    return at - float(meta.get("deletionGracePeriodSeconds") or 0) if at else 0.0
+
+
+def _suspension_leftover(deleted_at: float, job: JobView) -> bool:
+    """Whether a pod's deletion was requested before the Job last resumed: the Job controller
+    deleting the pods of a suspended Job, not a failure. (Not the pod's creation time: after a
+    resume the controller may create the new pods before it stamps the resume, seen here.)"""
+    return bool(deleted_at and job.resumed and deleted_at < job.resumed)
 
 
 def observe_unit(
@@ -166,17 +173,17 @@ def observe_unit(
 ) -> ObservedUnit:
     """One unit as the planner sees it. `nodes` maps node name -> Ready (None: nodes unknown,
     e.g. no permission; node signals are then skipped). `deleted_pods`: names of this unit's
-    pods seen deleted while the Job was alive (a mapping: name -> the pod's creation time)."""
+    pods seen deleted while the Job was alive (a mapping: name -> when its deletion was asked)."""
     mine = [
         p
         for p in pods
         if p.unit == job.name
         and p.attempt == job.attempt
         and (not job.uid or not p.job_uid or p.job_uid == job.uid)
-        and not _before_start(p.created, job)
+        and not _suspension_leftover(p.deleted_at, job)
     ]
-    created = deleted_pods if isinstance(deleted_pods, Mapping) else {}
-    deleted = [n for n in deleted_pods if not _before_start(created.get(n, 0.0), job)]
+    when = deleted_pods if isinstance(deleted_pods, Mapping) else {}
+    deleted = [n for n in deleted_pods if not _suspension_leftover(when.get(n, 0.0), job)]
 
     def unit(
         phase: Any,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -276,7 +277,8 @@ def job(suspend: bool = False, resumed: str | None = "2026-01-01T00:01:00Z") -> 
     return {"metadata": meta, "spec": {"completions": 1, "suspend": suspend}, "status": status}
 
 
-def pod(name: str, created: str, deleting: bool = False) -> dict[str, Any]:
+def pod(name: str, created: str, deleted: str | None = None, grace: int = 30) -> dict[str, Any]:
+    """A Running pod of the unit; `deleted`: when its deletion was asked (with `grace`)."""
     meta: dict[str, Any] = {
         "name": name,
         "creationTimestamp": created,
@@ -286,17 +288,24 @@ def pod(name: str, created: str, deleting: bool = False) -> dict[str, Any]:
             "batch.kubernetes.io/controller-uid": "u1",
         },
     }
-    if deleting:
-        meta["deletionTimestamp"] = created
+    if deleted:
+        # The API server stamps deletionTimestamp = request time + grace period.
+        at = datetime.fromisoformat(deleted.replace("Z", "+00:00")) + timedelta(seconds=grace)
+        meta["deletionTimestamp"] = at.isoformat().replace("+00:00", "Z")
+        meta["deletionGracePeriodSeconds"] = grace
     conditions = [{"type": "Ready", "status": "True"}]
     return {"metadata": meta, "spec": {"nodeName": "n1"},
             "status": {"phase": "Running", "conditions": conditions}}  # fmt: skip
 
 
+SUSPENDED_AT = "2026-01-01T00:00:40Z"  # the Job controller deletes the pods (grace 30 s)
+RESUMED_AT = "2026-01-01T00:01:00Z"  # the Job's Suspended condition turns False
+
+
 def test_a_suspended_job_is_observed_suspended_with_its_queue_whatever_its_pods_do() -> None:
-    leftover = pod_view(pod("r-default-0-0-a", "2026-01-01T00:00:30Z", deleting=True))
+    leftover = pod_view(pod("r-default-0-0-a", "2026-01-01T00:00:30Z", SUSPENDED_AT))
     o = observe_unit(job_view(job(suspend=True, resumed=None)), [leftover], {"n1": True},
-                     {"r-default-0-0-a": 0.0})  # fmt: skip
+                     {"r-default-0-0-a": leftover.deleted_at})  # fmt: skip
     assert (o.phase, o.failure, o.queue) == ("Suspended", None, QUEUE)
 
 
@@ -304,25 +313,26 @@ def test_a_job_unsuspended_but_not_yet_resumed_by_its_controller_is_still_suspen
     # spec.suspend is false already, the status still says Suspended: the pods of before are
     # still being deleted and must not count as failures (seen on a real control plane).
     unsuspended = {**job(resumed=None), "spec": {"completions": 1, "suspend": False}}
-    leftover = pod_view(pod("r-default-0-0-a", "2026-01-01T00:00:30Z", deleting=True))
-    o = observe_unit(job_view(unsuspended), [leftover], {"n1": True}, {"r-default-0-0-a": 0.0})
+    leftover = pod_view(pod("r-default-0-0-a", "2026-01-01T00:00:30Z", SUSPENDED_AT))
+    o = observe_unit(job_view(unsuspended), [leftover], {"n1": True},
+                     {"r-default-0-0-a": leftover.deleted_at})  # fmt: skip
     assert (o.phase, o.failure) == ("Suspended", None)
 
 
-def test_pods_of_the_jobs_run_before_its_resume_are_not_failures() -> None:
-    old = "2026-01-01T00:00:30Z"  # before the Job resumed at 00:01:00
-    leftover = pod_view(pod("r-default-0-0-a", old, deleting=True))
-    fresh = pod_view(pod("r-default-0-0-b", "2026-01-01T00:01:02Z"))
-    j = job_view(job())
-    deleted = {"r-default-0-0-a": leftover.created}
+def test_pods_deleted_by_the_suspension_are_not_failures_after_the_resume() -> None:
+    leftover = pod_view(pod("r-default-0-0-a", "2026-01-01T00:00:30Z", SUSPENDED_AT))
+    # The new pods may be made a moment before the controller stamps the resume (seen on a real
+    # control plane: created 14:29:16, resumed 14:29:17): they are the Job's current pods.
+    fresh = pod_view(pod("r-default-0-0-b", "2026-01-01T00:00:59Z"))
+    j = job_view(job(resumed=RESUMED_AT))
+    deleted = {"r-default-0-0-a": leftover.deleted_at}
     o = observe_unit(j, [leftover, fresh], {"n1": True}, deleted)
     assert (o.phase, o.ready, o.failure) == ("Running", True, None)
-    # The same deletion of a pod of the Job's current run is a failure, as before.
-    current = pod_view(pod("r-default-0-0-c", "2026-01-01T00:01:05Z", deleting=True))
-    o = observe_unit(j, [current], {"n1": True}, {})
-    assert o.failure == "PodDeleted"
-    o = observe_unit(j, [fresh], {"n1": True}, {"r-default-0-0-c": current.created})
-    assert o.failure == "PodDeleted"
+    # A pod deleted after the resume is a failure, as before, seen terminating or deleted.
+    current = pod_view(pod("r-default-0-0-c", "2026-01-01T00:00:59Z", "2026-01-01T00:01:05Z"))
+    assert observe_unit(j, [current], {"n1": True}, {}).failure == "PodDeleted"
+    gone = {"r-default-0-0-c": current.deleted_at}
+    assert observe_unit(j, [fresh], {"n1": True}, gone).failure == "PodDeleted"
 
 
 def test_unit_jobs_carry_the_runs_kueue_labels_and_start_suspended() -> None:
