@@ -7,12 +7,13 @@
 #   helm                                                             (helm.sh/helm/v3/cmd/helm)
 #   coredns (the real node's cluster DNS)                            (github.com/coredns/coredns)
 #   pause (the real node's sandbox image program)                    (e2e/node/pause, this repo)
+#   kueue (the job-queueing controller manager) + its CRDs            (sigs.k8s.io/kueue)
 #
 # Everything comes from the Go module proxy; versions are pinned in versions.env. Binaries go to
 #   $DILOCO_E2E_CACHE/<component>-<version>/bin      (default cache: ~/.cache/diloco-e2e)
 # and a component whose bin/.complete stamp exists is not rebuilt, so a warm call takes seconds.
 #
-# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause ...]   (default: all)
+# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause|kueue ...]   (default: all)
 #        e2e/cluster/build.sh --print-bin-dirs             (print the PATH entries, build nothing)
 # Env:   DILOCO_E2E_CACHE   cache root (default ${XDG_CACHE_HOME:-~/.cache}/diloco-e2e)
 #        DILOCO_E2E_GOCACHE Go build cache used for these builds (default $DILOCO_E2E_CACHE/go-build)
@@ -39,10 +40,11 @@ etcd_dir() { echo "$CACHE/etcd-$ETCD_VERSION"; }
 kwok_dir() { echo "$CACHE/kwok-$KWOK_VERSION"; }
 helm_dir() { echo "$CACHE/helm-$HELM_VERSION"; }
 coredns_dir() { echo "$CACHE/coredns-$COREDNS_VERSION"; }
+kueue_dir() { echo "$CACHE/kueue-$KUEUE_VERSION"; }
 pause_dir() { echo "$CACHE/pause-$(sha256sum "$HERE/../node/pause/main.go" | cut -c1-12)"; }
 
 if [[ "${1:-}" == "--print-bin-dirs" ]]; then
-  for c in k8s etcd kwok helm coredns pause; do echo "$("${c}_dir")/bin"; done
+  for c in k8s etcd kwok helm coredns pause kueue; do echo "$("${c}_dir")/bin"; done
   exit 0
 fi
 
@@ -207,8 +209,33 @@ build_pause() {
   stamp "$d" "$t0"
 }
 
+# Kueue's manager binary and, next to it, the parts of that very version's config/ directory the
+# harness needs: the CRDs (config/components/crd/bases) and the webhook configurations
+# (config/components/webhook/manifests.yaml). The e2e harness runs the manager as a host process.
+build_kueue() {
+  local d; d=$(kueue_dir)
+  if is_done "$d" kueue && [[ -f "$d/config/.complete" ]]; then
+    log "kueue $KUEUE_VERSION: cached in $d/bin"; return
+  fi
+  local t0; t0=$(date +%s)
+  mkdir -p "$d/bin"; rm -f "$d/bin/.complete"
+  log "kueue $KUEUE_VERSION: go install"
+  GOFLAGS= GOBIN="$d/bin" nice -n "$NICE" go install -trimpath \
+    -ldflags "-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION" \
+    "sigs.k8s.io/kueue/cmd/kueue@$KUEUE_VERSION"
+  local src
+  src=$(GOFLAGS= go mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+  [[ -d "$src/config/components/crd/bases" ]] || die "kueue module source has no config/components/crd/bases"
+  [[ -f "$src/config/components/webhook/manifests.yaml" ]] || die "kueue module source has no webhook manifests"
+  rm -rf "$d/config" "$d/crds"; mkdir -p "$d/config/crds"
+  cp "$src"/config/components/crd/bases/*.yaml "$d/config/crds/"
+  cp "$src/config/components/webhook/manifests.yaml" "$d/config/webhooks.yaml"
+  chmod -R u+w "$d/config"; touch "$d/config/.complete"
+  stamp "$d" "$t0"
+}
+
 components=("$@")
-[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause)
+[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause kueue)
 mkdir -p "$CACHE"
 # (version checks read the whole output first: `cmd | grep -q` under pipefail fails when grep
 # exits before cmd has written everything and cmd dies of SIGPIPE)
@@ -217,8 +244,8 @@ exec 9>"$CACHE/.build.lock"
 if ! flock -n 9; then log "another build.sh holds $CACHE/.build.lock; waiting"; flock 9; fi
 for c in "${components[@]}"; do
   case "$c" in
-    k8s|etcd|kwok|helm|coredns|pause) "build_$c" ;;
-    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause)" ;;
+    k8s|etcd|kwok|helm|coredns|pause|kueue) "build_$c" ;;
+    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause, kueue)" ;;
   esac
 done
 for c in "${components[@]}"; do echo "$("${c}_dir")/bin"; done

@@ -52,10 +52,13 @@ from typing import Any, Self
 HERE = Path(__file__).resolve().parent
 if str(HERE.parent.parent) not in sys.path:  # `python e2e/cluster/harness.py` as a script
     sys.path.insert(0, str(HERE.parent.parent))
+from e2e.cluster import kueue as kueue_mod  # noqa: E402
 from e2e.cluster import node as real_node  # noqa: E402
 
 STATE_MARKER = ".diloco-e2e-state"
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+# Started on request (start_kueue), stopped with the cluster.
+ON_REQUEST = ("kueue",)
 
 # Every address the fake cluster hands out is on loopback, so that code under test that tries to
 # reach a pod or service IP only ever talks to this machine (connection refused, or a real local
@@ -911,7 +914,7 @@ class LocalCluster(_ClusterBase):
         if REAL_NODE:
             self._stop_real_node(timeout)
         targets: dict[int, str] = {}
-        for name in CONTROL_PLANE:
+        for name in CONTROL_PLANE + ON_REQUEST:
             pid = self._recorded_pid(name)
             if pid is not None:
                 targets[pid] = name
@@ -941,6 +944,40 @@ class LocalCluster(_ClusterBase):
             shutil.rmtree(pids)
         if not quiet:
             _log("stopped; no process of this cluster is left")
+
+    # -- Kueue (kueue.py), for the tests that need it
+    def start_kueue(self, timeout: float = 120) -> None:
+        """Install Kueue's CRDs and webhooks and run its manager (built by `build.sh kueue`)
+        as a host process of this cluster; idempotent while it runs."""
+        pid = self._recorded_pid("kueue")
+        if pid is not None and _proc_alive(pid) and kueue_mod.webhooks_answer(self):
+            return
+        t0 = time.monotonic()
+        home = kueue_mod.kueue_dir(cache_root(), self.versions["KUEUE_VERSION"])
+        binary = kueue_mod.ensure_built(HERE / "build.sh", home)
+        port, health = free_port(), free_port()
+        state = self.state_dir / "kueue"
+        certs = kueue_mod.make_certs(state / "certs")
+        config = state / "config.yaml"
+        config.write_text(json.dumps(kueue_mod.manager_config(port, health, state / "certs")))
+        kueue_mod.install(self, home, port, certs)
+        self._spawn("kueue", kueue_mod.argv(binary, config, self.kubeconfig),
+                    env=kueue_mod.env(self.kubeconfig))  # fmt: skip
+        proc = self._procs["kueue"]
+        ready = kueue_mod.wait_ready(self, lambda: proc.poll() is None, self._log_path("kueue"),
+                                     timeout)  # fmt: skip
+        self.timings["kueue_ready_s"] = round(time.monotonic() - t0, 2)
+        _log(f"kueue up in {self.timings['kueue_ready_s']}s (webhooks answered after {ready:.1f}s)")
+
+    def stop_kueue(self, timeout: float = 15) -> None:
+        """Remove Kueue's webhook configurations (nothing would serve them), then stop it."""
+        kueue_mod.uninstall_webhooks(self)
+        pid = self._recorded_pid("kueue")
+        if pid is not None:
+            self._terminate([pid], {pid: "kueue"}, timeout)
+        self._procs.pop("kueue", None)
+        with contextlib.suppress(FileNotFoundError):
+            (self.state_dir / "pids" / "kueue.pid").unlink()
 
     # -- the real node (node.py)
     def _new_node(self) -> real_node.RealNode:
@@ -1043,7 +1080,7 @@ class LocalCluster(_ClusterBase):
         found: dict[int, str] = {}
         if not Path("/proc").is_dir():
             return found
-        names = {Path(p).name for p in COMPONENTS}
+        names = {Path(p).name for p in COMPONENTS + ON_REQUEST}
         needle = str(self.state_dir).rstrip("/") + "/"  # not a sibling like state-smoke/
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) == os.getpid():

@@ -277,6 +277,13 @@ class DilocoRunSpec(Strict):
         "operator started with --enable-chaos (the chart's chaos.enabled); ignored otherwise. "
         "Slowed groups: local runtime only.",
     )
+    suspend: bool = Field(
+        False,
+        description="Suspend the run: its units stop (their Jobs are suspended; a unit queued "
+        "through Kueue has its Job deleted instead, which gives its quota back) and the syncer "
+        "is scaled to zero, without spending restarts. Setting it back to false resumes from "
+        "the global parameters of the syncer's last checkpoint.",
+    )
     service_account_name: str | None = Field(
         None,
         max_length=253,

@@ -9,11 +9,13 @@ holding the config file both programs read, and the checkpoint PVC.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
 from diloco_trainer.auth import unit_token
 
+from diloco_operator import kueue
 from diloco_operator.accelerators import (
     TPU_RESOURCE,
 )
@@ -51,11 +53,20 @@ LOG_FORMAT_ENV = {"name": "DILOCO_LOG_FORMAT", "value": "json"}
 class Run:
     """Identity of the owning DilocoRun: what every child needs to name and own itself."""
 
-    def __init__(self, name: str, namespace: str, uid: str, spec: DilocoRunSpec) -> None:
+    def __init__(
+        self,
+        name: str,
+        namespace: str,
+        uid: str,
+        spec: DilocoRunSpec,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.namespace = namespace
         self.uid = uid
         self.spec = spec
+        # The run's own labels: only Kueue's (queue name, priority class) reach its children.
+        self.labels = dict(labels or {})
 
     @property
     def syncer_name(self) -> str:
@@ -350,6 +361,7 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         pod_spec["serviceAccountName"] = spec.service_account_name
     secure_pod(pod_spec, unit_token_secret_name(unit.name))
     job_labels = unit_labels(run, unit)
+    queue_labels = kueue.job_labels(run.labels)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -358,8 +370,11 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
             unit.name,
             LEARNER,
             **{k: v for k, v in job_labels.items() if k.startswith("diloco.dev/")},
+            **queue_labels,
         ),
         "spec": {
+            # Queued through Kueue: created suspended, Kueue admits it by unsuspending it.
+            **({"suspend": True} if queue_labels else {}),
             "completionMode": "Indexed",
             "completions": unit.hosts,
             "parallelism": unit.hosts,

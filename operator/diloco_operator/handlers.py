@@ -28,7 +28,7 @@ import aiohttp
 import kopf
 from prometheus_client import Counter, Gauge, Histogram
 
-from diloco_operator import builders, chaos, kube, run_metrics
+from diloco_operator import builders, chaos, kube, queue_status, run_metrics
 from diloco_operator.api import (
     GROUP,
     LABEL_COMPONENT,
@@ -54,6 +54,8 @@ from diloco_operator.planner import (
     EmitEvent,
     ObservedSyncer,
     Plan,
+    ScaleSyncer,
+    SuspendUnit,
     SyncerStatus,
     plan,
 )
@@ -87,8 +89,8 @@ class Options:
 class State:
     options: Options = field(default_factory=Options)
     wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
-    # Pods seen deleted while their Job lived: Job uid -> pod names.
-    deleted_pods: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    # Pods seen deleted while their Job lived: Job uid -> pod name -> when deletion was asked.
+    deleted_pods: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
     tokens: dict[tuple[str, str], str] = field(default_factory=dict)
     chaos: dict[tuple[str, str], chaos.RunChaos] = field(default_factory=dict)
     http: aiohttp.ClientSession | None = None
@@ -175,11 +177,16 @@ def learner_pods(
 
 @kopf.index("apps", "v1", "deployments", labels=SYNCER_LABELS)
 def syncer_deployments(
-    namespace: str | None, labels: Mapping[str, str], status: kopf.Status, **_: Any
+    namespace: str | None,
+    labels: Mapping[str, str],
+    spec: kopf.Spec,
+    status: kopf.Status,
+    **_: Any,
 ) -> Any:
     wake(namespace, labels.get(LABEL_RUN))
     ready = int(status.get("readyReplicas") or 0) > 0
-    return {(namespace or "", labels[LABEL_RUN]): ready}
+    replicas = spec.get("replicas")
+    return {(namespace or "", labels[LABEL_RUN]): (ready, 1 if replicas is None else replicas)}
 
 
 @kopf.index("", "v1", "nodes")
@@ -205,13 +212,19 @@ def node_changed(type: str, body: Any, **_: Any) -> None:
 
 @kopf.on.event("", "v1", "pods", labels=LEARNER_LABELS)
 def learner_pod_deleted(
-    type: str, namespace: str | None, labels: Mapping[str, str], name: str, **_: Any
+    type: str,
+    namespace: str | None,
+    labels: Mapping[str, str],
+    name: str,
+    meta: kopf.Meta,
+    **_: Any,
 ) -> None:
     if type == "DELETED":
         # Keyed by the owning Job's uid: a same-named unit of a re-created run is another Job.
         if len(STATE.deleted_pods) > 10_000:  # bound the memory; only recent Jobs matter
             STATE.deleted_pods.clear()
-        STATE.deleted_pods[labels.get(CONTROLLER_UID, "")].add(name)
+        deleted_at = pod_view({"metadata": dict(meta)}).deleted_at
+        STATE.deleted_pods[labels.get(CONTROLLER_UID, "")][name] = deleted_at
         wake(namespace, labels.get(LABEL_RUN))
 
 
@@ -271,6 +284,12 @@ async def apply(run: builders.Run, the_plan: Plan, body: Any) -> list[Refusal] |
         elif isinstance(action, DeleteUnit):
             await kube.delete_unit(run.namespace, action.name)
             ACTIONS.labels("delete_unit", action.reason).inc()
+        elif isinstance(action, SuspendUnit):
+            await kube.suspend_job(run.namespace, action.name, action.suspend)
+            ACTIONS.labels("suspend_unit" if action.suspend else "resume_unit", "").inc()
+        elif isinstance(action, ScaleSyncer):
+            await kube.scale_deployment(run.namespace, run.syncer_name, action.replicas)
+            ACTIONS.labels("scale_syncer", str(action.replicas)).inc()
         elif isinstance(action, EmitEvent):
             kopf.event(body, type=action.type, reason=action.reason, message=action.message[:1024])
             log.log(
@@ -293,7 +312,7 @@ def observed_units(namespace: str, name: str, indexes: dict[str, Any]) -> list[A
     nodes = {node: all(store) for node, store in nodes_index.items()}
     units = []
     for job in jobs:
-        deleted = STATE.deleted_pods.get(job.uid, set()) if job.uid else set()
+        deleted = STATE.deleted_pods.get(job.uid, {}) if job.uid else {}
         units.append(observe_unit(job, pods, nodes, deleted))
     return units
 
@@ -313,10 +332,15 @@ async def reconcile_once(
         kopf.warn(body, reason="InvalidSpec", message=str(exc)[:1024])
         PASSES.labels("invalid").inc()
         return None, last
-    run = builders.Run(name, namespace, uid, spec)
+    meta = body.get("metadata") or {}
+    run = builders.Run(name, namespace, uid, spec, meta.get("labels"))
     key = (namespace, name)
-    syncer_ready = list(indexes["syncer_deployments"].get(key, []))
-    syncer = ObservedSyncer(present=bool(syncer_ready), ready=any(syncer_ready))
+    syncers = list(indexes["syncer_deployments"].get(key, []))
+    syncer = ObservedSyncer(
+        present=bool(syncers),
+        ready=any(ready for ready, _ in syncers),
+        replicas=syncers[0][1] if syncers else None,
+    )
     report = await syncer_report(run) if syncer.present else None
     status = last
     if status is None and body.get("status"):
@@ -337,6 +361,7 @@ async def reconcile_once(
     )
     refused = await apply(run, the_plan, body)
     new = report_refusals(the_plan.status, status, refused, body, generation)
+    new = await queue_status.report_queue(run, new, status, body, generation)
     if STATE.options.chaos and spec.chaos is not None:
         await inject_chaos(run, body, new)
     if last is None or new != last:
@@ -416,6 +441,7 @@ async def run_loop(
         STATE.wakers.pop(key, None)
         STATE.tokens.pop(key, None)
         STATE.chaos.pop(key, None)
+        queue_status.forget(namespace, name)
         with contextlib.suppress(KeyError):
             UNITS_ONLINE.remove(namespace, name)
         run_metrics.forget_run(namespace, name, last)

@@ -11,12 +11,14 @@ import json
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from diloco_operator.api import GROUP, LABEL_RUN, PLURAL, VERSION
+
+__all__ = ["ApiException"]
 
 log = logging.getLogger("diloco_operator.kube")
 
@@ -164,6 +166,67 @@ async def delete_unit(namespace: str, name: str) -> None:
             if exc.status != 404:
                 raise
     log.info("deleted unit=%s namespace=%s", name, namespace)
+
+
+async def suspend_job(namespace: str, name: str, suspend: bool) -> None:
+    """Suspend (the Job controller deletes its pods) or resume a unit's Job; 404 = gone, fine."""
+    try:
+        await asyncio.to_thread(
+            _apis()[2].patch_namespaced_job, name, namespace, {"spec": {"suspend": suspend}}
+        )
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+    log.info("job=%s namespace=%s suspend=%s", name, namespace, suspend)
+
+
+async def scale_deployment(namespace: str, name: str, replicas: int) -> None:
+    """Through the scale subresource (RBAC: deployments/scale patch, nothing else)."""
+    try:
+        await asyncio.to_thread(
+            _apis()[1].patch_namespaced_deployment_scale,
+            name,
+            namespace,
+            {"spec": {"replicas": replicas}},
+        )
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+    log.info("deployment=%s namespace=%s replicas=%d", name, namespace, replicas)
+
+
+KUEUE_GROUP = "kueue.x-k8s.io"
+# v1beta2 is Kueue's current API (v0.15+); v1beta1 is what older installations serve.
+KUEUE_VERSIONS = ("v1beta2", "v1beta1")
+
+
+async def local_queue(namespace: str, name: str) -> Literal["found", "missing", "no-kueue"]:
+    """Whether Kueue's LocalQueue `name` exists in `namespace` ("no-kueue": the API server
+    serves no localqueues resource in any version we know)."""
+    for version in KUEUE_VERSIONS:
+        try:
+            await asyncio.to_thread(
+                _apis()[3].get_namespaced_custom_object,
+                KUEUE_GROUP,
+                version,
+                namespace,
+                "localqueues",
+                name,
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            try:
+                details = json.loads(exc.body or "{}").get("details") or {}
+            except (ValueError, AttributeError):
+                details = {}
+            # A missing object is a NotFound naming it; a resource the server does not serve
+            # is a bare 404 ("the server could not find the requested resource").
+            if details.get("name") == name:
+                return "missing"
+            continue
+        return "found"
+    return "no-kueue"
 
 
 async def patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:

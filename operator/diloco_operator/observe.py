@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from diloco_operator.api import LABEL_ATTEMPT, LABEL_GROUP, LABEL_INDEX, LABEL_UNIT
+from diloco_operator.kueue import QUEUE_NAME_LABEL
 from diloco_operator.planner.model import (
     DISRUPTION_TARGET,
     JOB_FAILED,
@@ -65,6 +66,11 @@ class JobView:
     message: str
     created: float
     uid: str = ""
+    suspended: bool = False
+    queue: str = ""
+    # When the Job last resumed from a suspension (its Suspended condition turned False); 0.0
+    # for a Job never suspended.
+    resumed: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,15 @@ class PodView:
     message: str
     job_uid: str = ""
     disruption_reason: str = ""
+    # When its deletion was requested (deletionTimestamp less the grace period); 0.0: not deleted.
+    deleted_at: float = 0.0
+
+
+def _resumed(conditions: Iterable[Mapping[str, Any]] | None) -> float:
+    for c in conditions or ():
+        if c.get("type") == "Suspended" and c.get("status") == "False":
+            return _time(c.get("lastTransitionTime"))
+    return 0.0
 
 
 def job_view(body: Mapping[str, Any]) -> JobView:
@@ -101,6 +116,11 @@ def job_view(body: Mapping[str, Any]) -> JobView:
         message=f"{failed.get('reason', '')}: {failed.get('message', '')}" if failed else "",
         created=_time(meta.get("creationTimestamp")),
         uid=meta.get("uid", ""),
+        # Suspended until the Job controller says it resumed: right after spec.suspend turns
+        # false, the pods of the run before the suspension may still be seen going.
+        suspended=spec.get("suspend") is True or _condition(conditions, "Suspended") is not None,
+        queue=str(labels.get(QUEUE_NAME_LABEL, "")),
+        resumed=_resumed(conditions),
     )
 
 
@@ -125,6 +145,7 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
         message=str(message),
         job_uid=labels.get(CONTROLLER_UID, ""),
         disruption_reason=str(disrupted.get("reason", "")) if disrupted is not None else "",
+        deleted_at=_deleted_at(meta),
     )
 
 
@@ -132,22 +153,37 @@ def node_ready(body: Mapping[str, Any]) -> bool:
     return _condition((body.get("status") or {}).get("conditions"), "Ready") is not None
 
 
+def _deleted_at(meta: Mapping[str, Any]) -> float:
+    at = _time(meta.get("deletionTimestamp"))
+    return at - float(meta.get("deletionGracePeriodSeconds") or 0) if at else 0.0
+
+
+def _suspension_leftover(deleted_at: float, job: JobView) -> bool:
+    """Whether a pod's deletion was requested before the Job last resumed: the Job controller
+    deleting the pods of a suspended Job, not a failure. (Not the pod's creation time: after a
+    resume the controller may create the new pods before it stamps the resume, seen here.)"""
+    return bool(deleted_at and job.resumed and deleted_at < job.resumed)
+
+
 def observe_unit(
     job: JobView,
     pods: Iterable[PodView],
     nodes: Mapping[str, bool] | None,
-    deleted_pods: Iterable[str] = (),
+    deleted_pods: Mapping[str, float] | Iterable[str] = (),
 ) -> ObservedUnit:
     """One unit as the planner sees it. `nodes` maps node name -> Ready (None: nodes unknown,
     e.g. no permission; node signals are then skipped). `deleted_pods`: names of this unit's
-    pods seen deleted while the Job was alive."""
+    pods seen deleted while the Job was alive (a mapping: name -> when its deletion was asked)."""
     mine = [
         p
         for p in pods
         if p.unit == job.name
         and p.attempt == job.attempt
         and (not job.uid or not p.job_uid or p.job_uid == job.uid)
+        and not _suspension_leftover(p.deleted_at, job)
     ]
+    when = deleted_pods if isinstance(deleted_pods, Mapping) else {}
+    deleted = [n for n in deleted_pods if not _suspension_leftover(when.get(n, 0.0), job)]
 
     def unit(
         phase: Any,
@@ -167,10 +203,13 @@ def observe_unit(
             message=message,
             since=job.created,
             disruption_reason=disruption_reason,
+            queue=job.queue,
         )
 
     if job.terminating:
         return unit("Terminating")
+    if job.suspended:
+        return unit("Suspended")
     for pod in mine:
         if pod.disrupted:
             return unit(
@@ -197,7 +236,7 @@ def observe_unit(
     for pod in mine:
         if pod.terminating:
             return unit("Running", POD_DELETED, f"pod {pod.name} is being deleted")
-    gone = sorted(set(deleted_pods))
+    gone = sorted(set(deleted))
     if gone:
         return unit("Running", POD_DELETED, f"pod {gone[0]} was deleted")
     running = [p for p in mine if p.phase == "Running"]

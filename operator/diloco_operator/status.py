@@ -11,8 +11,18 @@ from pydantic import Field
 from diloco_operator.kubesyntax import MAX_UNITS
 from diloco_operator.unit_goodput import UnitGoodput
 
-RunPhase = Literal["Pending", "Running", "Degraded", "Succeeded", "Failed"]
-UnitState = Literal["Pending", "Online", "Offline", "Recreating", "Removing", "Completed", "Failed"]
+RunPhase = Literal["Pending", "Queued", "Running", "Degraded", "Suspended", "Succeeded", "Failed"]
+UnitState = Literal[
+    "Pending",
+    "Queued",
+    "Online",
+    "Offline",
+    "Recreating",
+    "Suspended",
+    "Removing",
+    "Completed",
+    "Failed",
+]
 
 
 class UnitFailure(Strict):
@@ -31,9 +41,10 @@ class UnitStatus(Strict):
     index: int = Field(description="Index within the group.")
     global_index: int = Field(description="Index across the run (the unit's data shard).")
     state: UnitState = Field(
-        description="Pending (created, not all hosts ready), Online, Offline (failed, waiting "
-        "to be recreated), Recreating, Removing (scaled down), Completed or Failed (restart "
-        "budget spent)."
+        description="Pending (created, not all hosts ready), Queued (its Job is suspended by "
+        "a queue such as Kueue: waiting for admission, or evicted/preempted), Online, Offline "
+        "(failed, waiting to be recreated), Recreating, Suspended (the run is suspended), "
+        "Removing (scaled down), Completed or Failed (restart budget spent)."
     )
     attempt: int = Field(0, description="Attempt number of the unit's current Job (from 0).")
     restarts: int = Field(0, description="Recreations after failures (maxUnitRestarts bounds it).")
@@ -57,7 +68,10 @@ class UnitStatus(Strict):
 class Condition(Strict):
     """A Kubernetes-style condition (type, status True/False/Unknown, reason, message)."""
 
-    type: str = Field(description="Ready, Degraded, Progressing, Complete or ChildrenCreated.")
+    type: str = Field(
+        description="Ready, Degraded, Progressing, Complete, ChildrenCreated, and with Kueue or "
+        "spec.suspend: Queued, QueueFound, Suspended."
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="Why, as one CamelCase word.")
     message: str = Field("", description="Why, in words.")
@@ -72,12 +86,15 @@ class DilocoRunStatus(Strict):
 
     phase: RunPhase = Field(
         "Pending",
-        description="Pending (no unit online yet), Running, Degraded (a unit Offline, Recreating "
-        "or Failed), Succeeded (budget reached) or Failed (fewer units left than the quorum).",
+        description="Pending (no unit online yet), Queued (no unit online, some waiting for "
+        "admission by their queue), Running, Degraded (a unit Offline, Recreating or Failed), "
+        "Suspended (spec.suspend), Succeeded (budget reached) or Failed (fewer units left than "
+        "the quorum).",
     )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, Degraded, Progressing, Complete and ChildrenCreated.",
+        description="Ready, Degraded, Progressing, Complete and ChildrenCreated; Queued, "
+        "QueueFound and Suspended once they apply.",
     )
     units: list[UnitStatus] = Field(
         default_factory=list, max_length=MAX_UNITS, description="One entry per unit."

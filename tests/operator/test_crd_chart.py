@@ -32,6 +32,7 @@ NEEDED = {
     ("batch", "jobs", "watch"),
     ("batch", "jobs", "create"),
     ("batch", "jobs", "delete"),
+    ("batch", "jobs", "patch"),  # kube.suspend_job (spec.suspend)
     ("", "pods", "list"),
     ("", "pods", "watch"),
     ("", "services", "get"),
@@ -41,6 +42,8 @@ NEEDED = {
     ("apps", "deployments", "list"),
     ("apps", "deployments", "watch"),
     ("apps", "deployments", "create"),
+    ("apps", "deployments/scale", "patch"),  # kube.scale_deployment (syncer at 0 while suspended)
+    ("kueue.x-k8s.io", "localqueues", "get"),  # kube.local_queue (condition QueueFound)
     ("", "secrets", "get"),  # kube.read_token
     ("", "secrets", "create"),
     ("", "configmaps", "get"),

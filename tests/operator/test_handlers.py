@@ -311,7 +311,7 @@ def test_one_pass_creates_children_then_writes_status_once(monkeypatch: pytest.M
     indexes2 = {
         **indexes,
         "learner_jobs": jobs,
-        "syncer_deployments": {("ns", "r"): Store([False])},
+        "syncer_deployments": {("ns", "r"): Store([(False, 1)])},
     }
     created.clear()
     plan2, _ = asyncio.run(handlers.reconcile_once("r", "ns", "uid", body, status, indexes2))

@@ -144,7 +144,10 @@ def test_stale_heartbeat_is_a_failure_but_only_for_the_current_attempt() -> None
     p = plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=old_attempt)
     assert not p.of_type(DeleteUnit)
     stale = SyncerStatus(learners={"r-default-0": LearnerStatus(attempt=0, age_seconds=31)})
+    # Online for 4 s only: that heartbeat predates it (a resumed Job), so it gets its period.
     p = plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=stale)
+    assert not p.of_type(DeleteUnit)
+    p = plan("r", spec, observed, status, T0 + 32, syncer=SYNCER_UP, report=stale)
     assert unit(p, "r-default-0").last_failure.reason == "HeartbeatStale"
     assert [d.name for d in p.of_type(DeleteUnit)] == ["r-default-0"]
 

@@ -52,11 +52,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["diloco.dev"]
   resources: ["dilocoruns/status"]
   verbs: ["get", "patch"]
-# Learner units: Indexed Jobs (watched, created, deleted) and their pods (watched).
-# (get: a create that meets an existing object reads it to check it is the run's own.)
+# Learner units: Indexed Jobs (watched, created, deleted; patched: spec.suspend) and their pods
+# (watched). (get: a create that meets an existing object reads it to check it is the run's own.)
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "delete", "patch"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
@@ -69,6 +69,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create"]
+# The syncer scaled to zero while its run is suspended (spec.suspend), and back.
+- apiGroups: ["apps"]
+  resources: ["deployments/scale"]
+  verbs: ["patch"]
+# A run labelled kueue.x-k8s.io/queue-name: does that LocalQueue exist (condition QueueFound)?
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["localqueues"]
+  verbs: ["get"]
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create"]

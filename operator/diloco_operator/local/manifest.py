@@ -41,6 +41,12 @@ def load_manifest(path: str | Path) -> LocalRun:
         spec = parse_manifest(doc)
     except ValueError as exc:
         raise ManifestError(str(exc)) from exc
+    if spec.suspend:
+        # Nothing would run: the local runtime has no cluster to keep a suspended run in.
+        raise ManifestError(
+            "spec.suspend: true suspends a run on Kubernetes; `diloco local run` runs the "
+            "manifest now, so remove it (or set it to false)"
+        )
     name = str(doc["metadata"]["name"])
     return LocalRun(name=name, path=p, document=doc, spec=spec)
 

@@ -18,6 +18,8 @@ from diloco_operator.planner.model import (
     ObservedSyncer,
     ObservedUnit,
     Plan,
+    ScaleSyncer,
+    SuspendUnit,
 )
 from diloco_operator.planner.placement import UnitSlot, desired_units, unit_name
 from diloco_operator.planner.reconcile import plan
@@ -32,6 +34,8 @@ __all__ = [
     "ObservedSyncer",
     "ObservedUnit",
     "Plan",
+    "ScaleSyncer",
+    "SuspendUnit",
     "SyncerStatus",
     "UnitSlot",
     "desired_units",

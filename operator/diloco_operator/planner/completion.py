@@ -2,8 +2,9 @@
 
 Succeeded when the syncer reports its budget reached (or every unit exited successfully);
 Failed when fewer units are left than the merge quorum K (nothing could ever merge again);
-terminal phases stick. Otherwise Pending (no unit Online yet), Degraded (some unit Offline,
-Recreating or given up) or Running.
+terminal phases stick. Otherwise Suspended (spec.suspend), Degraded (some unit Offline,
+Recreating or given up), Queued (no unit Online, some held by their queue), Pending (no unit
+Online yet) or Running.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def run_phase(
     units: Sequence[UnitStatus],
     report: SyncerStatus | None,
     quorum: int,
+    suspended: bool = False,
 ) -> tuple[RunPhase, str]:
     """The phase and a one-line reason for it."""
     if previous in TERMINAL:
@@ -30,6 +32,9 @@ def run_phase(
     if report is not None and report.complete:
         return "Succeeded", "the syncer reports the training budget reached"
     active = [u for u in units if u.state != "Removing"]
+    if suspended:
+        stopped = sum(u.state == "Suspended" for u in active)
+        return "Suspended", f"spec.suspend: {stopped}/{len(active)} units suspended, syncer at 0"
     if active and all(u.state == "Completed" for u in active):
         return "Succeeded", "every unit finished its training"
     alive = [u for u in active if u.state != "Failed"]
@@ -41,6 +46,9 @@ def run_phase(
     online = sum(u.state == "Online" for u in active)
     if any(u.state in TROUBLED for u in active):
         return "Degraded", f"{online}/{len(active)} units online"
+    queued = sum(u.state == "Queued" for u in active)
+    if online == 0 and queued:
+        return "Queued", f"{queued}/{len(active)} units wait for admission by their queue"
     if online == 0:
         return "Pending", "waiting for units to come online"
     return "Running", f"{online}/{len(active)} units online"

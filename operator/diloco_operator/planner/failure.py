@@ -58,8 +58,10 @@ def failure_signal(
     unit: UnitStatus,
     report: SyncerStatus | None,
     policy: FailurePolicy,
+    now: float | None = None,
 ) -> Signal | None:
-    """The failure signal of a live unit (Pending/Recreating/Online), or None when healthy."""
+    """The failure signal of a live unit (Pending/Recreating/Online), or None when healthy.
+    `now` bounds a heartbeat's age by the unit's time Online (None: not bounded)."""
     if obs is None or obs.phase == "Missing":
         return Signal(UNIT_DELETED, f"unit {unit.name} attempt {unit.attempt} disappeared")
     if obs.phase == "Terminating":
@@ -74,6 +76,10 @@ def failure_signal(
     trusted = heartbeats_trusted(report, policy)
     learner = report.learners.get(unit.name) if report and trusted else None
     age = (learner.age_seconds or 0.0) if learner is not None else 0.0
+    # A heartbeat older than the unit's time Online belongs to before it came Online (a Job
+    # suspended by its queue and resumed keeps its attempt): give the new pods the full period.
+    if unit.since is not None and now is not None:
+        age = min(age, seconds_since(unit.since, now))
     if (
         unit.state == "Online"
         and learner is not None

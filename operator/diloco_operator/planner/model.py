@@ -7,7 +7,9 @@ from typing import Any, Literal
 
 from diloco_operator.api import DilocoRunStatus
 
-UnitPhase = Literal["Pending", "Running", "Failed", "Succeeded", "Missing", "Terminating"]
+UnitPhase = Literal[
+    "Pending", "Running", "Suspended", "Failed", "Succeeded", "Missing", "Terminating"
+]
 
 # Failure reasons a backend may report on an ObservedUnit (free text is allowed too).
 POD_FAILED = "PodFailed"
@@ -27,11 +29,14 @@ class ObservedUnit:
     """What a backend sees of one unit (a Job + its pods, or a process group).
 
     phase: Pending until every host is Running; Failed/Succeeded when the unit ended;
-    Terminating while it is being deleted; Missing (or simply absent from the list) when gone.
+    Terminating while it is being deleted; Missing (or simply absent from the list) when gone;
+    Suspended while its Job is suspended (by the operator for spec.suspend, or by a queue).
     failure: a reason (e.g. DisruptionTarget, NodeNotReady) when the backend saw a failure signal
     even though the phase may still look alive.
     disruption_reason: for DisruptionTarget, the condition's reason (e.g. TerminationByKubelet),
     which tells a preemption from a failure (planner/preemption.py).
+    queue: the Kueue LocalQueue its Job is labelled with ("" when none): such a Job's suspension
+    belongs to Kueue (admission, eviction, preemption), never to the operator.
     """
 
     name: str
@@ -44,12 +49,16 @@ class ObservedUnit:
     message: str = ""
     since: float = 0.0
     disruption_reason: str = ""
+    queue: str = ""
 
 
 @dataclass(frozen=True)
 class ObservedSyncer:
+    """present: its Deployment exists; replicas: the Deployment's desired count (None: unknown)."""
+
     present: bool
     ready: bool
+    replicas: int | None = None
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,24 @@ class DeleteUnit:
 
 
 @dataclass(frozen=True)
+class SuspendUnit:
+    """Suspend (or resume) the unit in place (Kubernetes: the Job's spec.suspend): its pods go,
+    the unit stays, nothing counts as a failure."""
+
+    name: str
+    suspend: bool
+
+
+@dataclass(frozen=True)
 class CreateSyncer:
     """Ensure the syncer exists (Kubernetes: Deployment, Service, Secret, storage)."""
+
+
+@dataclass(frozen=True)
+class ScaleSyncer:
+    """Scale the syncer (0 while the run is suspended, 1 otherwise)."""
+
+    replicas: int
 
 
 @dataclass(frozen=True)
@@ -86,7 +111,7 @@ class EmitEvent:
     unit: str | None = None
 
 
-Action = CreateUnit | DeleteUnit | CreateSyncer | EmitEvent
+Action = CreateUnit | DeleteUnit | SuspendUnit | CreateSyncer | ScaleSyncer | EmitEvent
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from diloco_operator.api import (
     UnitStatus,
 )
 from diloco_operator.planner.completion import TERMINAL, TROUBLED, run_phase
-from diloco_operator.planner.conditions import set_condition
+from diloco_operator.planner.conditions import queue_conditions, set_condition
 from diloco_operator.planner.failure import (
     Signal,
     failure_signal,
@@ -43,6 +43,16 @@ from diloco_operator.planner.model import (
 )
 from diloco_operator.planner.placement import UnitSlot, desired_units
 from diloco_operator.planner.scaling import remove, surplus
+from diloco_operator.planner.suspension import (
+    QUEUED,
+    SUSPENDED,
+    admitted,
+    held,
+    new_slot_state,
+    resume,
+    suspend,
+    syncer_actions,
+)
 from diloco_operator.planner.timefmt import at
 
 
@@ -75,7 +85,13 @@ def _step_unit(
         gone = obs is None or obs.phase in ("Missing", "Terminating")
         return unit, [] if gone else [DeleteUnit(unit.name, "RestartBudgetSpent")], None
     if unit.state == "Offline":
+        if spec.suspend and (obs is None or obs.phase == "Missing"):
+            return unit, [], None  # recreated (and counted) once the run resumes
         return recover(unit, obs, slot, spec.total_units, policy, now)
+    if spec.suspend and unit.state != "Removing":
+        return suspend(unit, obs, now)
+    if unit.state == SUSPENDED:
+        return resume(unit, obs, _create(slot, unit.attempt + 1, spec), now)
     if unit.state == "Removing":
         # Scaled down, then up again before it was gone: wait for it to go, then start afresh
         # (not a failure, so no restart is counted).
@@ -87,10 +103,14 @@ def _step_unit(
             [_create(slot, attempt, spec)],
             None,
         )
-    # Live states: Pending, Recreating, Online.
+    # Live states: Pending, Queued, Recreating, Online.
     if obs is not None and obs.attempt > unit.attempt:
         unit = unit.model_copy(update={"attempt": obs.attempt})  # a lost status write
-    signal = failure_signal(obs, unit, report, policy)
+    if obs is not None and obs.phase == "Suspended" and obs.attempt == unit.attempt:
+        return held(unit, obs, now)
+    if unit.state == QUEUED and obs is not None and obs.phase in ("Pending", "Running"):
+        return admitted(unit, obs, now)
+    signal = failure_signal(obs, unit, report, policy, now)
     if signal is None and obs is not None and obs.attempt < unit.attempt:
         signal = Signal("StaleAttempt", f"found attempt {obs.attempt}, expected {unit.attempt}")
     if obs is not None and obs.phase == "Succeeded" and signal is None:
@@ -133,13 +153,13 @@ def _progress(report: SyncerStatus | None, prev: DilocoRunStatus) -> dict[str, A
     return out
 
 
-def _new_unit(slot: UnitSlot, now: float) -> UnitStatus:
+def _new_unit(slot: UnitSlot, now: float, state: Any = "Pending") -> UnitStatus:
     return UnitStatus(
         name=slot.name,
         group=slot.group,
         index=slot.index,
         global_index=slot.global_index,
-        state="Pending",
+        state=state,
         since=at(now),
     )
 
@@ -162,8 +182,9 @@ def _desired(
         obs = obs_by.get(slot.name)
         if unit is None and obs is None:
             if not terminal:
-                units.append(_new_unit(slot, now))
-                actions.append(_create(slot, 0, spec))
+                units.append(_new_unit(slot, now, new_slot_state(spec.suspend)))
+                if not spec.suspend:
+                    actions.append(_create(slot, 0, spec))
             continue
         if unit is None:
             assert obs is not None
@@ -241,7 +262,7 @@ def _settle(
     if phase == "Succeeded":
         units = [
             u.model_copy(update={"state": "Completed"})
-            if u.state in ("Pending", "Recreating", "Online")
+            if u.state in ("Pending", "Queued", "Recreating", "Online")
             else u
             for u in units
         ]
@@ -256,6 +277,7 @@ def _conditions(
     syncer: ObservedSyncer,
     now: float,
     generation: int | None,
+    suspended: bool,
 ) -> list[Condition]:
     online = sum(u.state == "Online" for u in units)
     active = [u for u in units if u.state != "Removing"]
@@ -279,6 +301,7 @@ def _conditions(
     conds = set_condition(
         conds, "Progressing", phase not in TERMINAL, f"Run{phase}", why, now, generation
     )
+    conds = queue_conditions(conds, suspended, units, now, generation)
     return set_condition(
         conds, "Complete", phase == "Succeeded", f"Run{phase}", why, now, generation
     )
@@ -302,7 +325,10 @@ def plan(
     slots = desired_units(run, spec)
     terminal = prev.phase in TERMINAL or (report is not None and report.complete)
 
-    actions: list[Action] = [] if terminal or syncer.present else [CreateSyncer()]
+    actions: list[Action] = []
+    if not terminal:
+        wanted = not (syncer.present or spec.suspend)
+        actions += [CreateSyncer()] if wanted else syncer_actions(spec.suspend, syncer)
     units, unit_actions, waits = _desired(slots, spec, prev_by, obs_by, report, now, terminal)
     removed, removal_actions, removal_waits = _surplus(slots, prev, prev_by, obs_by, now)
     actions += unit_actions + removal_actions
@@ -312,7 +338,7 @@ def plan(
         heard = report.learners if report is not None else {}
         units = [account(u, heard.get(u.name), now) for u in units]
 
-    phase, why = run_phase(prev.phase, units, report, spec.training.quorum)
+    phase, why = run_phase(prev.phase, units, report, spec.training.quorum, spec.suspend)
     finish_wait = succeeded_since(prev, now) + FINISH_GRACE_SECONDS - now
     actions, units = _settle(phase, actions, units, obs_by, finish_wait)
     if phase == "Succeeded" and finish_wait > 0:
@@ -327,7 +353,7 @@ def plan(
     first = spec.unit_groups[0].name
     new_status = DilocoRunStatus(
         phase=phase,
-        conditions=_conditions(prev, phase, why, units, syncer, now, generation),
+        conditions=_conditions(prev, phase, why, units, syncer, now, generation, spec.suspend),
         units=units,
         units_online=sum(u.state == "Online" for u in units),
         replicas=sum(1 for u in units if u.state != "Removing" and u.group == first),
