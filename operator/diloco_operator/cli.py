@@ -20,7 +20,6 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -125,7 +124,7 @@ def _add_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     tok.add_argument(
         "--eod-token", help="the end-of-document token between documents (<|endoftext|>)"
     )
-    tok.set_defaults(handler=_data_tokenize)
+    tok.set_defaults(handler=_data)
     ins = data_sub.add_parser(
         "inspect",
         help="summarise a token shard directory and decode its first tokens",
@@ -133,11 +132,10 @@ def _add_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     ins.add_argument("directory", type=Path, metavar="DIR")
     ins.add_argument("--tokens", type=int, default=64, help="how many tokens to decode")
-    ins.set_defaults(handler=_data_inspect)
+    ins.set_defaults(handler=_data)
 
 
-def _text_cli() -> ModuleType | None:
-    """diloco_trainer.data.text_cli, or None (with a message) without the `text` extra."""
+def _data(args: argparse.Namespace) -> int:
     try:
         from diloco_trainer.data import text_cli
     except ModuleNotFoundError as exc:
@@ -147,14 +145,9 @@ def _text_cli() -> ModuleType | None:
             "error: diloco data needs the tokenizers package: pip install 'elastic-diloco[text]'",
             file=sys.stderr,
         )
-        return None
-    return text_cli
-
-
-def _data_tokenize(args: argparse.Namespace) -> int:
-    text_cli = _text_cli()
-    if text_cli is None:
         return EXIT_BAD_INPUT
+    if args.data_command == "inspect":
+        return text_cli.inspect_command(args.directory, args.tokens)
     return text_cli.tokenize_command(
         args.inputs,
         args.out,
@@ -166,13 +159,6 @@ def _data_tokenize(args: argparse.Namespace) -> int:
     )
 
 
-def _data_inspect(args: argparse.Namespace) -> int:
-    text_cli = _text_cli()
-    if text_cli is None:
-        return EXIT_BAD_INPUT
-    return text_cli.inspect_command(args.directory, args.tokens)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diloco", description="Elastic decoupled DiLoCo: local runs and tools."
@@ -182,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_simulate(sub)
     _add_data(sub)
     return parser
+
+
+def _check_shards(training: TrainingConfig) -> None:
+    """A tokenised data.path against the model's vocabulary, before anything starts (the
+    learners check it too, but only once started and joined)."""
+    if training.data.source == "memmap":
+        from diloco_trainer.data.corpus import check_shard_manifest
+
+        check_shard_manifest(training)
 
 
 def _check_resume_dir(path: Path) -> str | None:
@@ -203,15 +198,6 @@ def _check_resume_dir(path: Path) -> str | None:
     return None
 
 
-def _check_shards(training: TrainingConfig) -> None:
-    """A tokenised data.path against the model's vocabulary, before anything starts (the
-    learners check it too, but only once started and joined)."""
-    if training.data.source == "memmap":
-        from diloco_trainer.data.corpus import check_shard_manifest
-
-        check_shard_manifest(training)
-
-
 def _local_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -230,9 +216,9 @@ def _local_run(args: argparse.Namespace) -> int:
     )
     try:
         run = load_manifest(args.manifest)
+        _check_shards(run.spec.training)
         chaos = chaos_settings(run.spec.chaos, args.chaos, args.seed)
         check_chaos_units(chaos, run.spec.total_units)
-        _check_shards(run.spec.training)
     except (ManifestError, ValueError) as exc:
         console.print(f"[bold red]invalid manifest {args.manifest}:[/]")
         console.print(str(exc), markup=False, highlight=False)
