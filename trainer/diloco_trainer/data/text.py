@@ -408,6 +408,6 @@ def inspect_shards(directory: Path, count: int = 64) -> Inspection:
     if problems:
         return Inspection(manifest, problems, [], "")
     stream = memmap_stream(str(directory), manifest.dtype)
-    ids = stream.read(0, min(count, len(stream))).tolist()
+    ids = stream.read(0, min(max(0, count), len(stream))).tolist()
     text = load_tokenizer(tokenizer_path).decode(ids, skip_special_tokens=False)
     return Inspection(manifest, problems, ids, text)
