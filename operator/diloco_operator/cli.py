@@ -4,6 +4,9 @@
                          [--no-fork-server]
     diloco simulate [--chips 150000,...] [--learners 1,2,...] [--plot FILE] [--json]
     diloco export RUN_OR_CHECKPOINT --out FILE.safetensors
+    diloco data tokenize FILES_OR_DIRS... --out DIR (--tokenizer FILE | --train-vocab N)
+                         [--shard-tokens N] [--pattern GLOB] [--eod-token TEXT]
+    diloco data inspect DIR [--tokens N]
 
 Subcommands hang off argparse subparsers; each registers itself in `build_parser` with a
 `handler` default, so adding one (e.g. `simulate`) touches nothing else.
@@ -128,6 +131,70 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _add_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    data = sub.add_parser("data", help="turn text into token shards for data.source memmap")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+    tok = data_sub.add_parser(
+        "tokenize",
+        help="tokenise text files into a directory of token shards",
+        description='Tokenise text files (a file = a document; .jsonl: one {"text": ...} per '
+        "line) into DIR: raw .bin token shards, manifest.json and tokenizer.json. Needs the "
+        "`text` extra (the tokenizers package).",
+    )
+    tok.add_argument("inputs", nargs="+", type=Path, metavar="FILES_OR_DIRS")
+    tok.add_argument("--out", type=Path, required=True, help="new or empty output directory")
+    which = tok.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tokenizer", type=Path, help="an existing tokenizer.json to use")
+    which.add_argument(
+        "--train-vocab",
+        type=int,
+        metavar="N",
+        help="train a byte-level BPE of at most N tokens on the inputs first",
+    )
+    tok.add_argument(
+        "--shard-tokens", type=int, metavar="N", help="tokens per shard file (default 2^26)"
+    )
+    tok.add_argument(
+        "--pattern", default="*", help="which files of a directory to read (glob, default all)"
+    )
+    tok.add_argument(
+        "--eod-token", help="the end-of-document token between documents (<|endoftext|>)"
+    )
+    tok.set_defaults(handler=_data)
+    ins = data_sub.add_parser(
+        "inspect",
+        help="summarise a token shard directory and decode its first tokens",
+        description="Print a shard directory's manifest, check it, decode the first tokens.",
+    )
+    ins.add_argument("directory", type=Path, metavar="DIR")
+    ins.add_argument("--tokens", type=int, default=64, help="how many tokens to decode")
+    ins.set_defaults(handler=_data)
+
+
+def _data(args: argparse.Namespace) -> int:
+    try:
+        from diloco_trainer.data import text_cli
+    except ModuleNotFoundError as exc:
+        if exc.name != "tokenizers":
+            raise
+        print(
+            "error: diloco data needs the tokenizers package: pip install 'elastic-diloco[text]'",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    if args.data_command == "inspect":
+        return text_cli.inspect_command(args.directory, args.tokens)
+    return text_cli.tokenize_command(
+        args.inputs,
+        args.out,
+        args.tokenizer,
+        args.train_vocab,
+        args.shard_tokens,
+        pattern=args.pattern,
+        eod_token=args.eod_token,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="diloco", description="Elastic decoupled DiLoCo: local runs and tools."
@@ -136,7 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_local(sub)
     _add_simulate(sub)
     _add_export(sub)
+    _add_data(sub)
     return parser
+
+
+def _check_shards(training: TrainingConfig) -> None:
+    """A tokenised data.path against the model's vocabulary, before anything starts (the
+    learners check it too, but only once started and joined)."""
+    if training.data.source == "memmap":
+        from diloco_trainer.data.corpus import check_shard_manifest
+
+        check_shard_manifest(training)
 
 
 def _check_resume_dir(path: Path) -> str | None:
@@ -188,6 +265,7 @@ def _local_run(args: argparse.Namespace) -> int:
     )
     try:
         run = load_manifest(args.manifest)
+        _check_shards(run.spec.training)
         chaos = chaos_settings(run.spec.chaos, args.chaos, args.seed)
         check_chaos_units(chaos, run.spec.total_units)
         check_entrypoints(run.spec.training)

@@ -14,7 +14,8 @@ Sources:
   site-/dist-packages excluded), byte-level tokens (vocab 256). Assembled once and cached as
   ``~/.cache/diloco/stdlib-<python>-<cap>.npy`` so later starts just memory-map it.
 - ``memmap``: a ``.npy`` file, a raw ``.bin`` file of ``data.dtype`` tokens, or a directory of
-  such shards (sorted by name, concatenated in that order).
+  such shards (sorted by name, concatenated in that order). A directory written by
+  ``diloco data tokenize`` has a ``manifest.json`` (shards.py); the config is checked against it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from diloco_trainer.config import TrainingConfig
+from diloco_trainer.data.shards import ManifestError, mismatch, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +143,26 @@ def memmap_stream(path: str, dtype: str) -> TokenStream:
     return TokenStream([_open_memmap_file(f, dtype) for f in files])
 
 
+def check_shard_manifest(cfg: TrainingConfig) -> None:
+    """A tokenised directory's manifest against the model vocabulary and data dtype."""
+    assert cfg.data.path is not None
+    directory = Path(cfg.data.path)
+    if not directory.is_dir():
+        return
+    try:
+        manifest = read_manifest(directory)
+    except ManifestError as exc:
+        raise DataError(f"data.path: {exc}") from exc
+    problem = manifest and mismatch(manifest, directory, cfg.model.vocab, cfg.data.dtype)
+    if problem:
+        raise DataError(problem)
+
+
 def open_stream(cfg: TrainingConfig) -> TokenStream:
     if cfg.data.source == "stdlib":
         return TokenStream([stdlib_corpus(cfg.data.max_bytes)])
     assert cfg.data.path is not None  # the config validator guarantees it
+    check_shard_manifest(cfg)
     return memmap_stream(cfg.data.path, cfg.data.dtype)
 
 
