@@ -301,3 +301,16 @@ def test_cli_bad_input_is_exit_2_and_writes_nothing(
         assert sorted(p.name for p in work.iterdir()) == ["theirs"], message
     assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
     assert data_cli("inspect", tmp_path / "src").returncode == 2
+
+
+def test_the_syncer_refuses_a_too_small_vocabulary_at_start(
+    tmp_path: Path, corpus: tuple[list[Path], list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from diloco_trainer.syncer import main as syncer_main
+
+    out = tokenised(tmp_path, corpus[0])
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg_for(out, 256, "uint16").to_wire()))
+    args = ["--config", str(config), "--token", "t", "--checkpoint-dir", str(tmp_path / "c")]
+    assert syncer_main.main(args) == 2
+    assert "training.model.vocabSize 256 is smaller" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from diloco_trainer.workload.entrypoints import (
     MODEL_FIELD,
     build_data_source,
     build_model,
+    data_field,
     first_batches,
 )
 from diloco_trainer.workload.pytree import LeafNameError, flatten, unflatten
@@ -124,7 +125,7 @@ def prepare(cfg: TrainingConfig) -> Workload:
             "(names or shapes changed); the structure must be fixed"
         )
     (batch,) = first_batches(
-        source, 1, DATA_FIELD, shard=0, num_shards=1, seed=cfg.seed,
+        source, 1, data_field(cfg), shard=0, num_shards=1, seed=cfg.seed,
         batch_size=cfg.data.batch_size, split="eval", position=0,
     )  # fmt: skip
     _check_batch(batch, cfg.data.batch_size)

@@ -103,6 +103,12 @@ def build_data_source(cfg: TrainingConfig) -> DataSource:
     return functools.partial(target, **cfg.data.args)
 
 
+def data_field(cfg: TrainingConfig) -> str:
+    """Where a data problem is reported: the user's entrypoint, or the built-in source's block
+    (whose own errors already name their field and pass through unchanged)."""
+    return DATA_FIELD if cfg.data.entrypoint else "training.data"
+
+
 def first_batches(source: Callable[..., Any], count: int, field: str, **call: Any) -> list[Batch]:
     """`count` batches of one call of `source`, or an error naming `field` when it has fewer."""
     try:
@@ -111,6 +117,10 @@ def first_batches(source: Callable[..., Any], count: int, field: str, **call: An
             out.append(batch)
             if len(out) == count:
                 return out
+    except ValueError as exc:
+        if field != DATA_FIELD:  # the built-in source's own message names its field
+            raise
+        raise EntrypointError(f"{field}: the data source failed: {exc}") from exc
     except Exception as exc:
         raise EntrypointError(
             f"{field}: the data source failed: {type(exc).__name__}: {exc}"
