@@ -32,7 +32,7 @@ import numpy as np
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data.corpus import train_batches
 from diloco_trainer.learner.loop import StepProgram, build_step_program
-from diloco_trainer.learner.train import init_opt_state, place_params, shard_batch
+from diloco_trainer.learner.train import init_opt_state, shard_batch
 from diloco_trainer.models.gpt import init_params
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def warm_up(cfg: TrainingConfig, num_units: int) -> StepProgram:
     (the jit cache is per process; the persistent XLA cache only saves the compile itself)."""
     started = time.monotonic()
     program = build_step_program(cfg, num_units)
-    params = place_params(init_params(cfg.model, cfg.seed), program.mesh)
+    params = program.place(init_params(cfg.model, cfg.seed))
     opt_state = init_opt_state(program.optimizer, params, program.mesh)
     batch = next(train_batches(cfg, 0, num_units, batch_size=cfg.data.batch_size))
     _, _, loss = program.train_step(params, opt_state, shard_batch(np.asarray(batch), program.mesh))
