@@ -1,10 +1,11 @@
 """Issue 17 item 5: FSDP inside a unit, on 8 CPU devices (XLA's host-platform device count).
 
-Three runs of the learner's own step program (`build_step_program`, `StepProgram.place`,
-`init_opt_state`), each in a subprocess started with 8 fake CPU devices:
-- the same GPT, seed and batches, replicated and FSDP: the bytes each device holds of parameters
-  and AdamW state (summed over `addressable_shards`), the compiled step's per-device memory
-  (XLA's memory analysis: arguments, outputs, temporaries), both loss curves and tokens/s;
+The learner's own step program (`build_step_program`, `StepProgram.place`, `init_opt_state`),
+in subprocesses started with 8 fake CPU devices:
+- the same GPT, seed and batches, replicated and FSDP, trained side by side in one process: the
+  bytes each device holds of parameters and AdamW state (summed over `addressable_shards`), the
+  compiled step's per-device memory (XLA's memory analysis: arguments, outputs, temporaries),
+  both loss curves and tokens/s;
 - a GPT whose parameters and AdamW state need more than `BUDGET` bytes per device replicated,
   trained FSDP: its measured per-device bytes and its compiled step's per-device memory against
   the budget, and its losses; its replicated step is compiled (from shapes, not run) for the
@@ -74,52 +75,74 @@ def compile_only(model: dict[str, int], mode: str) -> dict[str, Any]:
     return {"mode": mode, "xla_bytes": step_memory(build_step_program(cfg, 1), cfg)}
 
 
-def measure(model: dict[str, int], mode: str, steps: int) -> dict[str, Any]:
-    """Train `steps` steps in this process (8 devices); bytes, memory analysis, losses, tokens/s."""
-    import jax
+class _Unit:
+    """One layout of the model, trained a step at a time on batches it is given."""
+
+    def __init__(self, model: dict[str, int], mode: str) -> None:
+        from diloco_trainer.learner.loop import build_step_program
+        from diloco_trainer.learner.sharding import bytes_per_device
+        from diloco_trainer.learner.train import init_opt_state
+        from diloco_trainer.models.gpt import init_params
+
+        self.mode, self.cfg = mode, _config(model, mode)
+        self.program = build_step_program(self.cfg, 1)
+        self.host = init_params(self.cfg.model, self.cfg.seed)
+        self.params = self.program.place(self.host)
+        self.state = init_opt_state(self.program.optimizer, self.params, self.program.mesh)
+        self.held = bytes_per_device(self.params, self.state)
+        self.losses: list[float] = []
+        self.seconds, self.timed_steps = 0.0, 0
+
+    def step(self, batch: Any, timed: bool) -> None:
+        from diloco_trainer.learner.train import shard_batch
+
+        start = time.perf_counter()
+        sharded = shard_batch(batch, self.program.mesh)
+        self.params, self.state, loss = self.program.train_step(self.params, self.state, sharded)
+        self.losses.append(float(loss))  # waits for the step
+        if timed:
+            self.seconds += time.perf_counter() - start
+            self.timed_steps += 1
+
+    def result(self) -> dict[str, Any]:
+        import jax
+        from diloco_trainer.learner.sharding import bytes_per_device
+        from diloco_trainer.models.gpt import count_params
+
+        held_after = bytes_per_device(self.params, self.state)
+        return {
+            "mode": self.mode,
+            "params": count_params(self.host),
+            "devices": jax.device_count(),
+            "held_max": max(max(self.held.values()), max(held_after.values())),
+            "memory_stats": jax.local_devices()[0].memory_stats(),
+            "xla_bytes": step_memory(self.program, self.cfg),
+            "losses": self.losses,
+            "tokens_per_sec": self.timed_steps * self.cfg.tokens_per_step / self.seconds,
+            "replicated_bytes_needed": 3 * sum(a.nbytes for a in self.host.values()),
+        }
+
+
+def measure(model: dict[str, int], modes: list[str], steps: int) -> list[dict[str, Any]]:
+    """Train each layout `steps` steps in this process (8 devices) on the same batches, step by
+    step in alternation (the order flipping every step) so machine noise hits them alike; the
+    first two steps (compiling) are not timed."""
     from diloco_trainer.data.corpus import train_batches
-    from diloco_trainer.learner.loop import build_step_program
-    from diloco_trainer.learner.sharding import bytes_per_device
-    from diloco_trainer.learner.train import init_opt_state, shard_batch
-    from diloco_trainer.models.gpt import count_params, init_params
 
-    cfg = _config(model, mode)
-    program = build_step_program(cfg, 1)
-    host = init_params(cfg.model, cfg.seed)
-    params = program.place(host)
-    state = init_opt_state(program.optimizer, params, program.mesh)
-    held = bytes_per_device(params, state)
-    batches = train_batches(cfg, 0, 1)
-    batch = shard_batch(next(batches), program.mesh)
-    losses, started, timed_from = [], 0.0, min(2, steps - 1)
+    units = [_Unit(model, mode) for mode in modes]
+    batches = train_batches(units[0].cfg, 0, 1)
     for step in range(steps):
-        if step == timed_from:
-            jax.block_until_ready(params)
-            started = time.perf_counter()
-        params, state, loss = program.train_step(params, state, batch)
-        losses.append(float(loss))  # waits for the step: one in flight, like the bare loop
-        batch = shard_batch(next(batches), program.mesh)
-    seconds = time.perf_counter() - started
-    held_after = bytes_per_device(params, state)
-    return {
-        "mode": mode,
-        "params": count_params(host),
-        "devices": jax.device_count(),
-        "held_max": max(max(held.values()), max(held_after.values())),
-        "held_min": min(min(held.values()), min(held_after.values())),
-        "memory_stats": jax.local_devices()[0].memory_stats(),
-        "xla_bytes": step_memory(program, cfg),
-        "losses": losses,
-        "tokens_per_sec": (steps - timed_from) * cfg.tokens_per_step / seconds,
-        "replicated_bytes_needed": 3 * sum(a.nbytes for a in host.values()),
-    }
+        batch = next(batches)
+        for unit in units if step % 2 == 0 else units[::-1]:
+            unit.step(batch, timed=step >= min(2, steps - 1))
+    return [unit.result() for unit in units]
 
 
-def _run_worker(model: str, mode: str, steps: int) -> dict[str, Any]:
+def _run_worker(model: str, modes: str, steps: int) -> list[dict[str, Any]]:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
     out = subprocess.run(
-        [sys.executable, "-m", "bench.sharding_bench", model, mode, str(steps)],
+        [sys.executable, "-m", "bench.sharding_bench", model, modes, str(steps)],
         env=env,
         cwd=REPO,
         capture_output=True,
@@ -127,7 +150,7 @@ def _run_worker(model: str, mode: str, steps: int) -> dict[str, Any]:
         timeout=3600,
         check=True,
     )
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result: list[dict[str, Any]] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -147,11 +170,10 @@ def _step_total(run: dict[str, Any]) -> float:
 def run(ctx: BenchContext) -> Section:
     steps, big_steps = (10, 4) if ctx.quick else (30, 12)
     log(f"sharding: GPT {SMALL} replicated and fsdp, {steps} steps on {DEVICES} CPU devices")
-    rep = _run_worker("small", "replicated", steps)
-    fsdp = _run_worker("small", "fsdp", steps)
+    rep, fsdp = _run_worker("small", "replicated,fsdp", steps)
     log(f"sharding: GPT {BIG} fsdp, {big_steps} steps, budget {fmt_bytes(BUDGET)} per device")
-    big = _run_worker("big", "fsdp", big_steps)
-    big_replicated = _run_worker("big", "replicated", 0)  # compiled for its memory, not run
+    (big,) = _run_worker("big", "fsdp", big_steps)
+    (big_replicated,) = _run_worker("big", "replicated", 0)  # compiled for its memory, not run
     diff = max(abs(a - b) for a, b in zip(rep["losses"], fsdp["losses"], strict=True))
     rows = [
         [
@@ -177,13 +199,15 @@ XLA per device = the compiled step's memory analysis (arguments / outputs / temp
 - loss curves: max |replicated - fsdp| over {steps} steps = {diff:.2e}
 - jax per-device memory stats on the CPU backend: `{rep["memory_stats"]}` (the CPU client
   keeps none), hence the byte sums above.
-- tokens/s: {DEVICES} fake devices share this machine's cores. FSDP is not slower here because
-  the replicated unit applies the AdamW update to every parameter on each of the {DEVICES}
-  devices, FSDP to an eighth on each; on accelerators the gathers' cost shows instead.
-- XLA's temporaries are larger under FSDP: the CPU compiler gathers many layers' weights ahead
-  of their use rather than one at a time. Parameters + optimizer state still shrink ~{DEVICES}x;
-  the whole step's per-device sum is {_step_total(fsdp) / _step_total(rep):.2f} of the
-  replicated one.
+- tokens/s: both layouts trained in one process, step by step in alternation on the same
+  batches (fsdp / replicated = {fsdp["tokens_per_sec"] / rep["tokens_per_sec"]:.2f}). The {DEVICES}
+  fake devices share this machine's cores: FSDP adds gathers and reduce-scatters, while the
+  replicated unit runs the AdamW update for every parameter on each device; what this ratio
+  would be on accelerators is not measured here.
+- XLA's temporaries are larger under FSDP: gathered weights and gradients before their
+  reduce-scatter live inside the step, and how many at once is up to XLA's scheduler (not
+  inspected here). Parameters + optimizer state shrink ~{DEVICES}x; the whole step's per-device
+  sum is {_step_total(fsdp) / _step_total(rep):.2f} of the replicated one.
 
 Over budget, {fmt_bytes(BUDGET)} per device: GPT {BIG} ({big["params"]:,} parameters).
 
@@ -207,7 +231,9 @@ replicated: {"yes" if fits else "NO"}.
 
 
 if __name__ == "__main__":
-    name, mode, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    name, modes, count = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
     sizes = SMALL if name == "small" else BIG
-    result = measure(sizes, mode, count) if count > 0 else compile_only(sizes, mode)
-    print(json.dumps(result))
+    if count > 0:
+        print(json.dumps(measure(sizes, modes, count)))
+    else:
+        print(json.dumps([compile_only(sizes, mode) for mode in modes]))

@@ -63,6 +63,12 @@ def test_rules_first_match_wins_then_size_then_default() -> None:
     assert leaf_spec("blocks.0.mlp.w_in", (64, 256), 65536, 1, FSDP, rules) == ()  # one device
 
 
+def test_leaf_names_are_pytree_paths_joined_by_dots() -> None:
+    tree = {"embed": 0, "blocks": [{"attn": {"wqkv": 1}}, {"attn": {"wqkv": 2}}]}
+    names = [path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    assert sorted(names) == ["blocks.0.attn.wqkv", "blocks.1.attn.wqkv", "embed"]
+
+
 def test_bad_rules_and_config_are_refused_naming_what() -> None:
     with pytest.raises(ValueError, match=r"partition_rules\[1\].*'model'"):
         compile_rules([("a", ()), ("b", ("model",))])

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from diloco_trainer.api import PartitionRule
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data.corpus import train_batches
 from diloco_trainer.fragments import pack_fragments
@@ -119,12 +120,15 @@ class StepProgram:
         return place_params(params, self.mesh, {n: a.sharding for n, a in self.params_like.items()})
 
 
-def build_step_program(cfg: TrainingConfig, num_units: int) -> StepProgram:
+def build_step_program(
+    cfg: TrainingConfig, num_units: int, partition_rules: Sequence[PartitionRule] = ()
+) -> StepProgram:
+    """`partition_rules`: the model's (`api.partition_rules`), used with `sharding.mode: fsdp`."""
     mesh = make_mesh()
     check_batch_divisible(cfg.data.batch_size, mesh.devices.size)
     optimizer = make_optimizer(cfg.inner_optimizer, learner_horizon(cfg, num_units))
     # The built-in GPT needs no partition rules: the largest-axis default splits every matrix.
-    like = abstract_params(param_shapes(cfg.model), mesh, cfg.sharding)
+    like = abstract_params(param_shapes(cfg.model), mesh, cfg.sharding, partition_rules)
     step = make_train_step(optimizer, mesh, abstract_params=like)
     return StepProgram(num_units, mesh, optimizer, step, like)
 
