@@ -28,6 +28,7 @@ BENCHES: list[tuple[str, str]] = [
     ("chaos_loss", "bench.chaos_loss"),
     ("mixed_speed", "bench.mixed_speed"),
     ("gpu", "bench.gpu_bench"),
+    ("sharding", "bench.sharding_bench"),
     ("operator", "bench.operator_bench"),
     ("real_pods", "bench.real_pods"),
 ]
@@ -50,6 +51,7 @@ the same machine; absolute times are context only. Sections: {names}.
 | syncer >= 30% of memory-copy bandwidth | syncer |
 | pod failure -> Offline <= 2 s, -> replacement <= 5 s beyond backoff; RSS < 300 MiB at 50x16 | operator |
 | real pods: learner killed -> replacement training again, median <= 15 s beyond backoff (issue 16) | real_pods |
+| FSDP unit on 8 devices: same loss curve as replicated, ~1/8 the per-device parameter + optimizer bytes; an over-budget model trains sharded (issue 17) | sharding |
 """
 
 

@@ -279,6 +279,24 @@ class EvalConfig(Strict):
     batches: int = Field(8, ge=1, le=10000, description="Held-out batches per evaluation.")
 
 
+class ShardingConfig(Strict):
+    """How a unit lays its parameters and optimizer state over its devices (learner/sharding.py)."""
+
+    mode: Literal["replicated", "fsdp"] = Field(
+        "replicated",
+        description="replicated: every device holds all parameters and optimizer state; fsdp: "
+        "each large leaf is split over the unit's devices (the model's partitionRules, else "
+        "its largest axis the device count divides), gathered by XLA where a step needs it.",
+    )
+    min_shard_bytes: int = Field(
+        65536,
+        ge=0,
+        le=INT64_MAX,
+        description="fsdp: a leaf smaller than this stays replicated (its gather would cost "
+        "more than the memory it saves); partition rules apply whatever the size.",
+    )
+
+
 class TrainingConfig(Strict):
     """The training block of a DilocoRun (`spec.training`): configures learners and the syncer."""
 
@@ -324,6 +342,7 @@ class TrainingConfig(Strict):
     )
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
     eval: EvalConfig = Field(default_factory=lambda: EvalConfig())
+    sharding: ShardingConfig = Field(default_factory=lambda: ShardingConfig())
 
     @model_validator(mode="after")
     def _has_budget(self) -> TrainingConfig:

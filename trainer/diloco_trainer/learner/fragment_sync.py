@@ -1,6 +1,10 @@
 """The learner's bookkeeping per fragment between train steps: which fragments are due for a push
 (handed to the sender thread), and installing the newer global fragments that arrived (the same on
-every host of the unit). `learner.run_learner` calls both once a step."""
+every host of the unit). `learner.run_learner` calls both once a step.
+
+With FSDP (`sharding.py`) a push first gathers its fragment's leaves to replicated device arrays
+(every host at the same step), so the sender reads whole tensors; an install scatters each
+arriving tensor back to its leaf's own sharding."""
 
 from __future__ import annotations
 
@@ -9,13 +13,13 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import FragmentCounters, PushClock
 from diloco_trainer.learner.distributed import exchange_arrivals
+from diloco_trainer.learner.sharding import gather_fragment, scatter_leaf
 from diloco_trainer.learner.sync_link import PendingPush, SyncLink
-from diloco_trainer.learner.train import Params, replicated
+from diloco_trainer.learner.train import Params
 
 
 @dataclass
@@ -52,15 +56,16 @@ class FragmentBook:
     def push_due(
         self, step: int, params: Params, link: SyncLink | None, tokens_per_step: int
     ) -> None:
-        """Count the step, then hand each fragment due now to the sender (leader only)."""
+        """Count the step, then hand each fragment due now to the sender (leader only). Every
+        host runs this at every step: a sharded fragment's gather is a collective."""
         self.counters.add_step(tokens_per_step)
         for p in range(len(self.layout)):
             if not self.clock.due(step, p):
                 continue
             self.clock.pushed(step, p)
+            theta = gather_fragment(params, self.layout[p])
             if link is not None:
                 c_steps, c_tokens = self.counters.get(p)
-                theta = {n: params[n] for n in self.layout[p]}
                 link.enqueue_push(
                     PendingPush(p, self.versions[p], self.base[p], theta, c_steps, c_tokens, step)
                 )
@@ -69,7 +74,7 @@ class FragmentBook:
             self.counters.reset(p)
 
     def install_arrivals(
-        self, step: int, params: Params, mesh: Mesh, link: SyncLink | None, done: bool
+        self, step: int, params: Params, link: SyncLink | None, done: bool
     ) -> bool:
         """Install the newer global fragments the pollers received (the same on every host);
         returns the unit's stop decision (`done`, or the run complete), agreed by every host."""
@@ -85,9 +90,8 @@ class FragmentBook:
         for p, (version, tensors) in sorted(newest.items()):
             if version <= self.versions[p]:
                 continue
-            sharding = replicated(mesh)
             for name, value in tensors.items():
-                params[name] = jax.device_put(value, sharding)
+                params[name] = scatter_leaf(value, params[name].sharding)
             self.base[p], self.versions[p] = tensors, version
             self.counters.overwrite(p)
             self.clock.installed(step, p)

@@ -28,12 +28,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from diloco_trainer.api import partition_rules
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.learner.distributed import broadcast_int, exchange_arrivals, is_leader
 from diloco_trainer.learner.fragment_sync import FragmentBook
 from diloco_trainer.learner.metrics import LearnerMetrics, start_learner_metrics
+from diloco_trainer.learner.sharding import abstract_params
 from diloco_trainer.learner.sync_link import Progress, SyncLink, retry_until
 from diloco_trainer.learner.train import (
     Params,
@@ -105,24 +107,33 @@ class LearnerResult:
 class StepProgram:
     """What a learner builds before training that does not depend on which unit it is: the mesh,
     the inner optimizer (its schedule depends only on the run's size) and the jit-compiled train
-    step. A warm spare (`standby.py`) builds and compiles it before it knows its unit."""
+    step, and where each parameter lives (`training.sharding`). A warm spare (`standby.py`)
+    builds and compiles it before it knows its unit."""
 
     num_units: int
     mesh: Mesh
     optimizer: optax.GradientTransformation
     train_step: TrainStep
+    params_like: dict[str, jax.ShapeDtypeStruct]  # each leaf's shape, dtype and sharding
     workload: Workload
+
+    def place(self, params: dict[str, np.ndarray]) -> Params:
+        return place_params(params, self.mesh, {n: a.sharding for n, a in self.params_like.items()})
 
 
 def build_step_program(
     cfg: TrainingConfig, num_units: int, workload: Workload | None = None
 ) -> StepProgram:
+    """The mesh, the optimizer and the train step for `workload` (default: the run's, checked),
+    its leaves laid out by `cfg.sharding` with the model's partition rules."""
     workload = workload or prepare(cfg)
     mesh = make_mesh()
     check_batch_divisible(cfg.data.batch_size, mesh.devices.size)
     optimizer = make_optimizer(cfg.inner_optimizer, learner_horizon(cfg, num_units))
-    train_step = make_train_step(optimizer, mesh, workload.flat_loss())
-    return StepProgram(num_units, mesh, optimizer, train_step, workload)
+    rules = partition_rules(workload.model)
+    like = abstract_params(workload.shapes, mesh, cfg.sharding, rules)
+    step = make_train_step(optimizer, mesh, workload.flat_loss(), abstract_params=like)
+    return StepProgram(num_units, mesh, optimizer, step, like, workload)
 
 
 def learner_horizon(cfg: TrainingConfig, num_units: int) -> int:
@@ -210,7 +221,7 @@ def run_learner(
 
             # ---- arrivals from the syncer (and the stop decision) reach every host at this step
             done = stop.is_set() or (opts.max_steps is not None and step >= opts.max_steps)
-            done = frags.install_arrivals(step, params, mesh, link, done)
+            done = frags.install_arrivals(step, params, link, done)
             report.step(step, loss, metrics, done, frags)
             if step > 1:
                 loop_seconds["train"] += now - top
@@ -285,7 +296,7 @@ def _training_state(
 ) -> tuple[Params, Any, Iterator[np.ndarray]]:
     """The unit's SPMD training state: parameters on the mesh, fresh AdamW moments with the LR
     schedule continuing at the unit's step (short re-warmup), and this host's batches."""
-    params = place_params(start.params, program.mesh)
+    params = program.place(start.params)
     opt_state = resume_schedule(
         init_opt_state(program.optimizer, params, program.mesh), start.resume_step, program.mesh
     )

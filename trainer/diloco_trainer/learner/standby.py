@@ -30,7 +30,7 @@ import jax
 
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.learner.loop import StepProgram, build_step_program
-from diloco_trainer.learner.train import init_opt_state, place_params, shard_batch, step_key
+from diloco_trainer.learner.train import init_opt_state, shard_batch, step_key
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def warm_up(cfg: TrainingConfig, num_units: int) -> StepProgram:
     started = time.monotonic()
     program = build_step_program(cfg, num_units)
     workload = program.workload
-    params = place_params(workload.initial_params(), program.mesh)
+    params = program.place(workload.initial_params())
     opt_state = init_opt_state(program.optimizer, params, program.mesh)
     batch = next(iter(workload.source(
         0, num_units, seed=cfg.seed, batch_size=cfg.data.batch_size, split="train", position=0

@@ -2,8 +2,10 @@
 
 SPMD layout: one 1-D mesh axis ``data`` over every device of the unit (all local devices, and all
 hosts' devices once ``jax.distributed`` is initialised). The batch is sharded along ``data``;
-parameters and AdamW state are replicated, so XLA inserts one gradient all-reduce per step inside
-the unit. Every process feeds only its own rows (`shard_batch`), which is what multi-host needs.
+parameters and AdamW state are replicated by default, so XLA inserts one gradient all-reduce per
+step inside the unit, or sharded along the same axis (FSDP, `sharding.py`), so XLA gathers weights
+and reduce-scatters gradients instead. Every process feeds only its own rows (`shard_batch`),
+which is what multi-host needs.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diloco_trainer.config import InnerOptimizerConfig
+from diloco_trainer.learner.sharding import DATA_AXIS, opt_state_shardings, place
 from diloco_trainer.models.gpt import loss_fn
 
-DATA_AXIS = "data"
 Params = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 # (flat params, batch, rng) -> (scalar loss, metrics): a model's loss over the trainer's flat dict.
@@ -142,10 +144,17 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(DATA_AXIS))
 
 
-def place_params(params: Mapping[str, np.ndarray | jax.Array], mesh: Mesh) -> Params:
-    """Copy parameters onto every device of the unit (replicated)."""
-    sharding = replicated(mesh)
-    return {name: jax.device_put(np.asarray(value), sharding) for name, value in params.items()}
+def place_params(
+    params: Mapping[str, np.ndarray | jax.Array],
+    mesh: Mesh,
+    shardings: Mapping[str, NamedSharding] | None = None,
+) -> Params:
+    """Lay parameters out over the unit's devices: `shardings` per leaf (`sharding.py`), or
+    replicated on every device when None."""
+    if shardings is None:
+        shardings = {name: replicated(mesh) for name in params}
+    placed: Params = place(dict(params), dict(shardings))
+    return placed
 
 
 def shard_batch(local_batch: Any, mesh: Mesh) -> Any:
@@ -165,7 +174,10 @@ def check_batch_divisible(global_batch: int, devices: int) -> None:
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, params: Params, mesh: Mesh) -> Any:
-    return jax.jit(optimizer.init, out_shardings=replicated(mesh))(params)
+    """Fresh optimizer state laid out like `params`: each moment shares its parameter's sharding."""
+    return jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params, mesh))(
+        params
+    )
 
 
 def gpt_loss(compute_dtype: jnp.dtype = jnp.float32) -> LossFn:
@@ -182,9 +194,13 @@ def make_train_step(
     mesh: Mesh,
     loss: LossFn | None = None,
     compute_dtype: jnp.dtype = jnp.float32,
+    abstract_params: Mapping[str, jax.ShapeDtypeStruct] | None = None,
 ) -> TrainStep:
     """(params, opt_state, batch, rng) -> (params, opt_state, loss, metrics), jit-compiled over
     the mesh. `loss`: the model's (default: the built-in transformer at `compute_dtype`).
+
+    `abstract_params`: each leaf's shape, dtype and sharding (`sharding.abstract_params`); the
+    step takes and returns parameters and optimizer state laid out that way. None: replicated.
 
     Buffers are not donated: the learner hands the previous step's parameter arrays to a
     background sender thread, which reads them to host while later steps run.
@@ -199,10 +215,15 @@ def make_train_step(
         return optax.apply_updates(params, updates), opt_state, value, metrics
 
     rep = replicated(mesh)
+    params_in: Any = rep
+    state_in: Any = rep
+    if abstract_params is not None:
+        params_in = {name: leaf.sharding for name, leaf in abstract_params.items()}
+        state_in = opt_state_shardings(optimizer, dict(abstract_params), mesh)
     jitted: TrainStep = jax.jit(
         step,
-        in_shardings=(rep, rep, batch_sharding(mesh), rep),
-        out_shardings=(rep, rep, rep, rep),
+        in_shardings=(params_in, state_in, batch_sharding(mesh), rep),
+        out_shardings=(params_in, state_in, rep, rep),
     )
     return jitted
 

@@ -1,0 +1,199 @@
+"""Sharding inside a unit: the layout rules, and FSDP training equal to replicated training with
+~1/8 of the parameter and optimizer bytes per device, on one host of 8 CPU devices and on two
+processes of 4 joined by jax.distributed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from diloco_trainer.config import ShardingConfig, TrainingConfig
+from diloco_trainer.learner.sharding import (
+    DATA_AXIS,
+    compile_rules,
+    largest_axis_spec,
+    leaf_spec,
+    opt_state_shardings,
+    path_name,
+)
+from diloco_trainer.learner.train import make_optimizer
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from pydantic import ValidationError
+
+WORKER = Path(__file__).with_name("sharding_worker.py")
+FSDP = ShardingConfig(mode="fsdp", min_shard_bytes=1024)
+STEPS = 20
+
+
+def test_default_shards_the_largest_axis_the_device_count_divides() -> None:
+    assert largest_axis_spec((256, 64), 8) == (DATA_AXIS,)
+    assert largest_axis_spec((64, 256), 8) == (None, DATA_AXIS)
+    assert largest_axis_spec((64, 3, 4, 16), 8) == (DATA_AXIS,)
+    assert largest_axis_spec((4, 16, 64), 8) == (None, None, DATA_AXIS)
+    assert largest_axis_spec((100, 36), 8) == ()  # nothing divides: replicated
+    assert largest_axis_spec((24, 100), 8) == (DATA_AXIS,)  # 100 is larger but does not divide
+    assert largest_axis_spec((16, 16), 8) == (DATA_AXIS,)  # a tie: the first axis
+
+
+def test_rules_first_match_wins_then_size_then_default() -> None:
+    rules = compile_rules(
+        [(r"embed$", (None, DATA_AXIS)), (r"\.ln\d\.", ()), (r"embed", (DATA_AXIS,))]
+    )
+
+    def spec(name: str, shape: tuple[int, ...], cfg: ShardingConfig = FSDP) -> tuple:
+        return leaf_spec(name, shape, 4 * int(np.prod(shape)), 8, cfg, rules)
+
+    assert spec("embed", (256, 64)) == (None, DATA_AXIS)  # first rule, not the third
+    assert spec("embed_pos", (32, 64)) == (DATA_AXIS,)  # third rule
+    assert spec("blocks.0.ln1.scale", (4096,)) == ()  # a rule beats the size
+    assert spec("blocks.0.mlp.w_in", (64, 256)) == (None, DATA_AXIS)  # no rule: the default
+    assert spec("ln_f.scale", (64,)) == ()  # 256 bytes < minShardBytes
+    tiny = leaf_spec("embed_pos", (8, 8), 256, 8, FSDP, rules)
+    assert tiny == (DATA_AXIS,)  # rules apply whatever the size
+    replicated = ShardingConfig()
+    assert replicated.mode == "replicated" and replicated.min_shard_bytes == 65536
+    assert spec("embed", (256, 64), replicated) == ()
+    assert leaf_spec("blocks.0.mlp.w_in", (64, 256), 65536, 1, FSDP, rules) == ()  # one device
+
+
+def test_leaf_names_are_pytree_paths_joined_by_dots() -> None:
+    tree = {"embed": 0, "blocks": [{"attn": {"wqkv": 1}}, {"attn": {"wqkv": 2}}]}
+    names = [path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    assert sorted(names) == ["blocks.0.attn.wqkv", "blocks.1.attn.wqkv", "embed"]
+
+
+def test_bad_rules_and_config_are_refused_naming_what() -> None:
+    with pytest.raises(ValueError, match=r"partition_rules\[1\].*'model'"):
+        compile_rules([("a", ()), ("b", ("model",))])
+    with pytest.raises(ValueError, match=r"partition_rules\[0\]: not a \(regex, spec\) pair"):
+        compile_rules([("(", ())])
+    with pytest.raises(ValueError, match=r"'data', at most once"):
+        compile_rules([("a", (DATA_AXIS, DATA_AXIS))])
+    rules = compile_rules([("w", (None, DATA_AXIS))])
+    with pytest.raises(ValueError, match=r"leaf w axis 1 \(size 12\) does not divide over .* 8"):
+        leaf_spec("w", (64, 12), 3072, 8, FSDP, rules)
+    with pytest.raises(ValueError, match="more axes than leaf w"):
+        leaf_spec("w", (64,), 256, 8, FSDP, rules)
+    with pytest.raises(ValidationError, match=r"sharding\.mode"):
+        TrainingConfig.model_validate({"totalSteps": 1, "sharding": {"mode": "zero3"}})
+    with pytest.raises(ValidationError, match=r"sharding\.minShardBytes"):
+        TrainingConfig.model_validate({"totalSteps": 1, "sharding": {"minShardBytes": -1}})
+
+
+def test_optimizer_moments_share_their_parameters_sharding() -> None:
+    mesh = Mesh(np.array(jax.devices()[:1]), (DATA_AXIS,))
+    split, whole = NamedSharding(mesh, P(None, DATA_AXIS)), NamedSharding(mesh, P())
+    params = {
+        "w": jax.ShapeDtypeStruct((4, 8), np.float32, sharding=split),
+        "b": jax.ShapeDtypeStruct((8,), np.float32, sharding=whole),
+    }
+    opt = make_optimizer(TrainingConfig.model_validate({"totalSteps": 10}).inner_optimizer, 10)
+    state = opt_state_shardings(opt, params, mesh)
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    named = {path_name(path): sharding for path, sharding in flat}
+    moments = {n: s for n, s in named.items() if n.endswith((".w", ".b"))}
+    assert {n.rsplit(".", 1)[1] for n in moments} == {"w", "b"} and len(moments) == 4  # mu, nu
+    for name, sharding in moments.items():
+        assert sharding == (split if name.endswith(".w") else whole), name
+    others = [s for n, s in named.items() if n not in moments]
+    assert others and all(s == whole for s in others)  # counts, the schedule's step
+
+
+def _worker(
+    out: Path, mode: str, devices: int, process: int = 0, processes: int = 1, port: int = 0
+) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    args = [str(process), str(processes), str(port)] if processes > 1 else []
+    command = [sys.executable, str(WORKER), str(out), mode, str(STEPS), *args]
+    return subprocess.Popen(command, env=env)
+
+
+def _train(out: Path, mode: str) -> dict[str, np.ndarray]:
+    assert _worker(out, mode, 8).wait(timeout=300) == 0
+    with np.load(out) as saved:
+        return dict(saved)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
+    return _train(tmp_path_factory.mktemp("fsdp") / "fsdp.npz", "fsdp")
+
+
+def _params(run: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v for k, v in run.items() if k.startswith("param.")}
+
+
+def test_fsdp_unit_trains_like_the_replicated_one_on_an_eighth_of_the_bytes(
+    fsdp_run: dict[str, np.ndarray], tmp_path: Path
+) -> None:
+    sharded, replicated = fsdp_run, _train(tmp_path / "replicated.npz", "replicated")
+    assert int(sharded["devices"]) == int(replicated["devices"]) == 8
+    assert int(sharded["sharded_leaves"]) > 0 and int(replicated["sharded_leaves"]) == 0
+    losses = replicated["losses"]
+    assert losses[-5:].mean() < losses[:5].mean() - 0.5, losses  # it does learn
+    np.testing.assert_allclose(sharded["losses"], losses, rtol=1e-5)
+    assert _params(sharded).keys() == _params(replicated).keys()
+    for name, value in _params(replicated).items():
+        np.testing.assert_allclose(sharded[name], value, atol=1e-5, err_msg=name)
+
+    # Bytes per device: params + AdamW mu and nu (3x the parameter bytes) + scalar counters.
+    # Replicated, every device holds all of it; FSDP, an eighth of the split leaves plus all of
+    # the leaves too small to split (norm scales) and the counters.
+    total = 3 * int(replicated["initial_bytes"]) + int(replicated["scalar_state_bytes"])
+    np.testing.assert_array_equal(replicated["held"], total)
+    unsplit = 3 * int(sharded["small_param_bytes"]) + int(sharded["scalar_state_bytes"])
+    bound = (total - unsplit) / 8 + unsplit
+    assert sharded["held"].max() <= bound, (sharded["held"], bound)
+    assert sharded["held"].max() < total / 7, (sharded["held"], total)
+
+    # The first push: gathered to whole (replicated) tensors, equal to the replicated unit's.
+    assert int(sharded["pushed_step"]) == int(replicated["pushed_step"])
+    assert bool(sharded["pushed_replicated"])
+    pushed = [k for k in replicated if k.startswith("pushed.")]
+    assert pushed
+    for name in pushed:
+        np.testing.assert_allclose(sharded[name], replicated[name], atol=1e-5, err_msg=name)
+
+    # The install: the arrived values, in the leaf's own sharding, and the next step takes them.
+    for run in (sharded, replicated):
+        assert bool(run["install_ok"]) and bool(run["installed_value_ok"])
+        assert int(run["installed_version"]) == 7
+    assert float(sharded["after_install"]) == pytest.approx(float(replicated["after_install"]))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def test_two_processes_of_four_devices_train_like_one_of_eight(
+    fsdp_run: dict[str, np.ndarray], tmp_path: Path
+) -> None:
+    out, port = tmp_path / "multihost.npz", _free_port()
+    workers = [_worker(out, "fsdp", 4, p, 2, port) for p in range(2)]
+    try:
+        codes = [w.wait(timeout=300) for w in workers]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    assert codes == [0, 0]
+    with np.load(out) as saved:
+        multi = dict(saved)
+    assert int(multi["devices"]) == 8 and len(multi["held"]) == 4  # 4 local of 8 in the unit
+    np.testing.assert_array_equal(multi["held"], fsdp_run["held"][:4])
+    np.testing.assert_allclose(multi["losses"], fsdp_run["losses"], rtol=1e-5)
+    for name, value in _params(fsdp_run).items():
+        np.testing.assert_allclose(multi[name], value, atol=1e-5, err_msg=name)
+    assert bool(multi["pushed_replicated"]) and bool(multi["install_ok"])
+    assert bool(multi["installed_value_ok"])
