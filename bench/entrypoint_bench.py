@@ -24,7 +24,7 @@ def entrypoint_config(cfg: TrainingConfig) -> TrainingConfig:
 
 
 def run(ctx: BenchContext) -> Section:
-    rounds, steps = (3, 150) if ctx.quick else (6, 400)
+    rounds, steps = (3, 40) if ctx.quick else (6, 100)
     cfg = bench_config()
     builtin = BareLoop(cfg)
     entry = BareLoop(cfg, prepare(entrypoint_config(cfg)).flat_loss())
