@@ -10,6 +10,7 @@ import numpy as np
 
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer.checkpoint import Snapshot
+from diloco_trainer.syncer.data_leases import LeaseBook
 
 if TYPE_CHECKING:
     from diloco_trainer.syncer.core import Syncer
@@ -33,6 +34,8 @@ def restore(s: Syncer, snap: Snapshot) -> None:
         f.version = snap.versions[f.index]
         f.last_merge = (snap.extra.get("lastMerge") or [None] * len(s.frags))[f.index]
     s.learners.load_json(snap.learners, now=time.time())
+    # Absent from checkpoints older than data leases: a fresh book.
+    s.leases = LeaseBook.from_json(snap.extra.get("dataLeases"), s.cfg.data.shards)
     s.eval_loss = snap.extra.get("evalLoss")
     s.final_loss = snap.extra.get("finalLoss")
     s._saved_mark = s._mark()
@@ -81,5 +84,6 @@ def snapshot(s: Syncer) -> Snapshot:
             "evalLoss": s.eval_loss,
             "finalLoss": s.final_loss,
             "lastMerge": [f.last_merge for f in s.frags],
+            "dataLeases": s.leases.to_json(),
         },
     )
