@@ -38,6 +38,9 @@ class LeaseBook:
     finished: set[int] = field(default_factory=set)  # shards finished in `epoch`
     held: dict[str, DataLease] = field(default_factory=dict)  # unit -> its lease
     revision: int = 0  # bumped by every change, so a checkpoint knows to catch up
+    # Bumped when a lease is given, taken or finished (not by positions): such a change is
+    # journaled before the unit hears of it (CheckpointStore.record_leases).
+    moves: int = 0
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -97,6 +100,7 @@ class LeaseBook:
             self._finish(unit, current)
         self.held[unit] = at
         self.revision += 1
+        self.moves += 1
         log.warning(
             "event=data_lease_adopted unit=%s epoch=%d shard=%d position=%d",
             unit, at.epoch, at.shard, at.position,
@@ -108,6 +112,7 @@ class LeaseBook:
         if lease.epoch == self.epoch:
             self.finished.add(lease.shard)
         self.revision += 1
+        self.moves += 1
         log.info(
             "event=data_shard_finished unit=%s epoch=%d shard=%d position=%d",
             unit, lease.epoch, lease.shard, lease.position,
@@ -117,6 +122,7 @@ class LeaseBook:
         lease = self._next_lease(unit, alive)
         self.held[unit] = lease
         self.revision += 1
+        self.moves += 1
         log.info(
             "event=data_lease unit=%s epoch=%d shard=%d position=%d",
             unit, lease.epoch, lease.shard, lease.position,
@@ -153,7 +159,18 @@ class LeaseBook:
             "epoch": self.epoch,
             "finished": sorted(self.finished),
             "held": {unit: lease.to_json() for unit, lease in self.held.items()},
+            "moves": self.moves,
         }
+
+    def newest(self, other: LeaseBook) -> LeaseBook:
+        """Of this book (a checkpoint's) and `other` (the journal's), the one with the later
+        assignments, holding the further position of each lease both have."""
+        base, positions = (other, self) if other.moves > self.moves else (self, other)
+        for unit, lease in base.held.items():
+            seen = positions.held.get(unit)
+            if seen is not None and lease.same_shard(seen) and seen.position > lease.position:
+                base.held[unit] = seen
+        return base
 
     @classmethod
     def from_json(cls, data: Any, num_shards: int) -> LeaseBook:
@@ -171,9 +188,10 @@ class LeaseBook:
                 f"data.shards: the checkpoint's run has {data.get('shards')!r} shards, this "
                 f"config {num_shards}; the shard count is fixed for the life of a run"
             )
-        epoch = data.get("epoch")
-        if isinstance(epoch, int) and not isinstance(epoch, bool) and 0 <= epoch <= MAX_COUNTER:
-            book.epoch = epoch
+        for name in ("epoch", "moves"):
+            value = data.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNTER:
+                setattr(book, name, value)
         finished = data.get("finished")
         book.finished = {
             s

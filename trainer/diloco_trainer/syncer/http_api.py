@@ -168,7 +168,9 @@ async def join(request: web.Request) -> web.Response:
 
     s.learners.seen(unit, attempt, group, time.time()).joined.add(attempt)
     resume_step = s.learners.resume_step(unit, attempt)  # where its LR schedule continues
+    moves = s.leases.moves
     lease = s.leases.join(unit, _alive(s))
+    await _journal_leases(s, moves)
     log.info(
         "event=join unit=%s attempt=%d group=%s versions=%s resume_step=%d",
         unit, attempt, group, s.versions(), resume_step,
@@ -194,6 +196,15 @@ def _alive(s: Syncer) -> list[str]:
     return s.learners.online(time.time(), s.lease_orphan_after)
 
 
+async def _journal_leases(s: Syncer, moves_before: int) -> None:
+    """After a lease was given, taken or finished, and before the unit hears of it: journal the
+    book, so that a syncer restarted from an older checkpoint hands no shard out twice."""
+    if s.store is None or s.leases.moves == moves_before:
+        return
+    book = s.leases.to_json()  # on the loop thread: the book as of this change
+    await asyncio.get_running_loop().run_in_executor(s._journal_pool, s.store.record_leases, book)
+
+
 async def claim_data(request: web.Request) -> web.Response:
     """The unit read its shard to the end: its next lease (docs/protocol.md, "Data leases")."""
     s = request.app[SYNCER_KEY]
@@ -204,7 +215,9 @@ async def claim_data(request: web.Request) -> web.Response:
     except WireError as exc:
         raise Reject(400, "bad_request", str(exc)) from exc
     s.learners.seen(unit, attempt, group, time.time())
+    moves = s.leases.moves
     lease = s.leases.claim(unit, finished, _alive(s))
+    await _journal_leases(s, moves)
     return _json({"dataLease": lease.to_json()})
 
 
@@ -269,7 +282,9 @@ async def push(request: web.Request) -> web.Response:
     at = _data_position(request)  # before the push: a bad header refuses both
     reply = await s.accept_push(f, body, caller.unit)
     if at is not None:
+        moves = s.leases.moves
         s.leases.report(caller.unit, at)
+        await _journal_leases(s, moves)
     s.metrics.pushes.labels("accepted", "duplicate" if reply["duplicate"] else "ok").inc()
     return _json(reply)
 
