@@ -29,7 +29,9 @@ class UnitStatus(Strict):
     name: str = Field(description="Unit name: its Job and headless Service.")
     group: str = Field(description="Unit group (spec.unitGroups[].name).")
     index: int = Field(description="Index within the group.")
-    global_index: int = Field(description="Index across the run (the unit's data shard).")
+    global_index: int = Field(
+        description="Index across the run (DILOCO_UNIT; data shards are leased by the syncer)."
+    )
     state: UnitState = Field(
         description="Pending (created, not all hosts ready), Online, Offline (failed, waiting "
         "to be recreated), Recreating, Removing (scaled down), Completed or Failed (restart "
