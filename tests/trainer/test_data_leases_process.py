@@ -76,7 +76,6 @@ class Run:
             DILOCO_UNIT=str(unit),
             DILOCO_NUM_UNITS="2",  # what the first units were told; the third is told 3
             DILOCO_ATTEMPT=str(attempt),
-            DILOCO_SLOWDOWN="3",
             DILOCO_TOKEN=unit_token(TOKEN, f"unit-{unit}"),
         )
         if unit >= 2:
