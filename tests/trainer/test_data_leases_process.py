@@ -101,17 +101,17 @@ class Run:
             assert time.monotonic() < deadline, self.log(unit, attempt).read_text()[-3000:]
             time.sleep(0.1)
 
-    def wait_into_shard(self, unit: int, attempt: int, position: int = 20) -> None:
-        """Until the unit has read 40 more batches and is `position` batches into a shard (so
-        that its pushes since then reported a position above 0)."""
+    def kill_mid_shard(self, unit: int, attempt: int, proc: subprocess.Popen[bytes]) -> Read:
+        """SIGKILL the learner once it read 40 more batches and is 20..60 batches into a shard
+        of ~100 (its pushes since the shard began reported a position above 0, and it is far
+        from claiming the next); returns its last read."""
         target = len(self.reads(unit, attempt)) + 40
         deadline = time.monotonic() + 180
-        while True:
-            reads = self.reads(unit, attempt)
-            if len(reads) >= target and reads[-1][2] >= position:
-                return
+        while not (len(reads := self.reads(unit, attempt)) >= target and 20 <= reads[-1][2] <= 60):
             assert time.monotonic() < deadline, self.log(unit, attempt).read_text()[-3000:]
-            time.sleep(0.1)
+            time.sleep(0.05)
+        self.kill(proc)
+        return self.reads(unit, attempt)[-1]
 
     def first_shard(self, unit: int, attempt: int, timeout: float = 180) -> Read:
         deadline = time.monotonic() + timeout
@@ -181,22 +181,19 @@ def test_scaled_units_read_disjoint_data(run: Run) -> None:
 
 def test_restarted_learners_resume_where_they_reported(run: Run) -> None:
     learners = {0: run.start_learner(0), 1: run.start_learner(1)}
-    run.wait_into_shard(1, 0)
-    run.kill(learners[1])  # SIGKILL: whatever it read after its last push is not reported
+    # SIGKILL: whatever it read after its last push is not reported.
+    last = run.kill_mid_shard(1, 0, learners[1])
     reported = run.checkpointed_lease("unit-1", time.monotonic())
-    assert reported[2] > 0
-    last = run.reads(1, 0)[-1]
-    assert reported[:2] == last[:2] and reported[2] <= last[2] + 1
+    assert reported[:2] == last[:2] and 0 < reported[2] <= last[2] + 1
     learners[1] = run.start_learner(1, attempt=1)
     assert run.first_shard(1, 1) == reported  # back on its shard where it reported
 
     run.wait_reads(0, 0, 80)
     run.kill(run.syncer)  # the syncer too: it comes back from checkpoint and lease journal
     run.syncer = run.start_syncer(run.port)
-    run.wait_into_shard(0, 0)  # training goes on against the new syncer
-    run.kill(learners[0])
+    last = run.kill_mid_shard(0, 0, learners[0])  # after training on against the new syncer
     reported = run.checkpointed_lease("unit-0", time.monotonic())
-    assert reported[2] > 0
+    assert reported[:2] == last[:2] and 0 < reported[2] <= last[2] + 1
     learners[0] = run.start_learner(0, attempt=1)
     assert run.first_shard(0, 1) == reported
     run.wait_reads(0, 1, 20)
