@@ -4,10 +4,12 @@ A source is one long virtual token stream (`TokenStream`), possibly made of seve
 Layout of the stream, identical in every process for the same config:
 
     [ train split ......................................... | eval split ]
-    [ shard 0 | shard 1 | ... | shard num_units-1 ]          last evalFraction
+                                                              last evalFraction
 
-Shards are disjoint contiguous ranges of the train split, one per learner unit (the unit index
-selects it), so no two units ever see the same training tokens and nobody trains on eval tokens.
+Learners read the train split through the syncer's data leases (`data/tokens.py`, the built-in
+data source). `train_shard`/`train_batches` below (one contiguous range per unit index, random
+windows) remain for the benchmarks, which run a fixed set of in-process learners, and for
+the batch a warm spare compiles its train step with.
 
 Sources:
 - ``stdlib``: the bytes of the running Python's standard library ``*.py`` files (sorted paths,
