@@ -39,7 +39,9 @@ class UnitStatus(Strict):
     name: str = Field(description="Unit name: its Job and headless Service.")
     group: str = Field(description="Unit group (spec.unitGroups[].name).")
     index: int = Field(description="Index within the group.")
-    global_index: int = Field(description="Index across the run (the unit's data shard).")
+    global_index: int = Field(
+        description="Index across the run (DILOCO_UNIT; data shards are leased by the syncer)."
+    )
     state: UnitState = Field(
         description="Pending (created, not all hosts ready), Queued (its Job is suspended by "
         "a queue such as Kueue: waiting for admission, or evicted/preempted), Online, Offline "

@@ -158,6 +158,13 @@ class DataConfig(Strict):
         le=INT64_MAX,
         description="Cap on corpus size (stdlib source), for quick runs.",
     )
+    shards: int = Field(
+        64,
+        ge=1,
+        le=1 << 20,
+        description="Virtual shards of the train split, leased to units one at a time by the "
+        "syncer (each read once per epoch); fixed for the life of the run.",
+    )
 
     @model_validator(mode="after")
     def _memmap_needs_path(self) -> DataConfig:

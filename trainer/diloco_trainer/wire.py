@@ -350,3 +350,62 @@ def decode_params(payload: bytes) -> Download:
     if got.step:
         raise WireError("payload metadata.kind must be 'params'")
     return got
+
+
+# ---------------------------------------------------------------- data leases
+# A learner's place in the run's data: header of its pushes, and a JSON object in the join and
+# claim replies (docs/protocol.md, "Data leases").
+DATA_POSITION_HEADER = "X-Diloco-Data-Position"
+
+
+@dataclass(frozen=True)
+class DataLease:
+    """Shard `shard` of the train split in data epoch `epoch`, of which `position` batches are
+    consumed."""
+
+    epoch: int
+    shard: int
+    position: int = 0
+
+    def same_shard(self, other: DataLease | None) -> bool:
+        return other is not None and (self.epoch, self.shard) == (other.epoch, other.shard)
+
+    def header(self) -> str:
+        return f"{self.epoch}.{self.shard}.{self.position}"
+
+    def to_json(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "shard": self.shard, "position": self.position}
+
+
+def parse_data_position(raw: str, num_shards: int) -> DataLease:
+    """The `X-Diloco-Data-Position` header, `<epoch>.<shard>.<position>` in ASCII digits, shard
+    below `num_shards`; WireError naming the header otherwise."""
+    parts = raw.split(".")
+    values = [parse_count(p) for p in parts] if len(parts) == 3 else [None]
+    if any(v is None for v in values):
+        raise WireError(
+            f"{DATA_POSITION_HEADER}: expected <epoch>.<shard>.<position>, "
+            f"integers in 0..{MAX_COUNTER}, got {raw[:60]!r}"
+        )
+    epoch, shard, position = cast(list[int], values)
+    return _checked_lease(epoch, shard, position, num_shards, DATA_POSITION_HEADER)
+
+
+def data_lease_from_json(data: Any, num_shards: int, where: str) -> DataLease:
+    """A lease JSON object `{epoch, shard, position}`; WireError naming `where` otherwise."""
+    if not isinstance(data, dict):
+        raise WireError(f"{where}: expected an object with epoch, shard, position")
+    values = []
+    for key in ("epoch", "shard", "position"):
+        value = data.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNTER:
+            raise WireError(f"{where}.{key}: expected an integer in 0..{MAX_COUNTER}")
+        values.append(value)
+    epoch, shard, position = values
+    return _checked_lease(epoch, shard, position, num_shards, where)
+
+
+def _checked_lease(epoch: int, shard: int, position: int, num_shards: int, where: str) -> DataLease:
+    if shard >= num_shards:
+        raise WireError(f"{where}: shard {shard} outside 0..{num_shards - 1} (data.shards)")
+    return DataLease(epoch, shard, position)

@@ -25,7 +25,7 @@ def unit_name(run: str, group: str, index: int) -> str:
 def desired_units(run: str, spec: DilocoRunSpec) -> list[UnitSlot]:
     """Every unit the spec asks for.
 
-    Global indices (the data shard of a unit) are laid out so that scaling never renumbers a
+    Global indices (`DILOCO_UNIT`) are laid out so that scaling never renumbers a
     running unit: the fixed groups (unitGroups[1:]) take 0..F-1 in order, and the scalable first
     group takes F.., so `kubectl scale` only appends or drops the highest indices.
     """

@@ -887,7 +887,7 @@ def test_pushes_are_encoded_as_the_learners_own_config_says(live: LiveSyncer) ->
         "POST", "/v1/join", json.dumps({"unit": "unit-0", "attempt": 0}).encode(), unit="unit-0"
     )
     assert set(joined) == {
-        "run", "layout", "versions", "complete", "outerStep", "resumeStep", "shapes",
+        "run", "layout", "versions", "complete", "outerStep", "resumeStep", "shapes", "dataLease",
     }  # fmt: skip
     quantized = live.client("unit-0")
     plain = SyncerClient(live.url, unit_token(TOKEN, "unit-1"), "unit-1", 0)  # no compression

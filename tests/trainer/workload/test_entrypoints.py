@@ -70,12 +70,14 @@ def test_the_builtin_gpt_through_its_entrypoint_is_the_builtin_path() -> None:
 def test_flax_models_train_through_the_same_path(module: str) -> None:
     pytest.importorskip("flax")
     args = {"vocab": 256, "width": 32, "depth": 1, "heads": 2, "context": 32}
-    cfg = _cfg({"entrypoint": f"diloco_trainer.models.{module}:build", "args": args, **SIZES})
+    model = {"entrypoint": f"diloco_trainer.models.{module}:build", "args": args, **SIZES}
+    cfg = _cfg(model, inner={"lr": 0.01, "warmupSteps": 2, "schedule": "constant"})
     workload = prepare(cfg)
     names = list(workload.shapes)
     assert any(name.endswith("kernel") for name in names) and "." in names[0]
-    losses = _train(workload, cfg, 12)
-    assert losses[-1] < losses[0] - 0.3, losses  # it learns (byte text: from ~5.5 nats)
+    losses = _train(workload, cfg, 16)
+    # It learns: byte text starts at ~5.5 nats and loses the first nat in a few steps.
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.5, losses
 
 
 USER_MODULE = '''

@@ -4,10 +4,12 @@ A source is one long virtual token stream (`TokenStream`), possibly made of seve
 Layout of the stream, identical in every process for the same config:
 
     [ train split ......................................... | eval split ]
-    [ shard 0 | shard 1 | ... | shard num_units-1 ]          last evalFraction
+                                                              last evalFraction
 
-Shards are disjoint contiguous ranges of the train split, one per learner unit (the unit index
-selects it), so no two units ever see the same training tokens and nobody trains on eval tokens.
+Learners read the train split through the syncer's data leases (`data/tokens.py`, the built-in
+data source). `train_shard`/`train_batches` below (one contiguous range per unit index, random
+windows) remain for the benchmarks, which run a fixed set of in-process learners, and for
+the batch a warm spare compiles its train step with.
 
 Sources:
 - ``stdlib``: the bytes of the running Python's standard library ``*.py`` files (sorted paths,
@@ -20,7 +22,6 @@ Sources:
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import sys
@@ -215,15 +216,13 @@ def train_batches(
     process: int = 0,
     batch_size: int | None = None,
     stream: TokenStream | None = None,
-    seed: int | None = None,
 ) -> Iterator[np.ndarray]:
-    """Endless training batches from the unit's shard, seeded by (seed, unit, attempt, process);
-    `seed` defaults to the run's."""
+    """Endless training batches from the unit's shard, seeded by (seed, unit, attempt, process)."""
     stream = stream or open_stream(cfg)
     shard = train_shard(len(stream), cfg.data.eval_fraction, unit, num_units)
     window = cfg.model.context + 1
     _check_window_fits(shard, window, f"the shard of unit {unit}")
-    rng = np.random.default_rng([cfg.seed if seed is None else seed, unit, attempt, process])
+    rng = np.random.default_rng([cfg.seed, unit, attempt, process])
     size = batch_size or cfg.data.batch_size
     vocab = cfg.model.vocab
     while True:
@@ -233,20 +232,15 @@ def train_batches(
         yield batch
 
 
-def iter_eval_batches(
-    cfg: TrainingConfig, stream: TokenStream | None = None
-) -> Iterator[np.ndarray]:
-    """The held-out batches in a fixed order, the same in every call and every process."""
+def eval_batches(
+    cfg: TrainingConfig, count: int, stream: TokenStream | None = None
+) -> list[np.ndarray]:
+    """The same `count` held-out batches on every call and in every process."""
     stream = stream or open_stream(cfg)
     split = eval_split(len(stream), cfg.data.eval_fraction)
     _check_window_fits(split, cfg.model.context + 1, "the eval split")
     rng = np.random.default_rng([cfg.seed, 0xE7A1])
-    while True:
-        yield sample_batch(stream, split, cfg.data.batch_size, cfg.model.context, rng)
-
-
-def eval_batches(
-    cfg: TrainingConfig, count: int, stream: TokenStream | None = None
-) -> list[np.ndarray]:
-    """The first `count` held-out batches."""
-    return list(itertools.islice(iter_eval_batches(cfg, stream), count))
+    return [
+        sample_batch(stream, split, cfg.data.batch_size, cfg.model.context, rng)
+        for _ in range(count)
+    ]

@@ -23,8 +23,12 @@ from diloco_trainer.config import CompressionConfig
 from diloco_trainer.downlink import apply_step, checksum
 from diloco_trainer.status import SyncerStatus
 from diloco_trainer.wire import (
+    DATA_POSITION_HEADER,
+    MAX_COUNTER,
+    DataLease,
     PushHeader,
     WireError,
+    data_lease_from_json,
     decode_download,
     decode_params,
     encode_push,
@@ -56,6 +60,7 @@ class JoinReply:
     outer_step: int = 0
     resume_step: int = 0  # the unit's steps in earlier attempts: where its LR schedule continues
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    data_lease: DataLease | None = None  # where the unit reads the train split
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,8 @@ class SyncerClient:
         # next version as a quantized step. One poller thread per fragment touches its entry.
         self._layout: list[list[str]] = []
         self._held: dict[int, tuple[str, int, dict[str, np.ndarray]]] = {}
+        # The unit's data lease and position, sent with every push (the data feed sets it).
+        self.data_position: DataLease | None = None
 
     # ---------------------------------------------------------------- transport
     def _conn(self, timeout: float) -> http.client.HTTPConnection:
@@ -142,8 +149,9 @@ class SyncerClient:
         body: bytes | None = None,
         content_type: str = "application/json",
         timeout: float | None = None,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
-        headers = {"Authorization": f"Bearer {self.token}"}
+        headers = {"Authorization": f"Bearer {self.token}", **(extra_headers or {})}
         if self.unit:
             headers[UNIT_HEADER] = self.unit  # the token is good only with its unit's name
         if body is not None:
@@ -198,7 +206,16 @@ class SyncerClient:
             outer_step=int(r.get("outerStep", 0)),
             resume_step=int(r.get("resumeStep", 0)),
             shapes={k: tuple(v) for k, v in r.get("shapes", {}).items()},
+            data_lease=_lease(r.get("dataLease"), "join"),
         )
+
+    def claim_data(self, finished: DataLease) -> DataLease:
+        """The unit read all of `finished`: the syncer's next lease for it."""
+        r = self._post_json("/v1/data/claim", {**self._identity(), "finished": finished.to_json()})
+        lease = _lease(r.get("dataLease"), "claim")
+        if lease is None:
+            raise SyncerUnavailable("POST /v1/data/claim: reply without dataLease")
+        return lease
 
     def pull_all(self) -> tuple[dict[str, np.ndarray], list[int]]:
         _, _, data = self._request("GET", "/v1/params", timeout=max(self.timeout, 60.0))
@@ -234,15 +251,17 @@ class SyncerClient:
         )
         body, quant_error = encode_push(header, delta, self.compression.block_size)
         path = f"/v1/fragments/{fragment}/push"
+        at = self.data_position  # one read: the feed replaces it from the training thread
+        extra = {DATA_POSITION_HEADER: at.header()} if at is not None else None
         try:
-            _, _, data = self._request("POST", path, body, "application/octet-stream")
+            _, _, data = self._request("POST", path, body, "application/octet-stream", None, extra)
         except SyncerRejected as exc:
             if exc.reason != "not_joined":
                 raise
             # The syncer does not know this attempt joined (it restarted from a checkpoint
             # older than the join): join again, then send the same push.
             self.join()
-            _, _, data = self._request("POST", path, body, "application/octet-stream")
+            _, _, data = self._request("POST", path, body, "application/octet-stream", None, extra)
         r = json.loads(data)
         return PushReply(
             bool(r["accepted"]),
@@ -303,3 +322,13 @@ class SyncerClient:
     def status(self) -> SyncerStatus:
         _, _, data = self._request("GET", "/v1/status")
         return SyncerStatus.from_json(json.loads(data))
+
+
+def _lease(raw: Any, what: str) -> DataLease | None:
+    """A lease in a reply (None when absent); a malformed one is the server's fault (5xx-like)."""
+    if raw is None:
+        return None
+    try:
+        return data_lease_from_json(raw, MAX_COUNTER + 1, f"{what}.dataLease")
+    except WireError as exc:
+        raise SyncerUnavailable(f"{what}: bad reply: {exc}") from exc

@@ -19,7 +19,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +31,7 @@ from diloco_trainer.api import partition_rules
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.learner.client import SyncerClient
+from diloco_trainer.learner.data_feed import unit_feed
 from diloco_trainer.learner.distributed import broadcast_int, exchange_arrivals, is_leader
 from diloco_trainer.learner.fragment_sync import FragmentBook
 from diloco_trainer.learner.metrics import LearnerMetrics, start_learner_metrics
@@ -53,6 +53,7 @@ from diloco_trainer.learner.train import (
     shard_batch,
     step_key,
 )
+from diloco_trainer.wire import DataLease
 from diloco_trainer.workload.check import Workload, prepare
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class Joined:
     versions: list[int]
     complete: bool
     resume_step: int = 0  # the unit's steps in earlier attempts (0 for a new unit)
+    data_lease: DataLease | None = None
 
 
 def join_and_pull(client: SyncerClient, stop: threading.Event) -> Joined | None:
@@ -165,7 +167,7 @@ def join_and_pull(client: SyncerClient, stop: threading.Event) -> Joined | None:
     pulled = retry_until(client.pull_all, stop, "pull")
     if pulled is None:
         return None
-    return Joined(joined.layout, pulled[0], pulled[1], False, joined.resume_step)
+    return Joined(joined.layout, pulled[0], pulled[1], False, joined.resume_step, joined.data_lease)
 
 
 def run_learner(
@@ -189,7 +191,8 @@ def run_learner(
         return start
     mesh, train_step = program.mesh, program.train_step
     unit_key = step_key(cfg.seed, opts.unit)
-    params, opt_state, batches = _training_state(cfg, opts, program, start)
+    params, opt_state = _training_state(program, start)
+    batches = unit_feed(cfg, program.workload.source, start.data_lease, client, stop)
     frags = FragmentBook.starting(cfg, start.layout, start.shapes, start.versions, start.fragments)
     report = _Report.starting(cfg, opts, client, start, leader, program.workload.flops_per_token)
     link, tokens_per_step = report.link, cfg.tokens_per_step
@@ -247,6 +250,7 @@ class _Start:
     fragments: dict[int, dict[str, np.ndarray]]  # per fragment: its values in `params`
     resume_step: int  # where this unit's LR schedule continues (its steps in earlier attempts)
     bytes_joined: int
+    data_lease: DataLease | None = None  # the leader's, from the join (None on other hosts)
 
 
 def _start(
@@ -266,6 +270,7 @@ def _start(
     versions = [0] * len(layout)
     resume_step = 0
     bytes_joined = 0
+    data_lease = None
     if leader:
         joined = join_and_pull(client, stop)
         if joined is None:  # stopped while waiting for the syncer
@@ -274,6 +279,7 @@ def _start(
             log.info("event=already_complete unit=%s", opts.name)
             return LearnerResult(0, 0, time.monotonic() - started, True, None, joined.versions)
         layout, versions, resume_step = joined.layout, joined.versions, joined.resume_step
+        data_lease = joined.data_lease
         bytes_joined = client.bytes_received
         global_params.update(joined.params)
         log.info(
@@ -288,33 +294,19 @@ def _start(
     fragments = {p: tensors for p, (_, tensors) in startup.items()}
     params = {**global_params, **{n: a for t in fragments.values() for n, a in t.items()}}
     versions = [startup[p][0] for p in range(len(layout))]
-    return _Start(layout, shapes, versions, params, fragments, resume_step, bytes_joined)
+    return _Start(
+        layout, shapes, versions, params, fragments, resume_step, bytes_joined, data_lease
+    )
 
 
-def _training_state(
-    cfg: TrainingConfig, opts: LearnerOptions, program: StepProgram, start: _Start
-) -> tuple[Params, Any, Iterator[np.ndarray]]:
-    """The unit's SPMD training state: parameters on the mesh, fresh AdamW moments with the LR
-    schedule continuing at the unit's step (short re-warmup), and this host's batches."""
+def _training_state(program: StepProgram, start: _Start) -> tuple[Params, Any]:
+    """The unit's SPMD training state: parameters laid out on the mesh, and fresh AdamW moments
+    with the LR schedule continuing at the unit's step (short re-warmup)."""
     params = program.place(start.params)
     opt_state = resume_schedule(
         init_opt_state(program.optimizer, params, program.mesh), start.resume_step, program.mesh
     )
-    hosts = jax.process_count()
-    rows = cfg.data.batch_size // hosts
-    # Each host reads its own shard; a restarted attempt draws fresh windows (its own seed).
-    seed = cfg.seed if opts.attempt == 0 else attempt_seed(cfg.seed, opts.attempt)
-    batches = iter(
-        program.workload.source(
-            opts.unit * hosts + jax.process_index(), opts.num_units * hosts, seed=seed,
-            batch_size=rows, split="train", position=0,
-        )
-    )  # fmt: skip
-    return params, opt_state, batches
-
-
-def attempt_seed(seed: int, attempt: int) -> int:
-    return int(np.random.SeedSequence([seed, attempt]).generate_state(1)[0])
+    return params, opt_state
 
 
 @dataclass

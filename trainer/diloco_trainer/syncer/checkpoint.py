@@ -36,6 +36,7 @@ log = logging.getLogger("diloco.checkpoint")
 
 FORMAT = "diloco-syncer-checkpoint/1"
 JOURNAL = "versions.json"
+LEASE_JOURNAL = "data-leases.json"  # the data lease book, rewritten on every assignment
 # What a freshly formatted volume holds before anyone writes to it (ext4's lost+found): not a
 # sign of someone else's data, so a new run may start in it.
 FILESYSTEM_ENTRIES = ("lost+found",)
@@ -180,6 +181,29 @@ class CheckpointStore:
         os.replace(tmp, self.root / JOURNAL)
         _fsync_dir(self.root)  # the rename itself survives a power loss
 
+    def record_leases(self, book: dict[str, Any]) -> None:
+        """Journal the data lease book (atomic replace, fsynced): a unit is told of a new lease
+        only once a restart would remember it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{LEASE_JOURNAL}.tmp"
+        with tmp.open("w") as f:
+            f.write(json.dumps(book))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / LEASE_JOURNAL)
+        _fsync_dir(self.root)
+
+    def recorded_leases(self) -> Any:
+        """The journaled lease book (JSON), or None when absent or unreadable."""
+        path = self.root / LEASE_JOURNAL
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError, RecursionError) as exc:
+            log.warning("event=lease_journal_unreadable path=%s error=%r", path, str(exc))
+            return None
+
     def recorded_versions(self) -> list[int] | None:
         path = self.root / JOURNAL
         if not path.exists():
@@ -273,7 +297,8 @@ class CheckpointStore:
         leftovers = sorted(
             e.name
             for e in self.root.iterdir()
-            if e.name not in (JOURNAL, f".{JOURNAL}.tmp", *FILESYSTEM_ENTRIES)
+            if e.name not in (JOURNAL, f".{JOURNAL}.tmp", LEASE_JOURNAL, f".{LEASE_JOURNAL}.tmp")
+            and e.name not in FILESYSTEM_ENTRIES
             and not e.name.startswith(".tmp-")
         )
         if leftovers:

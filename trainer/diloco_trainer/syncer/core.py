@@ -28,6 +28,7 @@ from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.status import CheckpointStatus, FinalEval, FragmentStatus, SyncerStatus
 from diloco_trainer.syncer import evaluation, persist, push
 from diloco_trainer.syncer.checkpoint import CheckpointStore, Snapshot
+from diloco_trainer.syncer.data_leases import LeaseBook
 from diloco_trainer.syncer.fragment import (
     EvalFn,
     FragmentState,
@@ -81,6 +82,9 @@ class Syncer:
         self.shapes = {k: tuple(int(d) for d in v.shape) for k, v in params.items()}
         layout = pack_fragments(self.shapes, cfg.fragments)
         self.frags = [self._new_fragment(i, names, params) for i, names in enumerate(layout)]
+        self.leases = LeaseBook(cfg.data.shards)  # who reads which shard (data_leases.py)
+        # A lease whose unit was not heard from for this long may go to another unit.
+        self.lease_orphan_after = max(30.0, 10 * cfg.heartbeat_seconds)
         self.eval_loss: float | None = None
         # The evaluation taken once the budget is reached (docs/protocol.md, "Final evaluation").
         self.final_loss: float | None = None
@@ -138,11 +142,11 @@ class Syncer:
         return persist.snapshot(self)
 
     def _mark(self) -> tuple[int, ...]:
-        """What a checkpoint must keep up with: versions, counters, and joins (a push needs its
-        attempt's join, so a clean restart must not forget one)."""
+        """What a checkpoint must keep up with: versions, counters, joins (a push needs its
+        attempt's join, so a clean restart must not forget one) and data leases."""
         steps, tokens = self.learners.totals()
         joins = sum(len(r.joined) for r in self.learners.records.values())
-        return self.outer_step, steps, tokens, joins
+        return self.outer_step, steps, tokens, joins, self.leases.revision
 
     async def save_checkpoint(self, force: bool = False) -> None:
         if self.store is None:

@@ -22,7 +22,17 @@ from diloco_trainer.syncer.conn import (
 )
 from diloco_trainer.syncer.core import Syncer
 from diloco_trainer.syncer.fragment import MAX_POLL_WAIT, Reject
-from diloco_trainer.wire import MAX_COUNTER, encode_params, loads_json, parse_count
+from diloco_trainer.wire import (
+    DATA_POSITION_HEADER,
+    MAX_COUNTER,
+    DataLease,
+    WireError,
+    data_lease_from_json,
+    encode_params,
+    loads_json,
+    parse_count,
+    parse_data_position,
+)
 
 log = logging.getLogger("diloco.syncer")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -158,6 +168,9 @@ async def join(request: web.Request) -> web.Response:
 
     s.learners.seen(unit, attempt, group, time.time()).joined.add(attempt)
     resume_step = s.learners.resume_step(unit, attempt)  # where its LR schedule continues
+    moves = s.leases.moves
+    lease = s.leases.join(unit, _alive(s))
+    await _journal_leases(s, moves)
     log.info(
         "event=join unit=%s attempt=%d group=%s versions=%s resume_step=%d",
         unit, attempt, group, s.versions(), resume_step,
@@ -173,8 +186,49 @@ async def join(request: web.Request) -> web.Response:
             "outerStep": s.outer_step,
             "resumeStep": resume_step,
             "shapes": {k: list(v) for k, v in s.shapes.items()},
+            "dataLease": lease.to_json(),
         }
     )
+
+
+def _alive(s: Syncer) -> list[str]:
+    """Units whose data leases stay theirs (heard from recently)."""
+    return s.learners.online(time.time(), s.lease_orphan_after)
+
+
+async def _journal_leases(s: Syncer, moves_before: int) -> None:
+    """After a lease was given, taken or finished, and before the unit hears of it: journal the
+    book, so that a syncer restarted from an older checkpoint hands no shard out twice."""
+    if s.store is None or s.leases.moves == moves_before:
+        return
+    book = s.leases.to_json()  # on the loop thread: the book as of this change
+    await asyncio.get_running_loop().run_in_executor(s._journal_pool, s.store.record_leases, book)
+
+
+async def claim_data(request: web.Request) -> web.Response:
+    """The unit read its shard to the end: its next lease (docs/protocol.md, "Data leases")."""
+    s = request.app[SYNCER_KEY]
+    data = await _json_body(request)
+    unit, attempt, group = _identity(request, data)
+    try:
+        finished = data_lease_from_json(data.get("finished"), s.cfg.data.shards, "finished")
+    except WireError as exc:
+        raise Reject(400, "bad_request", str(exc)) from exc
+    s.learners.seen(unit, attempt, group, time.time())
+    moves = s.leases.moves
+    lease = s.leases.claim(unit, finished, _alive(s))
+    await _journal_leases(s, moves)
+    return _json({"dataLease": lease.to_json()})
+
+
+def _data_position(request: web.Request) -> DataLease | None:
+    raw = request.headers.get(DATA_POSITION_HEADER)
+    if raw is None:
+        return None
+    try:
+        return parse_data_position(raw, request.app[SYNCER_KEY].cfg.data.shards)
+    except WireError as exc:
+        raise Reject(400, "bad_request", str(exc)) from exc
 
 
 async def heartbeat(request: web.Request) -> web.Response:
@@ -225,7 +279,12 @@ async def push(request: web.Request) -> web.Response:
     caller: Caller = request[CALLER_KEY]
     if caller.unit is None:  # unreachable: the guard lets the run token only GET
         raise Reject(403, "forbidden", "pushes need a unit token")
+    at = _data_position(request)  # before the push: a bad header refuses both
     reply = await s.accept_push(f, body, caller.unit)
+    if at is not None:
+        moves = s.leases.moves
+        s.leases.report(caller.unit, at)
+        await _journal_leases(s, moves)
     s.metrics.pushes.labels("accepted", "duplicate" if reply["duplicate"] else "ok").inc()
     return _json(reply)
 
@@ -290,6 +349,7 @@ def build_app(syncer: Syncer) -> web.Application:
     app[CONNECTIONS_KEY] = ConnectionGuard()
     app.router.add_post("/v1/join", join)
     app.router.add_post("/v1/heartbeat", heartbeat)
+    app.router.add_post("/v1/data/claim", claim_data)
     app.router.add_get("/v1/params", params)
     app.router.add_post("/v1/fragments/{p}/push", push)
     app.router.add_get("/v1/fragments/{p}", poll)

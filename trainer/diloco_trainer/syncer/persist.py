@@ -13,6 +13,7 @@ import numpy as np
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer.checkpoint import Snapshot
+from diloco_trainer.syncer.data_leases import LeaseBook
 
 if TYPE_CHECKING:
     from diloco_trainer.syncer.core import Syncer
@@ -36,6 +37,12 @@ def restore(s: Syncer, snap: Snapshot) -> None:
         f.version = snap.versions[f.index]
         f.last_merge = (snap.extra.get("lastMerge") or [None] * len(s.frags))[f.index]
     s.learners.load_json(snap.learners, now=time.time())
+    # Absent from checkpoints older than data leases: a fresh book. The journal holds the
+    # assignments made since the checkpoint.
+    s.leases = LeaseBook.from_json(snap.extra.get("dataLeases"), s.cfg.data.shards)
+    journal = s.store.recorded_leases() if s.store is not None else None
+    if journal is not None:
+        s.leases = s.leases.newest(LeaseBook.from_json(journal, s.cfg.data.shards))
     s.eval_loss = snap.extra.get("evalLoss")
     s.final_loss = snap.extra.get("finalLoss")
     s._saved_mark = s._mark()
@@ -92,5 +99,6 @@ def snapshot(s: Syncer) -> Snapshot:
             "evalLoss": s.eval_loss,
             "finalLoss": s.final_loss,
             "lastMerge": [f.last_merge for f in s.frags],
+            "dataLeases": s.leases.to_json(),
         },
     )

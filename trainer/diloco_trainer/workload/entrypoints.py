@@ -3,7 +3,7 @@
 `training.model.entrypoint: my_pkg.models:build` imports `my_pkg.models` and calls `build(**args)`;
 it must return an object with `init` and `loss` (`diloco_trainer.api.Model`). A data entrypoint
 names the data source itself (a callable), whose `args` are bound here. Without entrypoints the
-built-in transformer (`models.gpt.Gpt`) and token sources (`data.corpus`) serve, through the same
+built-in transformer (`models.gpt.Gpt`) and token source (`data.tokens.StreamSource`) serve, through the same
 interfaces. Every failure is an `EntrypointError` whose message starts with the manifest field.
 """
 
@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import functools
 import importlib
-import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from diloco_trainer.api import Batch, DataSource, EntrypointError, Model, Split
+from diloco_trainer.api import Batch, DataSource, EntrypointError, Model
 from diloco_trainer.config import TrainingConfig
-from diloco_trainer.data.corpus import iter_eval_batches, train_batches
+from diloco_trainer.data.tokens import StreamSource
 from diloco_trainer.models.gpt import Gpt
 
 MODEL_FIELD = "training.model.entrypoint"
@@ -71,32 +68,10 @@ def build_model(cfg: TrainingConfig) -> Model:
     return model
 
 
-def builtin_source(cfg: TrainingConfig) -> DataSource:
-    """The stdlib / memmap token windows as a data source: shard `i` of `n` is the i-th of n
-    equal slices of the train split, its batches endless random windows drawn by `seed`."""
-
-    def source(
-        shard: int,
-        num_shards: int,
-        *,
-        seed: int,
-        batch_size: int,
-        split: Split,
-        position: int = 0,
-        **_: Any,
-    ) -> Iterator[np.ndarray]:
-        if split == "eval":
-            return iter_eval_batches(cfg)
-        batches = train_batches(cfg, shard, num_shards, batch_size=batch_size, seed=seed)
-        return itertools.islice(batches, position, None)
-
-    return source
-
-
 def build_data_source(cfg: TrainingConfig) -> DataSource:
     spec = cfg.data.entrypoint
     if spec is None:
-        return builtin_source(cfg)
+        return StreamSource(cfg)
     target = resolve(spec, DATA_FIELD)
     if not callable(target):
         raise EntrypointError(f"{DATA_FIELD}: {spec!r} is a {type(target).__name__}, not callable")

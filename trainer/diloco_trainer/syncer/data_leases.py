@@ -1,0 +1,207 @@
+"""The data lease book: which unit reads which shard of the train split, and how far it got.
+
+The train split is cut into `data.shards` virtual shards. Each unit holds at most one lease
+(epoch, shard, position = batches of that shard consumed). A shard is *free* in an epoch when it
+is neither finished nor leased in that epoch. Assignment, for a unit with no lease or whose lease
+ran out:
+
+1. the lowest free shard of the current epoch;
+2. an orphaned lease: held by a unit not alive any more (scaled down, or gone for longer than
+   the caller's liveness window), handed over at its reported position;
+3. otherwise every shard of the epoch is finished or leased: epoch+1 opens and its shard 0 goes
+   out (the data source permutes each shard with the epoch, so the new epoch reads another order).
+
+A unit that comes back (same name, any attempt) gets its own lease back at the last position
+it reported. Within an epoch no shard is leased to two units at once, and a lease only moves
+from a unit whose lease it is to another at the position it reported, so two units never read
+the same (epoch, shard, batch) unless a dead unit read past its last report.
+
+Pure bookkeeping, no I/O: the syncer calls it from its HTTP handlers and checkpoints `to_json`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco_trainer.wire import MAX_COUNTER, DataLease, WireError, data_lease_from_json
+
+log = logging.getLogger("diloco.syncer")
+
+
+@dataclass
+class LeaseBook:
+    num_shards: int
+    epoch: int = 0
+    finished: set[int] = field(default_factory=set)  # shards finished in `epoch`
+    held: dict[str, DataLease] = field(default_factory=dict)  # unit -> its lease
+    revision: int = 0  # bumped by every change, so a checkpoint knows to catch up
+    # Bumped when a lease is given, taken or finished (not by positions): such a change is
+    # journaled before the unit hears of it (CheckpointStore.record_leases).
+    moves: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ValueError(f"data.shards: must be >= 1, got {self.num_shards}")
+
+    # ------------------------------------------------------------------ queries
+    def lease_of(self, unit: str) -> DataLease | None:
+        return self.held.get(unit)
+
+    def _taken(self, epoch: int) -> set[int]:
+        """Shards of `epoch` that are not free: finished or leased."""
+        taken = {lease.shard for lease in self.held.values() if lease.epoch == epoch}
+        return taken | (self.finished if epoch == self.epoch else set())
+
+    def _free(self, epoch: int, shard: int) -> bool:
+        return epoch == self.epoch and shard not in self._taken(epoch)
+
+    # ------------------------------------------------------------------ changes
+    def join(self, unit: str, alive: Collection[str]) -> DataLease:
+        """The unit's lease: its own when it holds one (a restart), else a new one."""
+        lease = self.held.get(unit)
+        return lease if lease is not None else self._assign(unit, alive)
+
+    def claim(self, unit: str, finished: DataLease, alive: Collection[str]) -> DataLease:
+        """`unit` read all of `finished`: mark it so and return its next lease. A repeated
+        claim (its answer was lost) returns the lease the first one gave."""
+        current = self.held.get(unit)
+        if current is not None and not finished.same_shard(current):
+            if not self._adopt(unit, finished):
+                return current  # a retry, or a shard the book never gave it: keep the book's
+            current = self.held[unit]
+        if current is not None:
+            self._finish(unit, current)
+        return self._assign(unit, alive)
+
+    def report(self, unit: str, at: DataLease) -> bool:
+        """The unit's position from a push header. Applied when it is the unit's lease (never
+        backwards), or when the unit reads a free shard of the current epoch the book lost
+        track of (a syncer restored from a checkpoint older than the unit's last claim). False
+        when ignored: a report of a shard the unit no longer holds."""
+        current = self.held.get(unit)
+        if at.same_shard(current):
+            assert current is not None
+            if at.position > current.position:
+                self.held[unit] = at
+                self.revision += 1
+            return True
+        return self._adopt(unit, at)
+
+    def _adopt(self, unit: str, at: DataLease) -> bool:
+        """Take the unit's word that it moved on to `at` when the shard is free: learners leave
+        a shard only when it is read to its end, so the lease the book had is finished."""
+        if not self._free(at.epoch, at.shard):
+            return False
+        current = self.held.get(unit)
+        if current is not None:
+            self._finish(unit, current)
+        self.held[unit] = at
+        self.revision += 1
+        self.moves += 1
+        log.warning(
+            "event=data_lease_adopted unit=%s epoch=%d shard=%d position=%d",
+            unit, at.epoch, at.shard, at.position,
+        )  # fmt: skip
+        return True
+
+    def _finish(self, unit: str, lease: DataLease) -> None:
+        del self.held[unit]
+        if lease.epoch == self.epoch:
+            self.finished.add(lease.shard)
+        self.revision += 1
+        self.moves += 1
+        log.info(
+            "event=data_shard_finished unit=%s epoch=%d shard=%d position=%d",
+            unit, lease.epoch, lease.shard, lease.position,
+        )  # fmt: skip
+
+    def _assign(self, unit: str, alive: Collection[str]) -> DataLease:
+        lease = self._next_lease(unit, alive)
+        self.held[unit] = lease
+        self.revision += 1
+        self.moves += 1
+        log.info(
+            "event=data_lease unit=%s epoch=%d shard=%d position=%d",
+            unit, lease.epoch, lease.shard, lease.position,
+        )  # fmt: skip
+        return lease
+
+    def _next_lease(self, unit: str, alive: Collection[str]) -> DataLease:
+        taken = self._taken(self.epoch)
+        free = [s for s in range(self.num_shards) if s not in taken]
+        if free:
+            return DataLease(self.epoch, free[0])
+        orphans = sorted(
+            (lease.epoch, lease.shard, owner)
+            for owner, lease in self.held.items()
+            if owner != unit and owner not in alive
+        )
+        if orphans:
+            owner = orphans[0][2]
+            lease = self.held.pop(owner)
+            log.warning(
+                "event=data_lease_reassigned from=%s to=%s epoch=%d shard=%d position=%d",
+                owner, unit, lease.epoch, lease.shard, lease.position,
+            )  # fmt: skip
+            return lease
+        self.epoch += 1
+        self.finished = set()
+        log.info("event=data_epoch epoch=%d shards=%d", self.epoch, self.num_shards)
+        return DataLease(self.epoch, 0)
+
+    # ------------------------------------------------------------------ checkpoint form
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shards": self.num_shards,
+            "epoch": self.epoch,
+            "finished": sorted(self.finished),
+            "held": {unit: lease.to_json() for unit, lease in self.held.items()},
+            "moves": self.moves,
+        }
+
+    def newest(self, other: LeaseBook) -> LeaseBook:
+        """Of this book (a checkpoint's) and `other` (the journal's), the one with the later
+        assignments, holding the further position of each lease both have."""
+        base, positions = (other, self) if other.moves > self.moves else (self, other)
+        for unit, lease in base.held.items():
+            seen = positions.held.get(unit)
+            if seen is not None and lease.same_shard(seen) and seen.position > lease.position:
+                base.held[unit] = seen
+        return base
+
+    @classmethod
+    def from_json(cls, data: Any, num_shards: int) -> LeaseBook:
+        """The book of a checkpoint; a fresh one when the checkpoint predates leases (None).
+        A different shard count is refused: the shards' bounds would move under the leases.
+        A damaged entry is dropped with an ERROR line and the rest kept."""
+        book = cls(num_shards)
+        if data is None:
+            return book
+        if not isinstance(data, dict):
+            log.error("event=checkpoint_data_leases_dropped reason=not an object")
+            return book
+        if data.get("shards") != num_shards:
+            raise ValueError(
+                f"data.shards: the checkpoint's run has {data.get('shards')!r} shards, this "
+                f"config {num_shards}; the shard count is fixed for the life of a run"
+            )
+        for name in ("epoch", "moves"):
+            value = data.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNTER:
+                setattr(book, name, value)
+        finished = data.get("finished")
+        book.finished = {
+            s
+            for s in (finished if isinstance(finished, list) else [])
+            if isinstance(s, int) and not isinstance(s, bool) and 0 <= s < num_shards
+        }
+        held = data.get("held")
+        for unit, raw in (held if isinstance(held, dict) else {}).items():
+            try:
+                book.held[str(unit)] = data_lease_from_json(raw, num_shards, f"held.{unit}")
+            except WireError as exc:
+                log.error("event=checkpoint_data_lease_dropped unit=%s reason=%r", unit, str(exc))
+        return book
