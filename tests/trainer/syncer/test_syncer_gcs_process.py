@@ -5,6 +5,7 @@ field."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -54,10 +55,9 @@ def heartbeats() -> Iterator[list[SyncerClient]]:
         while not stop.wait(0.05):
             for client in clients:
                 steps += 1
-                try:
+                # the syncer is being killed and restarted: keep beating
+                with contextlib.suppress(Exception):
                     client.heartbeat(steps, steps * 64, 100.0, 3.0)
-                except Exception:  # the syncer is being killed and restarted: keep beating
-                    pass
 
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
