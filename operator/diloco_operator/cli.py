@@ -146,7 +146,9 @@ def _check_resume_dir(source: str) -> str | None:
 
     if is_bucket_url(source):
         try:
-            found = CheckpointStore(source, field="--resume-from").load_latest()
+            # An observer here: the syncer it starts cleans up after itself at its own start.
+            store = CheckpointStore(source, field="--resume-from")
+            found = store.load_latest(remove_stray=False)
         except CheckpointError as exc:
             return f"--resume-from: {exc}"
         return None if found else f"--resume-from: {source} holds no checkpoint to resume"
