@@ -33,6 +33,7 @@ T = TypeVar("T")
 # Resumable uploads go in chunks of this size (a multiple of 256 KiB); a dropped connection
 # resends from the last chunk the server holds, not from the start.
 CHUNK_BYTES = 32 * 1024 * 1024
+LIST = "list objects"
 EXTRA_HINT = "install the gcs extra: pip install 'elastic-diloco[gcs]'"
 CREDENTIAL_HINT = (
     "on GKE, run the syncer under a Kubernetes ServiceAccount that Workload Identity maps to a "
@@ -90,7 +91,7 @@ class BucketPrefix:
         """Run one storage call; its failure becomes a CheckpointError that names the setting:
         StorageAccessError for a missing or refused credential and a missing bucket,
         StorageUnavailable for the service or network failing, plain CheckpointError for bytes
-        that arrived damaged."""
+        that arrived damaged or an object that vanished."""
         where = f"{self.field} {self.url}"
         _, api, auth, transfer = _client_library(where)
         try:
@@ -114,12 +115,14 @@ class BucketPrefix:
                 f"same path?): {exc}"
             ) from exc
         except api.NotFound as exc:
-            if "bucket" in str(exc).lower() or action.startswith("list"):
+            if action == LIST:  # a listing finds nothing only when the bucket is not there
                 raise StorageAccessError(
                     f"{where}: bucket {self.bucket_name} does not exist (or is not visible to "
                     f"this credential): {exc}"
                 ) from exc
-            raise StorageUnavailable(f"{where}: {action}: not found: {exc}") from exc
+            # An object listed a moment ago is gone (a concurrent prune): that checkpoint is
+            # not intact any more, like a damaged one.
+            raise CheckpointError(f"{where}: {action}: not found: {exc}") from exc
         except transfer.DataCorruption as exc:
             raise CheckpointError(f"{where}: {action}: checksum mismatch: {exc}") from exc
         except (api.GoogleAPIError, transfer.InvalidResponse, OSError) as exc:
@@ -138,11 +141,11 @@ class BucketPrefix:
             names = [blob.name[start:] for blob in pages]  # consuming fills `.prefixes`
             return names, [p[start:] for p in pages.prefixes]
 
-        return self._call("list objects", run)
+        return self._call(LIST, run)
 
     # ------------------------------------------------------------------ Location
     def check(self) -> None:
-        self._call("list objects", lambda: list(self._bucket().list_blobs(max_results=1)))
+        self._call(LIST, lambda: list(self._bucket().list_blobs(max_results=1)))
 
     def exists(self) -> bool:
         return True  # a prefix has no existence of its own: an empty one is a fresh start
