@@ -16,7 +16,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	test -x $(BIN)/uv || $(BIN)/python -m pip install -q uv
-	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[trainer,operator,dev,text,flax,orbax]'
+	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[trainer,operator,dev,text,flax,orbax,gcs]'
 	touch $(STAMP)
 
 demo: venv

@@ -14,7 +14,7 @@ COPY pyproject.toml .wheel[s] ./
 RUN mkdir -p operator/diloco_operator trainer/diloco_trainer \
  && touch README.md operator/diloco_operator/__init__.py trainer/diloco_trainer/__init__.py \
  && python3 -m venv /opt/diloco \
- && PIP_NO_INDEX=${PIP_NO_INDEX} /opt/diloco/bin/pip install ".[trainer]" "jax[tpu]" \
+ && PIP_NO_INDEX=${PIP_NO_INDEX} /opt/diloco/bin/pip install ".[trainer,gcs]" "jax[tpu]" \
  && /opt/diloco/bin/pip uninstall -y elastic-diloco
 
 FROM deps AS code

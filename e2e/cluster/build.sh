@@ -8,12 +8,13 @@
 #   coredns (the real node's cluster DNS)                            (github.com/coredns/coredns)
 #   pause (the real node's sandbox image program)                    (e2e/node/pause, this repo)
 #   kueue (the job-queueing controller manager) + its CRDs            (sigs.k8s.io/kueue)
+#   fake-gcs-server (a GCS-compatible server for the gs:// tests)      (github.com/fsouza/fake-gcs-server)
 #
 # Everything comes from the Go module proxy; versions are pinned in versions.env. Binaries go to
 #   $DILOCO_E2E_CACHE/<component>-<version>/bin      (default cache: ~/.cache/diloco-e2e)
 # and a component whose bin/.complete stamp exists is not rebuilt, so a warm call takes seconds.
 #
-# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause|kueue ...]   (default: all)
+# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs ...] (default: all)
 #        e2e/cluster/build.sh --print-bin-dirs             (print the PATH entries, build nothing)
 # Env:   DILOCO_E2E_CACHE   cache root (default ${XDG_CACHE_HOME:-~/.cache}/diloco-e2e)
 #        DILOCO_E2E_GOCACHE Go build cache used for these builds (default $DILOCO_E2E_CACHE/go-build)
@@ -41,10 +42,11 @@ kwok_dir() { echo "$CACHE/kwok-$KWOK_VERSION"; }
 helm_dir() { echo "$CACHE/helm-$HELM_VERSION"; }
 coredns_dir() { echo "$CACHE/coredns-$COREDNS_VERSION"; }
 kueue_dir() { echo "$CACHE/kueue-$KUEUE_VERSION"; }
+fakegcs_dir() { echo "$CACHE/fake-gcs-server-$FAKE_GCS_VERSION"; }
 pause_dir() { echo "$CACHE/pause-$(sha256sum "$HERE/../node/pause/main.go" | cut -c1-12)"; }
 
 if [[ "${1:-}" == "--print-bin-dirs" ]]; then
-  for c in k8s etcd kwok helm coredns pause kueue; do echo "$("${c}_dir")/bin"; done
+  for c in k8s etcd kwok helm coredns pause kueue fakegcs; do echo "$("${c}_dir")/bin"; done
   exit 0
 fi
 
@@ -234,8 +236,21 @@ build_kueue() {
   stamp "$d" "$t0"
 }
 
+# The unit tests of gs:// checkpoints (tests/gcs_server.py) run this one against a loopback port.
+build_fakegcs() {
+  local d; d=$(fakegcs_dir)
+  if is_done "$d" fake-gcs-server; then log "fake-gcs-server $FAKE_GCS_VERSION: cached in $d/bin"; return; fi
+  local t0; t0=$(date +%s)
+  mkdir -p "$d/bin"; rm -f "$d/bin/.complete"
+  log "fake-gcs-server $FAKE_GCS_VERSION: go install"
+  GOBIN="$d/bin" nice -n "$NICE" go install -trimpath -ldflags "-s -w" \
+    "github.com/fsouza/fake-gcs-server@$FAKE_GCS_VERSION"
+  [[ -x "$d/bin/fake-gcs-server" ]] || die "fake-gcs-server was not built"
+  stamp "$d" "$t0"
+}
+
 components=("$@")
-[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause kueue)
+[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause kueue fakegcs)
 mkdir -p "$CACHE"
 # (version checks read the whole output first: `cmd | grep -q` under pipefail fails when grep
 # exits before cmd has written everything and cmd dies of SIGPIPE)
@@ -244,8 +259,8 @@ exec 9>"$CACHE/.build.lock"
 if ! flock -n 9; then log "another build.sh holds $CACHE/.build.lock; waiting"; flock 9; fi
 for c in "${components[@]}"; do
   case "$c" in
-    k8s|etcd|kwok|helm|coredns|pause|kueue) "build_$c" ;;
-    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause, kueue)" ;;
+    k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs) "build_$c" ;;
+    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause, kueue, fakegcs)" ;;
   esac
 done
 for c in "${components[@]}"; do echo "$("${c}_dir")/bin"; done

@@ -54,14 +54,14 @@ content_hash() {
     | sha256sum | cut -c1-12
 }
 
-# wheels DIR: the project's dependencies (both extras) and its build backend, as wheels.
+# wheels DIR: the project's dependencies (the images' extras) and its build backend, as wheels.
 wheels() {
   local dir="$1"
   [[ -f "$dir/.complete" ]] && return 0
   log "wheelhouse: pip wheel the dependencies into $dir"
   rm -rf "$dir"; mkdir -p "$dir"
   # PIP_FIND_LINKS of this machine may point at a local wheel folder: fine, it is only a source.
-  "$PY" -m pip wheel -q -w "$dir" "$REPO[trainer,operator]" hatchling >&2
+  "$PY" -m pip wheel -q -w "$dir" "$REPO[trainer,operator,gcs]" hatchling >&2
   rm -f "$dir"/elastic_diloco-*.whl
   touch "$dir/.complete"
 }

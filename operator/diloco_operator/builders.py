@@ -225,6 +225,10 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
                 "image": spec.image,
                 "imagePullPolicy": spec.image_pull_policy,
                 "command": ["diloco-syncer", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+                # A syncer that cannot start (exit 2: a config error, a checkpoint bucket it
+                # cannot use) says why in its last log line: that becomes the pod's
+                # lastState.terminated.message, shown by `kubectl describe pod`.
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "env": env,
                 "ports": [{"name": "http", "containerPort": port}],
                 "readinessProbe": readiness,

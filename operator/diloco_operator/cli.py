@@ -62,9 +62,8 @@ def _add_local(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     run.add_argument(
         "--resume-from",
-        type=Path,
         default=None,
-        help="an existing syncer checkpoint directory to continue from",
+        help="an existing syncer checkpoint directory (or gs://bucket/prefix) to continue from",
     )
     run.add_argument(
         "--spares",
@@ -107,9 +106,8 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     export.add_argument(
         "source",
         metavar="RUN_OR_CHECKPOINT",
-        type=Path,
-        help="a checkpoint (ckpt-*), a checkpoint directory (its newest valid checkpoint) or "
-        "a local run's report folder",
+        help="a checkpoint (ckpt-*), a checkpoint directory or gs://bucket/prefix (its newest "
+        "valid checkpoint) or a local run's report folder",
     )
     export.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
     export.set_defaults(handler=_export)
@@ -216,23 +214,39 @@ def _check_shards(training: TrainingConfig) -> None:
         check_shard_manifest(training)
 
 
-def _check_resume_dir(path: Path) -> str | None:
-    """Why `path` cannot be resumed from, or None."""
+def _check_resume_dir(source: str) -> str | None:
+    """Why `source` (a directory or gs://bucket/prefix) cannot be resumed from, or None."""
+    # The syncer's own reader (numpy + safetensors, no JAX): a corrupt checkpoint is reported
+    # now, before anything starts, with the reader's message.
+    from diloco_trainer.syncer.checkpoint import CheckpointError, CheckpointStore
+    from diloco_trainer.syncer.storage import is_bucket_url
+
+    if is_bucket_url(source):
+        try:
+            # An observer here: the syncer it starts cleans up after itself at its own start.
+            store = CheckpointStore(source, field="--resume-from")
+            found = store.load_latest(remove_stray=False)
+        except CheckpointError as exc:
+            return f"--resume-from: {exc}"
+        return None if found else f"--resume-from: {source} holds no checkpoint to resume"
+    path = Path(source)
     if not path.exists():
         return f"--resume-from: checkpoint directory {path} does not exist"
     if not path.is_dir():
         return f"--resume-from: {path} is not a directory"
     if not any(path.iterdir()):
         return f"--resume-from: checkpoint directory {path} is empty (no checkpoint to resume)"
-    # The syncer's own reader (numpy + safetensors, no JAX): a corrupt checkpoint is reported
-    # now, before anything starts, with the reader's message.
-    from diloco_trainer.syncer.checkpoint import CheckpointError, CheckpointStore
-
     try:
         CheckpointStore(path).load_latest()
     except CheckpointError as exc:
         return f"--resume-from: {exc}"
     return None
+
+
+def _resume_location(source: str | None) -> Path | str | None:
+    if source is None or source.startswith("gs://"):
+        return source
+    return Path(source).resolve()
 
 
 def check_entrypoints(training: TrainingConfig) -> None:
@@ -292,7 +306,7 @@ def _local_run(args: argparse.Namespace) -> int:
         chaos=chaos,
         max_seconds=args.max_seconds,
         live=live,
-        checkpoint_dir=args.resume_from.resolve() if args.resume_from else None,
+        checkpoint_dir=_resume_location(args.resume_from),
         spare_learners=max(0, args.spares),
         fork_server=not args.no_fork_server,
     )

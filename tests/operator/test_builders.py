@@ -155,6 +155,7 @@ def test_syncer_deployment_recreate_with_readiness_and_checkpoint_pvc() -> None:
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["command"][0] == "diloco-syncer"
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
     assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "mix-checkpoints"
     claim = builders.checkpoint_claim(run)

@@ -269,7 +269,8 @@ class CheckpointConfig(Strict):
     """Periodic syncer checkpoints of the run's global state (resumed after a restart)."""
 
     path: str = Field(
-        "runs/checkpoints", description="Directory (PVC mount) for syncer checkpoints."
+        "runs/checkpoints",
+        description="Directory (PVC mount) or gs://bucket/prefix for syncer checkpoints.",
     )
     every_seconds: float = Field(30.0, ge=MIN_PERIOD_SECONDS, description="Checkpoint period.")
     keep: int = Field(3, ge=1, le=1000, description="Checkpoints to retain.")

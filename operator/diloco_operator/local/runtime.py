@@ -80,7 +80,7 @@ class RunOptions:
     max_seconds: float | None = None
     tick_seconds: float = 0.5
     live: bool = True
-    checkpoint_dir: Path | None = None  # None: a fresh one under report_dir
+    checkpoint_dir: Path | str | None = None  # a gs:// URL, or None: a fresh one under report_dir
     syncer_start_timeout: float = 120.0
     stop_grace_seconds: float = 5.0
     max_syncer_restarts: int = 50
@@ -101,7 +101,9 @@ class LocalRuntime:
         self.console = console or Console(stderr=True)
         self.report_dir = options.report_dir
         self.logs_dir = self.report_dir / "logs"
-        self.checkpoint_dir = options.checkpoint_dir or (self.report_dir / "checkpoints")
+        self.checkpoint_dir: Path | str = options.checkpoint_dir or (
+            self.report_dir / "checkpoints"
+        )
         self.config = run.path.resolve()
         self.procs = ProcessTable()
         self.slots: list[UnitSlot] = desired_units(run.name, run.spec)

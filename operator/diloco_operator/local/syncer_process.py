@@ -30,7 +30,7 @@ class SyncerProcess:
         *,
         argv: tuple[str, ...],
         config: Path,
-        checkpoint_dir: Path,
+        checkpoint_dir: Path | str,
         logs_dir: Path,
         max_units: int,
         max_restarts: int,

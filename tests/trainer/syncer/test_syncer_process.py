@@ -43,13 +43,15 @@ def write_config(path: Path, **overrides: object) -> Path:
 
 
 class SyncerProcess:
-    def __init__(self, config: Path, ckpt: Path, log: Path, port: int = 0) -> None:
+    def __init__(self, config: Path, ckpt: Path | None, log: Path, port: int = 0) -> None:
+        """`ckpt` None: the config's checkpoint.path."""
         self.log = log
         self.offset = log.stat().st_size if log.exists() else 0  # earlier runs share the log
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "DILOCO_TOKEN": TOKEN}
+        where = [] if ckpt is None else ["--checkpoint-dir", str(ckpt)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(config),
-             "--host", "127.0.0.1", "--port", str(port), "--checkpoint-dir", str(ckpt)],
+             "--host", "127.0.0.1", "--port", str(port), *where],
             stdout=subprocess.DEVNULL, stderr=log.open("ab"), env=env,
         )  # fmt: skip
         self.port = self._wait_port()
@@ -89,7 +91,7 @@ def procs() -> Iterator[list[SyncerProcess]]:
 
 
 def start(
-    procs: list[SyncerProcess], config: Path, ckpt: Path, log: Path, port: int = 0
+    procs: list[SyncerProcess], config: Path, ckpt: Path | None, log: Path, port: int = 0
 ) -> SyncerProcess:
     p = SyncerProcess(config, ckpt, log, port)
     procs.append(p)

@@ -1,6 +1,6 @@
-"""Atomic syncer checkpoints: a directory per checkpoint, written aside and renamed into place.
+"""Atomic syncer checkpoints under a root: a local directory or `gs://bucket/prefix`.
 
-Layout of `<root>/ckpt-<seq>/`:
+Layout of `<root>/ckpt-<seq>/` (the same files in both):
 - `params.safetensors`: the global parameters (float32, by leaf name);
 - `outer.safetensors`: outer optimizer state, `f<p>/<i>` = i-th leaf of fragment p's optax state;
 - `manifest.json` (written last): format, seq, versions, outer step, layout, learner counters,
@@ -8,11 +8,13 @@ Layout of `<root>/ckpt-<seq>/`:
 
 A save writes `<root>/.tmp-<seq>-<pid>/`, fsyncs every file and the directory, renames it to
 `ckpt-<seq>` and fsyncs the root; rename is atomic, so a SIGKILL leaves either the old set of
-checkpoints or the new one plus a stray `.tmp-*` (removed on the next load). Load takes the newest
-checkpoint whose manifest parses and whose checksums match, warning about every one it skips.
+checkpoints or the new one plus a stray `.tmp-*` (removed on the next load). In a bucket there is
+no rename: the files are uploaded under `ckpt-<seq>/` and the manifest last, as the commit marker
+(storage.py). Load takes the newest checkpoint whose manifest parses and whose checksums match,
+warning about every one it skips.
 
 `versions.json` (the version journal) holds the highest version of each fragment ever published,
-rewritten (write + rename) before each new version is announced. After a crash the syncer resumes
+rewritten (write + rename; one object write in a bucket) before each new version is announced. After a crash the syncer resumes
 numbering above it, so version numbers never go backwards even when content does.
 """
 
@@ -24,6 +26,8 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,24 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
+
+from diloco_trainer.syncer.gcs import BucketPrefix
+from diloco_trainer.syncer.storage import (
+    MANIFEST,
+    CheckpointError,
+    Location,
+    StorageAccessError,
+    StorageUnavailable,
+    is_bucket_url,
+)
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointStore",
+    "Snapshot",
+    "StorageAccessError",
+    "StorageUnavailable",
+]
 
 log = logging.getLogger("diloco.checkpoint")
 
@@ -41,10 +63,6 @@ LEASE_JOURNAL = "data-leases.json"  # the data lease book, rewritten on every as
 # sign of someone else's data, so a new run may start in it.
 FILESYSTEM_ENTRIES = ("lost+found",)
 _NAME = re.compile(r"^ckpt-(\d{10})$")
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint where one was expected (the message says where and why)."""
 
 
 @dataclass
@@ -70,6 +88,19 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _seq(name: str) -> int | None:
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def open_location(root: str | Path, field: str = "checkpoint.path") -> Location:
+    """The location for `root`: `gs://bucket/prefix` or a local directory. `field` names the
+    setting `root` came from, for messages about access."""
+    if is_bucket_url(root):
+        return BucketPrefix(str(root), field)
+    return LocalDir(Path(root))
+
+
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -86,79 +117,148 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class LocalDir:
+    """A directory on a local or mounted filesystem (a PersistentVolume)."""
+
+    verified_publish = False
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = str(root)
+
+    def check(self) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise CheckpointError(f"checkpoint.path {self.root} exists and is not a directory")
+
+    def exists(self) -> bool:
+        return self.root.exists()
+
+    def entries(self) -> list[str]:
+        return [e.name for e in self.root.iterdir()] if self.root.is_dir() else []
+
+    def checkpoints(self) -> list[str]:
+        return [n for n in self.entries() if n.startswith("ckpt-") and (self.root / n).is_dir()]
+
+    def strays(self) -> list[str]:
+        return [n for n in self.entries() if n.startswith(".tmp-")]
+
+    def remove(self, name: str) -> None:
+        shutil.rmtree(self.root / name, ignore_errors=True)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[Path]:
+        # Beside its final place (same filesystem: the rename is atomic); the pid keeps two
+        # writers apart; a crash leaves it for the next start's stray removal.
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{name.removeprefix('ckpt-')}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        yield tmp
+
+    def publish(self, staged: Path, name: str) -> Path | str:
+        for path in staged.iterdir():
+            _fsync_file(path)
+        _fsync_dir(staged)
+        final = self.root / name
+        os.rename(staged, final)
+        _fsync_dir(self.root)
+        return final
+
+    @contextmanager
+    def fetch(self, name: str) -> Iterator[Path]:
+        yield self.root / name
+
+    def read_small(self, name: str) -> bytes | None:
+        path = self.root / name
+        return path.read_bytes() if path.exists() else None
+
+    def replace_small(self, name: str, data: bytes) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{name}.tmp"
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / name)
+        _fsync_dir(self.root)  # the rename itself survives a power loss
+
+
 class CheckpointStore:
-    def __init__(self, root: str | Path, keep: int = 3) -> None:
+    def __init__(self, root: str | Path, keep: int = 3, field: str = "checkpoint.path") -> None:
+        """`root`: a directory or `gs://bucket/prefix`; `field` names the setting it came from
+        in messages about access to it."""
         if keep < 1:
             raise ValueError(f"checkpoint.keep: must be >= 1, got {keep}")
-        self.root = Path(root)
+        self.location: Location = open_location(root, field)
+        self.root: Path | str = self.location.url if is_bucket_url(root) else Path(root)
         self.keep = keep
         # What the last load_latest found unusable among newer checkpoints than the one it
         # loaded (one line each): a rollback past them, reported in status and a metric.
         self.skipped: list[str] = []
-        self._verified: set[Path] = set()  # checkpoints this process has read back intact
+        self._verified: set[str] = set()  # checkpoints this process has read back intact
 
-    def _existing(self) -> list[tuple[int, Path]]:
-        if not self.root.is_dir():
-            return []
-        found = []
-        for entry in self.root.iterdir():
-            m = _NAME.match(entry.name)
-            if m and entry.is_dir():
-                found.append((int(m.group(1)), entry))
-        return sorted(found)
+    def _existing(self) -> list[tuple[int, str]]:
+        """The committed checkpoints, oldest first."""
+        found = ((_seq(name), name) for name in self.location.checkpoints())
+        return sorted((seq, name) for seq, name in found if seq is not None)
 
-    def save(self, snap: Snapshot) -> Path:
-        """Write `snap` atomically as the next checkpoint; prune to `keep`. Returns its path."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        existing = self._existing()
-        seq = (existing[-1][0] + 1) if existing else 1
-        tmp = self.root / f".tmp-{seq:010d}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        params_path, outer_path = tmp / "params.safetensors", tmp / "outer.safetensors"
-        save_file({k: np.ascontiguousarray(v) for k, v in snap.params.items()}, params_path)
-        outer = {
-            f"f{p}/{i}": np.ascontiguousarray(leaf)
-            for p, leaves in enumerate(snap.outer_state)
-            for i, leaf in enumerate(leaves)
-        }
-        save_file(outer, outer_path)
-        manifest = {
-            "format": FORMAT,
-            "seq": seq,
-            "versions": snap.versions,
-            "outerStep": snap.outer_step,
-            "layout": snap.layout,
-            "outerStateLeaves": [len(leaves) for leaves in snap.outer_state],
-            "learners": snap.learners,
-            "extra": snap.extra,
-            "sha256": {
-                "params.safetensors": _sha256(params_path),
-                "outer.safetensors": _sha256(outer_path),
-            },
-        }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        for path in (params_path, outer_path, tmp / "manifest.json"):
-            _fsync_file(path)
-        _fsync_dir(tmp)
-        final = self.root / f"ckpt-{seq:010d}"
-        os.rename(tmp, final)
-        _fsync_dir(self.root)
+    def _next_seq(self) -> int:
+        # Above every ckpt-* present, committed or not: a new checkpoint never shares a name
+        # with the leftovers of an interrupted one.
+        seqs = [s for s in map(_seq, self.location.entries()) if s is not None]
+        return max(seqs, default=0) + 1
+
+    def save(self, snap: Snapshot) -> Path | str:
+        """Write `snap` atomically as the next checkpoint; prune to `keep`. Returns where it is
+        (a local path, or a gs:// URL)."""
+        seq = self._next_seq()
+        name = f"ckpt-{seq:010d}"
+        with self.location.stage(name) as tmp:
+            params_path, outer_path = tmp / "params.safetensors", tmp / "outer.safetensors"
+            save_file({k: np.ascontiguousarray(v) for k, v in snap.params.items()}, params_path)
+            outer = {
+                f"f{p}/{i}": np.ascontiguousarray(leaf)
+                for p, leaves in enumerate(snap.outer_state)
+                for i, leaf in enumerate(leaves)
+            }
+            save_file(outer, outer_path)
+            manifest = {
+                "format": FORMAT,
+                "seq": seq,
+                "versions": snap.versions,
+                "outerStep": snap.outer_step,
+                "layout": snap.layout,
+                "outerStateLeaves": [len(leaves) for leaves in snap.outer_state],
+                "learners": snap.learners,
+                "extra": snap.extra,
+                "sha256": {
+                    "params.safetensors": _sha256(params_path),
+                    "outer.safetensors": _sha256(outer_path),
+                },
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            where = self.location.publish(tmp, name)
+        if self.location.verified_publish:
+            self._verified.add(name)
         self._prune()
-        return final
+        return where
 
-    def _newest_loadable(self) -> Path | None:
-        for _, path in reversed(self._existing()):
-            if path in self._verified:
-                return path
+    def _newest_loadable(self) -> str | None:
+        for _, name in reversed(self._existing()):
+            if name in self._verified:
+                return name
             try:
-                self.verify(path)
+                with self.location.fetch(name) as path:
+                    self.verify(path)
             except CheckpointError as exc:
-                log.error("event=checkpoint_unreadable path=%s reason=%r", path, str(exc))
+                log.error(
+                    "event=checkpoint_unreadable path=%s/%s reason=%r",
+                    self.location.url, name, str(exc),
+                )  # fmt: skip
                 continue
-            self._verified.add(path)
-            return path
+            self._verified.add(name)
+            return name
         return None
 
     def _prune(self) -> None:
@@ -167,78 +267,65 @@ class CheckpointStore:
         good = self._newest_loadable()
         for _, old in self._existing()[: -self.keep]:
             if old != good:
-                shutil.rmtree(old, ignore_errors=True)
+                self.location.remove(old)
                 self._verified.discard(old)
 
     def record_versions(self, versions: list[int]) -> None:
         """Journal the published versions (atomic replace; survives a process kill)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".{JOURNAL}.tmp"
-        with tmp.open("w") as f:
-            f.write(json.dumps({"versions": versions}))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.root / JOURNAL)
-        _fsync_dir(self.root)  # the rename itself survives a power loss
+        self.location.replace_small(JOURNAL, json.dumps({"versions": versions}).encode())
 
     def record_leases(self, book: dict[str, Any]) -> None:
-        """Journal the data lease book (atomic replace, fsynced): a unit is told of a new lease
+        """Journal the data lease book (atomic replace, durable): a unit is told of a new lease
         only once a restart would remember it."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".{LEASE_JOURNAL}.tmp"
-        with tmp.open("w") as f:
-            f.write(json.dumps(book))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.root / LEASE_JOURNAL)
-        _fsync_dir(self.root)
+        self.location.replace_small(LEASE_JOURNAL, json.dumps(book).encode())
 
     def recorded_leases(self) -> Any:
         """The journaled lease book (JSON), or None when absent or unreadable."""
-        path = self.root / LEASE_JOURNAL
-        if not path.exists():
-            return None
+        where = f"{self.location.url}/{LEASE_JOURNAL}"
         try:
-            return json.loads(path.read_text())
+            data = self.location.read_small(LEASE_JOURNAL)
+            return None if data is None else json.loads(data)
         except (OSError, ValueError, RecursionError) as exc:
-            log.warning("event=lease_journal_unreadable path=%s error=%r", path, str(exc))
+            log.warning("event=lease_journal_unreadable path=%s error=%r", where, str(exc))
             return None
 
     def recorded_versions(self) -> list[int] | None:
-        path = self.root / JOURNAL
-        if not path.exists():
-            return None
+        where = f"{self.location.url}/{JOURNAL}"
         try:
-            raw = json.loads(path.read_text())["versions"]
+            data = self.location.read_small(JOURNAL)
+            if data is None:
+                return None
+            raw = json.loads(data)["versions"]
             return [int(v) for v in raw]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("event=version_journal_unreadable path=%s error=%r", path, str(exc))
+            log.warning("event=version_journal_unreadable path=%s error=%r", where, str(exc))
             return None
 
     @staticmethod
-    def verify(path: Path) -> dict[str, Any]:
+    def verify(path: Path, label: str | None = None) -> dict[str, Any]:
         """The manifest of one checkpoint directory whose files match their checksums; raises
-        CheckpointError otherwise."""
+        CheckpointError otherwise (naming `label`, else `path`)."""
+        where = label or str(path)
         try:
-            manifest = json.loads((path / "manifest.json").read_text())
+            manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, ValueError, RecursionError) as exc:
-            raise CheckpointError(f"{path}: manifest.json unreadable: {exc}") from exc
+            raise CheckpointError(f"{where}: {MANIFEST} unreadable: {exc}") from exc
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{path}: not a {FORMAT} checkpoint")
+            raise CheckpointError(f"{where}: not a {FORMAT} checkpoint")
         sums = manifest.get("sha256") or {}
         for name in ("params.safetensors", "outer.safetensors"):
             try:
                 actual = _sha256(path / name)
             except OSError as exc:
-                raise CheckpointError(f"{path}: {name} unreadable: {exc}") from exc
+                raise CheckpointError(f"{where}: {name} unreadable: {exc}") from exc
             if not isinstance(sums, dict) or actual != sums.get(name):
-                raise CheckpointError(f"{path}: {name} checksum mismatch (partial or corrupt)")
+                raise CheckpointError(f"{where}: {name} checksum mismatch (partial or corrupt)")
         return manifest
 
     @classmethod
-    def read(cls, path: Path) -> Snapshot:
+    def read(cls, path: Path, label: str | None = None) -> Snapshot:
         """Read and verify one checkpoint directory; raises CheckpointError if it is unusable."""
-        manifest = cls.verify(path)
+        manifest = cls.verify(path, label)
         try:
             params = dict(load_file(path / "params.safetensors"))
             outer = dict(load_file(path / "outer.safetensors"))
@@ -254,56 +341,69 @@ class CheckpointStore:
                 seq=int(manifest["seq"]),
             )
         except (KeyError, TypeError, ValueError, SafetensorError) as exc:
-            raise CheckpointError(f"{path}: inconsistent checkpoint: {exc!r}") from exc
+            raise CheckpointError(f"{label or path}: inconsistent checkpoint: {exc!r}") from exc
         return snap
 
+    def read_named(self, name: str) -> Snapshot:
+        """Read and verify checkpoint `name` (`ckpt-<seq>`) of this root."""
+        with self.location.fetch(name) as path:
+            return self.read(path, f"{self.location.url}/{name}")
+
     def load_latest(self, remove_stray: bool = True) -> Snapshot | None:
-        """The newest valid checkpoint, or None if the directory is absent or empty.
+        """The newest valid checkpoint, or None if the location is absent or empty.
 
-        `remove_stray` deletes `.tmp-*` leftovers of interrupted saves: only the directory's owner
-        (the syncer, at start) may do that; an observer reading while a syncer runs would delete
-        its save in progress, so observers pass False.
+        `remove_stray` deletes leftovers of interrupted saves (`.tmp-*` directories, `ckpt-*`
+        prefixes without a manifest in a bucket): only the location's owner (the syncer, at
+        start) may do that; an observer reading while a syncer runs would delete its save in
+        progress, so observers pass False.
 
-        Corrupt or partial checkpoints are skipped with a warning. A directory that holds other
-        things but no valid checkpoint is an error: restarting from scratch there would silently
-        throw away a run.
+        Corrupt or partial checkpoints are skipped with a warning; a storage failure is raised
+        (StorageUnavailable), never taken for damage. A location that holds other things but no
+        valid checkpoint is an error: restarting from scratch there would silently throw away
+        a run.
         """
-        if not self.root.exists():
+        self.location.check()
+        if not self.location.exists():
             return None
-        if not self.root.is_dir():
-            raise CheckpointError(f"checkpoint.path {self.root} exists and is not a directory")
-        for entry in self.root.iterdir() if remove_stray else []:
-            if entry.name.startswith(".tmp-"):
-                log.warning("event=checkpoint_stray_tmp path=%s action=removed", entry)
-                shutil.rmtree(entry, ignore_errors=True)
+        for name in self.location.strays() if remove_stray else []:
+            log.warning(
+                "event=checkpoint_stray_tmp path=%s/%s action=removed", self.location.url, name
+            )
+            self.location.remove(name)
         problems: list[str] = []
         self.skipped = []
-        for seq, path in reversed(self._existing()):
+        for seq, name in reversed(self._existing()):
             try:
-                snap = self.read(path)
+                snap = self.read_named(name)
+            except StorageUnavailable:
+                raise
             except CheckpointError as exc:
                 # ERROR: loading an older checkpoint than the newest throws work away.
                 log.error("event=checkpoint_skipped seq=%d reason=%r", seq, str(exc))
                 problems.append(str(exc))
                 continue
             self.skipped = problems
-            self._verified.add(path)
+            self._verified.add(name)
             log.log(
                 logging.ERROR if problems else logging.INFO,
-                "event=checkpoint_loaded seq=%d path=%s outer_step=%d rolled_back_past=%d",
-                seq, path, snap.outer_step, len(problems),
+                "event=checkpoint_loaded seq=%d path=%s/%s outer_step=%d rolled_back_past=%d",
+                seq, self.location.url, name, snap.outer_step, len(problems),
             )  # fmt: skip
             return snap
+        self._refuse_foreign_content(problems)
+        return None
+
+    def _refuse_foreign_content(self, problems: list[str]) -> None:
+        ignorable = {JOURNAL, f".{JOURNAL}.tmp", LEASE_JOURNAL, f".{LEASE_JOURNAL}.tmp"}
+        ignorable |= {*FILESYSTEM_ENTRIES, *self.location.strays()}
         leftovers = sorted(
-            e.name
-            for e in self.root.iterdir()
-            if e.name not in (JOURNAL, f".{JOURNAL}.tmp", LEASE_JOURNAL, f".{LEASE_JOURNAL}.tmp")
-            and e.name not in FILESYSTEM_ENTRIES
-            and not e.name.startswith(".tmp-")
+            name
+            for name in self.location.entries()
+            if name not in ignorable and not name.startswith(".tmp-")
         )
         if leftovers:
             detail = "; ".join(problems) if problems else f"unexpected entries {leftovers[:5]}"
             raise CheckpointError(
-                f"checkpoint.path {self.root} is not empty but holds no valid checkpoint: {detail}"
+                f"checkpoint.path {self.location.url} is not empty but holds no valid "
+                f"checkpoint: {detail}"
             )
-        return None

@@ -1,8 +1,8 @@
 """`diloco export`: the global model of a syncer checkpoint as one safetensors file.
 
-The source is one checkpoint (`ckpt-<seq>/`), a checkpoint directory (the syncer's
-`checkpoint.path`: its newest checkpoint that reads back intact) or a local run's report folder
-(its `checkpoints/`). Only the global parameters are written, under their leaf names (pytree
+The source is one checkpoint (`ckpt-<seq>/`), a checkpoint directory or `gs://bucket/prefix`
+(the syncer's `checkpoint.path`: its newest checkpoint that reads back intact) or a local run's
+report folder (its `checkpoints/`). Only the global parameters are written, under their leaf names (pytree
 paths), so `safetensors.flax.load_file` / `safetensors.numpy.load_file` give a flat dict the
 user's model unflattens; the outer optimizer's momentum stays behind. `__metadata__` records the
 run, the outer step, the fragment versions, the checkpoint's sequence number and the config hash.
@@ -11,12 +11,14 @@ run, the outer step, the fragment versions, the checkpoint's sequence number and
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import SafetensorError
 
 from diloco_trainer.syncer.checkpoint import CheckpointError, CheckpointStore, Snapshot
+from diloco_trainer.syncer.storage import is_bucket_url
 from diloco_trainer.workload.weights import write_safetensors
 
 EXPORT_FORMAT = "diloco-export/1"
@@ -30,7 +32,7 @@ class ExportError(Exception):
 @dataclass(frozen=True)
 class Exported:
     out: Path
-    checkpoint: Path
+    checkpoint: Path | str  # a local directory or a gs:// URL
     leaves: int
     outer_step: int
     metadata: dict[str, str]
@@ -58,9 +60,26 @@ def checkpoint_root(source: Path) -> tuple[Path, bool]:
     )
 
 
-def load_checkpoint(source: Path) -> tuple[Snapshot, Path]:
-    """The snapshot to export and the checkpoint directory it came from."""
-    root, single = checkpoint_root(source)
+def load_bucket_checkpoint(url: str) -> tuple[Snapshot, str]:
+    """The snapshot at `gs://...`: one `ckpt-<seq>` or the newest valid one under a prefix."""
+    parent, _, last = url.rstrip("/").rpartition("/")
+    try:
+        if re.fullmatch(r"ckpt-\d{10}", last) and parent != "gs:/":
+            return CheckpointStore(parent, field="source").read_named(last), url.rstrip("/")
+        store = CheckpointStore(url, field="source")
+        snap = store.load_latest(remove_stray=False)  # an observer, as below
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from exc
+    if snap is None:
+        raise ExportError(f"{url}: holds no checkpoint yet")
+    return snap, f"{store.location.url}/ckpt-{snap.seq:010d}"
+
+
+def load_checkpoint(source: str | Path) -> tuple[Snapshot, Path | str]:
+    """The snapshot to export and the checkpoint (directory or URL) it came from."""
+    if is_bucket_url(source):
+        return load_bucket_checkpoint(str(source))
+    root, single = checkpoint_root(Path(source))
     try:
         if single:
             return CheckpointStore.read(root), root
@@ -73,7 +92,7 @@ def load_checkpoint(source: Path) -> tuple[Snapshot, Path]:
     return snap, root / f"ckpt-{snap.seq:010d}"
 
 
-def export_metadata(snap: Snapshot, checkpoint: Path) -> dict[str, str]:
+def export_metadata(snap: Snapshot, checkpoint: Path | str) -> dict[str, str]:
     return {
         "format": EXPORT_FORMAT,
         "run": str(snap.extra.get("run") or ""),
@@ -81,7 +100,7 @@ def export_metadata(snap: Snapshot, checkpoint: Path) -> dict[str, str]:
         "versions": json.dumps(snap.versions),
         "checkpointSeq": str(snap.seq),
         "configHash": str(snap.extra.get("configHash") or "unknown"),
-        "checkpoint": str(checkpoint.resolve()),
+        "checkpoint": str(checkpoint.resolve() if isinstance(checkpoint, Path) else checkpoint),
     }
 
 
@@ -92,7 +111,7 @@ def export_checkpoint(source: str | Path, out: str | Path) -> Exported:
         raise ExportError(f"--out {target}: the file name must end in .safetensors")
     if not target.parent.is_dir():
         raise ExportError(f"--out {target}: directory {target.parent} does not exist")
-    snap, checkpoint = load_checkpoint(Path(source))
+    snap, checkpoint = load_checkpoint(source)
     metadata = export_metadata(snap, checkpoint)
     try:
         write_safetensors(snap.params, target, metadata)

@@ -5,9 +5,12 @@
 
 Environment (docs/contracts.md): DILOCO_TOKEN / DILOCO_TOKEN_FILE (the run secret),
 DILOCO_SYNCER_PORT, DILOCO_CHECKPOINT_PATH, DILOCO_MAX_UNITS, and DILOCO_RUN (run name; defaults
-to the manifest's metadata.name or the config file's stem). Exit 2 on a config error (the
-message names the field), `training.model.initFrom` weights that cannot be read or do not fit
-the model included. SIGTERM/SIGINT stop serving, write a final checkpoint and exit 0.
+to the manifest's metadata.name or the config file's stem). The checkpoint path is a directory
+or `gs://bucket/prefix` (Application Default Credentials: Workload Identity on GKE). Exit 2 on a
+config error (the message names the field), `training.model.initFrom` weights that cannot be
+read or do not fit the model and a checkpoint bucket this process cannot use (no credential,
+access denied, no such bucket) included; exit 1 when the checkpoints cannot be read.
+SIGTERM/SIGINT stop serving, write a final checkpoint and exit 0.
 """
 
 from __future__ import annotations
@@ -28,7 +31,12 @@ from diloco_trainer.config import (
     resolve_token,
 )
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
-from diloco_trainer.syncer.checkpoint import CheckpointError, CheckpointStore, Snapshot
+from diloco_trainer.syncer.checkpoint import (
+    CheckpointError,
+    CheckpointStore,
+    Snapshot,
+    StorageAccessError,
+)
 from diloco_trainer.syncer.fragment import InitFn, default_init
 from diloco_trainer.workload.weights import WeightsError
 from diloco_trainer.workload.weights import init_from as init_from_weights
@@ -43,7 +51,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=None, help="listen port (0: any free port)")
     p.add_argument("--token", default=None, help="bearer token (else DILOCO_TOKEN[_FILE])")
-    p.add_argument("--checkpoint-dir", default=None, help="overrides training.checkpoint.path")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="a directory or gs://bucket/prefix; overrides training.checkpoint.path",
+    )
     p.add_argument("--run", default=None, help="run name shown in status")
     p.add_argument(
         "--max-units",
@@ -79,6 +91,15 @@ def resolve_max_units(flag: str | None, env: Mapping[str, str]) -> int | None:
     if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise ConfigError(f"--max-units (or DILOCO_MAX_UNITS): not an integer >= 1: {raw!r}")
     return int(raw)
+
+
+def checkpoint_setting(flag: str | None, env: Mapping[str, str], config: str) -> tuple[str, str]:
+    """The checkpoint path and the setting it came from (named in messages about it)."""
+    if flag:
+        return flag, "--checkpoint-dir"
+    if env.get("DILOCO_CHECKPOINT_PATH"):
+        return env["DILOCO_CHECKPOINT_PATH"], "DILOCO_CHECKPOINT_PATH (spec.syncer.checkpoint.path)"
+    return config, "training.checkpoint.path"
 
 
 def run_name(flag: str | None, config_path: str) -> str:
@@ -141,18 +162,19 @@ def main(argv: list[str] | None = None) -> int:
         port = resolve_port(args.port)
         max_units = resolve_max_units(args.max_units, os.environ)
         name = run_name(args.run, args.config)
-        ckpt_path = (
-            args.checkpoint_dir or os.environ.get("DILOCO_CHECKPOINT_PATH") or cfg.checkpoint.path
+        ckpt_path, ckpt_field = checkpoint_setting(
+            args.checkpoint_dir, os.environ, cfg.checkpoint.path
         )
     except ConfigError as exc:
         print(f"diloco-syncer: config error: {exc}", file=sys.stderr)
         return 2
-    store = CheckpointStore(ckpt_path, cfg.checkpoint.keep)
     try:
-        snapshot = store.load_latest()  # before importing JAX: a bad checkpoint dir fails fast
+        store = CheckpointStore(ckpt_path, cfg.checkpoint.keep, field=ckpt_field)
+        # Before importing JAX: a bad checkpoint dir or an unusable bucket fails fast.
+        snapshot = store.load_latest()
     except CheckpointError as exc:
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, StorageAccessError) else 1
     try:
         init_fn = starting_params(cfg.model.init_from, snapshot)
     except WeightsError as exc:
@@ -168,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a checkpoint or initFrom weights that do not fit this config
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 2
+    except CheckpointError as exc:  # the version journal could not be read or written
+        print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, StorageAccessError) else 1
     try:
         asyncio.run(serve(syncer, args.host, port))
     finally:

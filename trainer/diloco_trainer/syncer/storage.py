@@ -1,0 +1,81 @@
+"""Where checkpoints live: a local directory or a `gs://bucket/prefix`, behind one small seam
+(the directory: `LocalDir` in checkpoint.py; the bucket: `BucketPrefix` in gcs.py).
+
+`CheckpointStore` (checkpoint.py) owns the format, numbering, pruning and verification; a
+location only knows how to make a staged checkpoint visible at once, how to hand back a
+checkpoint's files as a local directory, and how to delete one.
+
+Commit differs by medium. A directory is written aside (`.tmp-<seq>-<pid>/`) and renamed into
+place: rename is atomic, so a `ckpt-<seq>/` is complete or damaged, never half written. An object
+store has no atomic rename, so there every file is uploaded under `ckpt-<seq>/` and
+`manifest.json` (which holds the other files' digests) goes last: the manifest is the commit
+marker, a `ckpt-<seq>/` without one is an interrupted upload, and deleting starts with it.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Protocol
+
+MANIFEST = "manifest.json"
+GCS_SCHEME = "gs://"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was expected (the message says where and why)."""
+
+
+class StorageUnavailable(CheckpointError):
+    """The checkpoint location could not be read or written (a network or service failure):
+    says nothing about the checkpoints themselves, so a reader must not skip past them."""
+
+
+class StorageAccessError(StorageUnavailable):
+    """The checkpoint location cannot be used at all (no credential, no permission, no bucket,
+    no client library): a setting to fix, not damaged data."""
+
+
+class Location(Protocol):
+    """One checkpoint root. Names are the root's top-level entries (`ckpt-<seq>`, the journal)."""
+
+    url: str
+    # True where `publish` itself proved every byte arrived (checksummed uploads): the store
+    # then need not read a fresh checkpoint back to trust it.
+    verified_publish: bool
+
+    def check(self) -> None:
+        """Raise CheckpointError (StorageAccessError for access) unless the root is usable."""
+
+    def exists(self) -> bool: ...
+
+    def entries(self) -> list[str]:
+        """Every top-level name under the root, checkpoint or not."""
+
+    def checkpoints(self) -> list[str]:
+        """Names of the committed `ckpt-*` entries (complete as far as the medium can tell)."""
+
+    def strays(self) -> list[str]:
+        """Interrupted saves: never valid, removed by the root's owner at start."""
+
+    def remove(self, name: str) -> None: ...
+
+    def stage(self, name: str) -> AbstractContextManager[Path]:
+        """An empty local directory to write checkpoint `name` into."""
+
+    def publish(self, staged: Path, name: str) -> Path | str:
+        """Make the staged files checkpoint `name` at once; returns where it now is (a local
+        path, or a URL)."""
+
+    def fetch(self, name: str) -> AbstractContextManager[Path]:
+        """Checkpoint `name`'s files in a local directory."""
+
+    def read_small(self, name: str) -> bytes | None:
+        """A small top-level file (the version journal), None if absent."""
+
+    def replace_small(self, name: str, data: bytes) -> None:
+        """Replace a small top-level file at once (a reader sees old or new, never a mix)."""
+
+
+def is_bucket_url(root: str | Path) -> bool:
+    return isinstance(root, str) and root.startswith(GCS_SCHEME)
