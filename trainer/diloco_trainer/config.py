@@ -47,6 +47,15 @@ ModelPreset = Literal["tiny", "small", "100m"]
 # `package.module:attribute` (the attribute may be dotted: `models:Registry.build`).
 ENTRYPOINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
+
+def _entrypoint(description: str) -> Any:
+    return Field(None, pattern=ENTRYPOINT_PATTERN, description=description)
+
+
+def _entrypoint_args(what: str) -> Any:
+    return Field(default_factory=dict, description=f"Keyword arguments for the {what} entrypoint.")
+
+
 # Decoder-only transformer sizes. Byte-level vocabulary (256) keeps the embedded corpus
 # tokenizer-free; `100m` is ~85M parameters at byte vocabulary.
 MODEL_PRESETS: dict[str, dict[str, int]] = {
@@ -61,15 +70,11 @@ class ModelConfig(Strict):
     every size not given explicitly. With one: the user's model (`diloco_trainer.api.Model`), and
     `seqLen` is the tokens per example (what token budgets and token weighting count)."""
 
-    entrypoint: str | None = Field(
-        None,
-        pattern=ENTRYPOINT_PATTERN,
-        description="module:attribute of a callable returning the model, called with args; "
-        "unset: the built-in transformer.",
+    entrypoint: str | None = _entrypoint(
+        "module:attribute of a callable returning the model, called with args; unset: the "
+        "built-in transformer."
     )
-    args: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments for the model entrypoint."
-    )
+    args: dict[str, Any] = _entrypoint_args("model")
     preset: ModelPreset = Field("tiny", description="Size preset: tiny, small or 100m.")
     vocab_size: int | None = Field(None, ge=2, le=1 << 20, description="Vocabulary size.")
     d_model: int | None = Field(None, ge=8, le=65536, description="Residual stream width.")
@@ -131,15 +136,11 @@ class DataConfig(Strict):
     source: Literal["stdlib", "memmap"] = Field(
         "stdlib", description="Built-in token source (when no entrypoint is set)."
     )
-    entrypoint: str | None = Field(
-        None,
-        pattern=ENTRYPOINT_PATTERN,
-        description="module:attribute of a data source (diloco_trainer.api.DataSource), called "
-        "with args; unset: the built-in source.",
+    entrypoint: str | None = _entrypoint(
+        "module:attribute of a data source (diloco_trainer.api.DataSource), called with args; "
+        "unset: the built-in source."
     )
-    args: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments for the data entrypoint."
-    )
+    args: dict[str, Any] = _entrypoint_args("data")
     path: str | None = Field(
         None, description="For source=memmap: a .npy/.bin file or a directory of shards."
     )

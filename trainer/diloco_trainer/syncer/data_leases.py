@@ -99,35 +99,29 @@ class LeaseBook:
         if current is not None:
             self._finish(unit, current)
         self.held[unit] = at
-        self.revision += 1
-        self.moves += 1
-        log.warning(
-            "event=data_lease_adopted unit=%s epoch=%d shard=%d position=%d",
-            unit, at.epoch, at.shard, at.position,
-        )  # fmt: skip
+        self._moved("data_lease_adopted", unit, at, logging.WARNING)
         return True
 
     def _finish(self, unit: str, lease: DataLease) -> None:
         del self.held[unit]
         if lease.epoch == self.epoch:
             self.finished.add(lease.shard)
-        self.revision += 1
-        self.moves += 1
-        log.info(
-            "event=data_shard_finished unit=%s epoch=%d shard=%d position=%d",
-            unit, lease.epoch, lease.shard, lease.position,
-        )  # fmt: skip
+        self._moved("data_shard_finished", unit, lease)
 
     def _assign(self, unit: str, alive: Collection[str]) -> DataLease:
         lease = self._next_lease(unit, alive)
         self.held[unit] = lease
+        self._moved("data_lease", unit, lease)
+        return lease
+
+    def _moved(self, event: str, unit: str, lease: DataLease, level: int = logging.INFO) -> None:
+        """An assignment changed: the journal must be rewritten (revision), and it is logged."""
         self.revision += 1
         self.moves += 1
-        log.info(
-            "event=data_lease unit=%s epoch=%d shard=%d position=%d",
-            unit, lease.epoch, lease.shard, lease.position,
+        log.log(
+            level, "event=%s unit=%s epoch=%d shard=%d position=%d",
+            event, unit, lease.epoch, lease.shard, lease.position,
         )  # fmt: skip
-        return lease
 
     def _next_lease(self, unit: str, alive: Collection[str]) -> DataLease:
         taken = self._taken(self.epoch)
