@@ -107,11 +107,22 @@ class Run:
         from claiming the next); returns its last read."""
         target = len(self.reads(unit, attempt)) + 40
         deadline = time.monotonic() + 180
-        while not (len(reads := self.reads(unit, attempt)) >= target and 20 <= reads[-1][2] <= 60):
+        while not (
+            len(reads := self.reads(unit, attempt)) >= target
+            and 20 <= reads[-1][2] <= 60
+            # ... and the syncer has a position on this shard from an accepted push (after a
+            # syncer restart the first pushes may be refused while the learner catches up).
+            and self.reported_on(f"unit-{unit}", reads[-1])
+        ):
             assert time.monotonic() < deadline, self.log(unit, attempt).read_text()[-3000:]
             time.sleep(0.05)
         self.kill(proc)
         return self.reads(unit, attempt)[-1]
+
+    def reported_on(self, unit: str, read: Read) -> bool:
+        snap = CheckpointStore(self.ckpt).load_latest(remove_stray=False)
+        held = snap.extra.get("dataLeases", {}).get("held", {}).get(unit) if snap else None
+        return bool(held) and (held["epoch"], held["shard"]) == read[:2] and held["position"] > 0
 
     def first_shard(self, unit: int, attempt: int, timeout: float = 180) -> Read:
         deadline = time.monotonic() + timeout
