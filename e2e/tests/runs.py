@@ -35,6 +35,13 @@ def example(name: str, **spec_overrides: Any) -> dict[str, Any]:
 
 
 def apply(c: Any, namespace: str, doc: dict[str, Any]) -> None:
+    """`kubectl apply` the run, after the Kubernetes service account it names (the GKE examples
+    name one for Workload Identity; a user creates it first, docs/gke.md section 3, and pods
+    naming a missing one are refused by the API server)."""
+    account = doc.get("spec", {}).get("serviceAccountName")
+    if account:
+        sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}}
+        c.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(sa))
     c.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(doc))
 
 
