@@ -27,9 +27,9 @@ NORM_FLOOR = 0.01
 def default_init(cfg: TrainingConfig) -> dict[str, np.ndarray]:
     """The run's starting parameters from its model (checked first: a bad entrypoint is a
     ValueError naming the field, before the syncer serves anything)."""
-    from diloco_trainer.workload.check import prepare
+    from diloco_trainer.workload.check import prepared
 
-    return prepare(cfg).initial_params()
+    return prepared(cfg).initial_params()
 
 
 def default_eval(params: Mapping[str, np.ndarray], cfg: TrainingConfig, batches: int) -> float:

@@ -131,3 +131,15 @@ def prepare(cfg: TrainingConfig) -> Workload:
     _check_batch(batch, cfg.data.batch_size)
     _check_loss(_abstract(model.loss, MODEL_FIELD, f"{spec}: loss", template, batch, key), spec)
     return Workload(model, source, template, shapes, cfg.seed)
+
+
+_prepared: dict[str, Workload] = {}
+
+
+def prepared(cfg: TrainingConfig) -> Workload:
+    """`prepare(cfg)` once per process and config: the syncer's starting parameters and its
+    evaluations share one checked workload instead of importing and checking it twice."""
+    key = cfg.model_dump_json()
+    if key not in _prepared:
+        _prepared[key] = prepare(cfg)
+    return _prepared[key]

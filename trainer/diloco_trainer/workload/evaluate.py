@@ -10,7 +10,7 @@ import numpy as np
 
 from diloco_trainer.api import Batch
 from diloco_trainer.config import TrainingConfig
-from diloco_trainer.workload.check import Workload, prepare
+from diloco_trainer.workload.check import Workload, prepared
 from diloco_trainer.workload.entrypoints import data_field, first_batches
 
 
@@ -50,5 +50,5 @@ def eval_loss(
     """Mean held-out loss of `params` under `cfg`'s model and data (one evaluator per config)."""
     key = cfg.model_dump_json()
     if key not in _evaluators:
-        _evaluators[key] = Evaluator(prepare(cfg), cfg)
+        _evaluators[key] = Evaluator(prepared(cfg), cfg)
     return _evaluators[key](params, batches)
