@@ -54,6 +54,21 @@ def test_signal_poll_and_stop_all_leave_no_survivors(tmp_path: Path) -> None:
     assert b.returncode is not None and len(b.seen_pids) == 2
 
 
+def test_an_exit_reaped_while_stopping_others_is_still_reported(tmp_path: Path) -> None:
+    """stop() reaps every child; a death it came across (the syncer's, say) must still reach
+    the next poll(), while the children it was asked to stop are no exit to act on."""
+    table = ProcessTable()
+    doomed = table.spawn(
+        "doomed", [sys.executable, "-c", "raise SystemExit(3)"], {}, tmp_path / "d.log"
+    )
+    table.spawn("stopped", SLEEPER, {}, tmp_path / "s.log")
+    assert wait_for(lambda: doomed.popen.poll() is not None)
+    table.stop(["stopped"], grace_seconds=2.0)
+    table.stop([], grace_seconds=2.0)  # what every pass of the runtime does with no deletes
+    assert table.poll() == {"doomed": 3}
+    assert table.poll() == {}
+
+
 def test_children_die_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
     script = (
         "import json, sys, time\n"

@@ -75,6 +75,7 @@ class ProcessTable:
     def __init__(self) -> None:
         self._procs: dict[str, ManagedProcess] = {}
         self._finished: list[ManagedProcess] = []
+        self._unreported: dict[str, int] = {}  # reaped exits the next poll() returns
 
     def __contains__(self, key: str) -> bool:
         return key in self._procs
@@ -136,6 +137,7 @@ class ProcessTable:
             log_file=log_file,
         )
         proc.seen_pids.add(child.pid)
+        self._unreported.pop(key, None)  # the old process under this key is replaced
         if key in self._procs:
             self._finished.append(self._procs[key])
         self._procs[key] = proc
@@ -160,13 +162,19 @@ class ProcessTable:
             return False
         if proc.popen.poll() is not None:
             return False  # the next poll() reports its exit under the old key
-        del self._procs[key]
-        if new_key in self._procs:
-            self._finished.append(self._procs[new_key])
-        proc.key, proc.log_path, proc.started_at = new_key, log_path, time.monotonic()
-        self._procs[new_key] = proc
+        self.rename(key, new_key, log_path)
         log.info("process=handed-over key=%s new_key=%s pid=%d", key, new_key, proc.pid)
         return True
+
+    def rename(self, key: str, new_key: str, log_path: Path | None = None) -> ManagedProcess:
+        """The running process `key` is `new_key` from now on (a dead `new_key` is retired)."""
+        proc = self._procs.pop(key)
+        if new_key in self._procs:
+            self._finished.append(self._procs[new_key])
+        proc.key, proc.started_at = new_key, time.monotonic()
+        proc.log_path = log_path or proc.log_path
+        self._procs[new_key] = proc
+        return proc
 
     def any_exited(self) -> bool:
         """Whether a child exited since the last `poll` (which will report it); cheap enough to
@@ -176,9 +184,13 @@ class ProcessTable:
         )
 
     def poll(self) -> dict[str, int]:
-        """Reap children that exited since the last poll; returns key -> exit code (negative:
-        killed by that signal)."""
-        exited: dict[str, int] = {}
+        """Children that exited since the last poll, reaped now or by a `stop` since; returns
+        key -> exit code (negative: killed by that signal)."""
+        self._reap()
+        exited, self._unreported = self._unreported, {}
+        return exited
+
+    def _reap(self) -> None:
         for key, proc in self._procs.items():
             if proc.returncode is not None:
                 continue
@@ -187,9 +199,8 @@ class ProcessTable:
             if code is not None:
                 proc.returncode = code
                 _close_files(proc)
-                exited[key] = code
+                self._unreported[key] = code
                 log.info("process=exited key=%s pid=%d code=%d", key, proc.pid, code)
-        return exited
 
     def signal(self, key: str, sig: signal.Signals) -> bool:
         """Send `sig` to the process group of `key`; False when it is not running."""
@@ -210,8 +221,13 @@ class ProcessTable:
     def stop(self, keys: Iterable[str], grace_seconds: float = 5.0) -> None:
         """Stop children together: SIGCONT (a stopped process cannot handle SIGTERM), SIGTERM
         to each group, then SIGKILL whatever is left after `grace_seconds`."""
-        _terminate_groups([self._procs[k] for k in keys if k in self._procs], grace_seconds)
-        self.poll()
+        keys = [k for k in keys if k in self._procs]
+        _terminate_groups([self._procs[k] for k in keys], grace_seconds)
+        self._reap()
+        # Stopped on purpose: not an exit to act on. Any other child that died meanwhile is
+        # reported by the next poll().
+        for key in keys:
+            self._unreported.pop(key, None)
 
     def stop_all(self, grace_seconds: float = 5.0, batches: Iterable[Iterable[str]] = ()) -> None:
         """Stop every child. Each batch of keys is stopped together (one shared grace period)
@@ -222,7 +238,7 @@ class ProcessTable:
             done.update(p.key for p in procs)
             _terminate_groups(procs, grace_seconds)
         _terminate_groups([p for k, p in self._procs.items() if k not in done], grace_seconds)
-        self.poll()
+        self._reap()
 
     def survivors(self) -> list[int]:
         """Pids from any child's tree that are still alive (not zombies): should be empty
