@@ -483,9 +483,12 @@ def test_metrics_count_rejections_and_merges(live: LiveSyncer) -> None:
     assert re.search(r"^diloco_syncer_outer_step [12]\.0$", text, re.M)  # 2 once frag 1 merged
 
 
-def test_versions_lost_in_a_crash_are_never_reissued(tmp_path: Path) -> None:
-    """A version published after the last checkpoint dies with the process; the restarted syncer
-    numbers above it, so a learner that saw it installs the restored content as a newer version."""
+def crash_after_one_merge(
+    tmp_path: Path,
+) -> tuple[TrainingConfig, dict[str, np.ndarray], tuple[int, dict[str, np.ndarray]], list[Any]]:
+    """A syncer that merged fragment 0 once after its startup checkpoint, then died with no
+    cleanup (no final checkpoint). Returns the config, the initial parameters, the version and
+    content the learner got from the merge, and fragment 0's outer state leaves at the crash."""
     cfg = tiny_cfg(checkpoint={"path": str(tmp_path), "everySeconds": 3600})
     crashed = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
     learner = crashed.client()
@@ -494,11 +497,44 @@ def test_versions_lost_in_a_crash_are_never_reissued(tmp_path: Path) -> None:
     learner.push(0, 0, fragment_delta(crashed, 0), 2, 64)
     got = learner.poll(0, 0, wait=10)
     assert got is not None and got[0] == 1  # the learner now holds version 1 of fragment 0
-    # Crash: the loop stops with no cleanup, so no final checkpoint (only the startup one).
+    outer = OuterOptimizer.state_leaves(crashed.syncer.frags[0].opt_state)
     crashed.loop.call_soon_threadsafe(crashed.loop.stop)
     crashed.thread.join(10)
     snap = CheckpointStore(tmp_path).load_latest()
-    assert snap is not None and snap.versions == [0, 0, 0]
+    assert snap is not None and snap.versions == [0, 0, 0]  # the merge is not checkpointed
+    return cfg, initial, got, outer
+
+
+def test_a_version_published_after_the_last_checkpoint_survives_a_crash(tmp_path: Path) -> None:
+    """The fragment journal: the restarted syncer serves the very version the learner holds
+    (same number, same values, same outer momentum), so nothing it learned is lost."""
+    cfg, _, (version, held), outer = crash_after_one_merge(tmp_path)
+    restarted = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
+    try:
+        learner = restarted.client()
+        assert learner.join().versions == [version, 0, 0]
+        assert learner.poll(0, version, wait=0.5) is None  # nothing newer than what it holds
+        served = learner.poll(0, 0, wait=10)
+        assert served is not None and served[0] == version
+        for name, value in held.items():
+            np.testing.assert_array_equal(served[1][name], value)
+        for want, got in zip(
+            outer, OuterOptimizer.state_leaves(restarted.syncer.frags[0].opt_state), strict=True
+        ):
+            np.testing.assert_array_equal(got, want)
+        learner.push(0, version, fragment_delta(restarted, 0, seed=5), 2, 64)
+        assert learner.poll(0, version, wait=10) is not None
+        assert CheckpointStore(tmp_path).recorded_versions() == [version + 1, 0, 0]
+    finally:
+        restarted.close()
+
+
+def test_versions_lost_in_a_crash_are_never_reissued(tmp_path: Path) -> None:
+    """Without a readable fragment journal, a version published after the last checkpoint dies
+    with the process; the restarted syncer numbers above it, so a learner that saw it installs
+    the restored content as a newer version."""
+    cfg, initial, _, _ = crash_after_one_merge(tmp_path)
+    (tmp_path / "fragment-000.safetensors").write_bytes(b"\x00" * 64)  # damaged
 
     restarted = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
     try:

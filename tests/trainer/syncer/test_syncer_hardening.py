@@ -455,7 +455,7 @@ def test_rotation_never_deletes_the_newest_checkpoint_that_loads(
 ) -> None:
     """A disk that garbles what was written (after it was hashed): with keep=1 the damaged new
     checkpoint would otherwise have rotated the last good one out."""
-    import diloco_trainer.syncer.checkpoint as checkpoint
+    import diloco_trainer.syncer.storage as checkpoint
 
     store = CheckpointStore(tmp_path, keep=1)
     syncer = Syncer(tiny_cfg(), TOKEN, store=None, eval_fn=None)

@@ -16,6 +16,8 @@ warning about every one it skips.
 `versions.json` (the version journal) holds the highest version of each fragment ever published,
 rewritten (write + rename; one object write in a bucket) before each new version is announced. After a crash the syncer resumes
 numbering above it, so version numbers never go backwards even when content does.
+`fragment-<p>.safetensors` (journal.py) holds the content of fragment p's newest version, written
+just before the version journal: a restart serves what the learners already hold.
 """
 
 from __future__ import annotations
@@ -23,11 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
-import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,9 +35,17 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from diloco_trainer.syncer.gcs import BucketPrefix
+from diloco_trainer.syncer.journal import (
+    JournaledFragment,
+    decode,
+    encode,
+    fragment_file,
+    is_journal_entry,
+)
 from diloco_trainer.syncer.storage import (
     MANIFEST,
     CheckpointError,
+    LocalDir,
     Location,
     StorageAccessError,
     StorageUnavailable,
@@ -99,89 +105,6 @@ def open_location(root: str | Path, field: str = "checkpoint.path") -> Location:
     if is_bucket_url(root):
         return BucketPrefix(str(root), field)
     return LocalDir(Path(root))
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class LocalDir:
-    """A directory on a local or mounted filesystem (a PersistentVolume)."""
-
-    verified_publish = False
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.url = str(root)
-
-    def check(self) -> None:
-        if self.root.exists() and not self.root.is_dir():
-            raise CheckpointError(f"checkpoint.path {self.root} exists and is not a directory")
-
-    def exists(self) -> bool:
-        return self.root.exists()
-
-    def entries(self) -> list[str]:
-        return [e.name for e in self.root.iterdir()] if self.root.is_dir() else []
-
-    def checkpoints(self) -> list[str]:
-        return [n for n in self.entries() if n.startswith("ckpt-") and (self.root / n).is_dir()]
-
-    def strays(self) -> list[str]:
-        return [n for n in self.entries() if n.startswith(".tmp-")]
-
-    def remove(self, name: str) -> None:
-        shutil.rmtree(self.root / name, ignore_errors=True)
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[Path]:
-        # Beside its final place (same filesystem: the rename is atomic); the pid keeps two
-        # writers apart; a crash leaves it for the next start's stray removal.
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".tmp-{name.removeprefix('ckpt-')}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        yield tmp
-
-    def publish(self, staged: Path, name: str) -> Path | str:
-        for path in staged.iterdir():
-            _fsync_file(path)
-        _fsync_dir(staged)
-        final = self.root / name
-        os.rename(staged, final)
-        _fsync_dir(self.root)
-        return final
-
-    @contextmanager
-    def fetch(self, name: str) -> Iterator[Path]:
-        yield self.root / name
-
-    def read_small(self, name: str) -> bytes | None:
-        path = self.root / name
-        return path.read_bytes() if path.exists() else None
-
-    def replace_small(self, name: str, data: bytes) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".{name}.tmp"
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.root / name)
-        _fsync_dir(self.root)  # the rename itself survives a power loss
 
 
 class CheckpointStore:
@@ -289,6 +212,25 @@ class CheckpointStore:
             log.warning("event=lease_journal_unreadable path=%s error=%r", where, str(exc))
             return None
 
+    def record_fragment(self, entry: JournaledFragment) -> None:
+        """Journal a fragment's newest version (journal.py), before it is announced."""
+        self.location.replace_small(fragment_file(entry.index), encode(entry))
+
+    def recorded_fragment(self, index: int) -> JournaledFragment | None:
+        """Fragment `index`'s journal entry, or None when absent or unreadable (the checkpoint
+        then stands; a storage failure is raised, as for checkpoints)."""
+        data = self.location.read_small(fragment_file(index))
+        if data is None:
+            return None
+        try:
+            return decode(data, index)
+        except ValueError as exc:
+            log.warning(
+                "event=fragment_journal_unreadable path=%s/%s error=%r",
+                self.location.url, fragment_file(index), str(exc),
+            )  # fmt: skip
+            return None
+
     def recorded_versions(self) -> list[int] | None:
         where = f"{self.location.url}/{JOURNAL}"
         try:
@@ -349,6 +291,32 @@ class CheckpointStore:
         with self.location.fetch(name) as path:
             return self.read(path, f"{self.location.url}/{name}")
 
+    def newest_manifest(self, after: int | None = None) -> dict[str, Any] | None:
+        """The manifest of the newest checkpoint if its seq is above `after` (None: any), read
+        alone: its tensors are not fetched or checked. For a standby taking over, which has
+        every fragment from the journal and needs only the run state."""
+        existing = self._existing()
+        if not existing or (after is not None and existing[-1][0] <= after):
+            return None
+        name = existing[-1][1]
+        try:
+            data = self.location.read_small(f"{name}/{MANIFEST}")
+            manifest = json.loads(data) if data is not None else None
+        except (OSError, ValueError, RecursionError) as exc:
+            log.warning(
+                "event=manifest_unreadable path=%s/%s error=%r", self.location.url, name, exc
+            )
+            return None
+        return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+
+    def remove_strays(self) -> None:
+        """Delete leftovers of interrupted saves (only the location's owner may)."""
+        for name in self.location.strays():
+            log.warning(
+                "event=checkpoint_stray_tmp path=%s/%s action=removed", self.location.url, name
+            )
+            self.location.remove(name)
+
     def load_latest(self, remove_stray: bool = True) -> Snapshot | None:
         """The newest valid checkpoint, or None if the location is absent or empty.
 
@@ -365,11 +333,8 @@ class CheckpointStore:
         self.location.check()
         if not self.location.exists():
             return None
-        for name in self.location.strays() if remove_stray else []:
-            log.warning(
-                "event=checkpoint_stray_tmp path=%s/%s action=removed", self.location.url, name
-            )
-            self.location.remove(name)
+        if remove_stray:
+            self.remove_strays()
         problems: list[str] = []
         self.skipped = []
         for seq, name in reversed(self._existing()):
@@ -399,7 +364,7 @@ class CheckpointStore:
         leftovers = sorted(
             name
             for name in self.location.entries()
-            if name not in ignorable and not name.startswith(".tmp-")
+            if name not in ignorable and not name.startswith(".tmp-") and not is_journal_entry(name)
         )
         if leftovers:
             detail = "; ".join(problems) if problems else f"unexpected entries {leftovers[:5]}"

@@ -62,7 +62,10 @@ class Syncer:
         eval_fn: EvalFn | None = default_eval,
         restore: Snapshot | None = None,
         max_units: int | None = None,
+        standby: bool = False,
     ) -> None:
+        """`standby`: a warm spare (standby.py) that reads the checkpoint location but writes
+        nothing to it until `take_over`."""
         if not token:
             raise ValueError("token: a bearer token is required")
         self.cfg, self.token, self.run, self.store, self.eval_fn = cfg, token, run, store, eval_fn
@@ -104,26 +107,54 @@ class Syncer:
         self._background: list[asyncio.Task[None]] = []
         self.closing = False
         self._evaluated: tuple[int, ...] | None = None
+        self.restored_seq: int | None = None  # the checkpoint this state came from
         # `restore` lets the caller read (and vet) the checkpoint before paying for model init.
         snap = restore if restore is not None else (store.load_latest() if store else None)
         if snap is not None:
             persist.restore(self, snap)
         for f in self.frags:
             f.norm = l2_norm(f.params)
+        persist.replay_journal(self)
         self.metrics.checkpoints_skipped.set(len(store.skipped) if store else 0)
         if self.final_loss is not None:
             self.final_eval = "done"
         elif eval_fn is None:
             self.final_eval = "off"
         self._journal_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="journal")
+        self.standby = standby
+        self._published: list[int] = []
+        self.epoch = ""
+        if not standby:
+            self._begin_serving()
+
+    def _begin_serving(self) -> None:
         self._published = persist.resume_numbering(self)
         # Names this process's downlink steps: a learner's copy from another process (before a
         # restart) never gets a step, only values.
         self.epoch = secrets.token_hex(8)
-        if cfg.compression.downlink != "none":
+        if self.cfg.compression.downlink != "none":
             for f in self.frags:
                 f.publication = Publication(f.version, dict(f.params))
         self._publish_gauges()
+
+    def follow(self) -> list[int]:
+        """A standby's catch-up: install the fragment versions journaled since it last looked
+        (only those the version journal says are newer are read)."""
+        journal = self.store.recorded_versions() if self.store is not None else None
+        if journal is None or len(journal) != len(self.frags):
+            return []
+        if all(v <= f.version for v, f in zip(journal, self.frags, strict=True)):
+            return []
+        return persist.replay_journal(self, logging.DEBUG)
+
+    def take_over(self) -> None:
+        """A standby becomes the serving syncer: the newest checkpoint's run state (learners,
+        evaluations, data leases), every journaled fragment, then version numbering."""
+        assert self.standby, "take_over is for a standby"
+        persist.take_over_run_state(self)
+        persist.replay_journal(self)
+        self.standby = False
+        self._begin_serving()
 
     def _new_fragment(
         self, index: int, names: list[str], params: Mapping[str, np.ndarray]
@@ -340,7 +371,8 @@ class Syncer:
         await asyncio.get_running_loop().run_in_executor(self._merge_pool, self.warm_up)
         log.info("event=warmed_up seconds=%.2f", time.perf_counter() - started)
         if self.store is not None:
-            await self.save_checkpoint()  # a fresh run has a checkpoint from its first second
+            if self._saved_mark is None:  # a fresh run has a checkpoint from its first second
+                await self.save_checkpoint()
             self._background.append(
                 asyncio.create_task(
                     self._every(

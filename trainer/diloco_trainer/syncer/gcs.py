@@ -235,9 +235,8 @@ class BucketPrefix:
         # One object write is atomic; one writer (the syncer's journal thread) writes it in
         # order, so retrying an unconditional write cannot put an older value back.
         blob = self._bucket().blob(self._key(name))
+        kind = "application/json" if name.endswith(".json") else "application/octet-stream"
         self._call(
             f"write {name}",
-            lambda: blob.upload_from_string(
-                data, content_type="application/json", retry=DEFAULT_RETRY
-            ),
+            lambda: blob.upload_from_string(data, content_type=kind, retry=DEFAULT_RETRY),
         )

@@ -11,6 +11,9 @@ config error (the message names the field), `training.model.initFrom` weights th
 read or do not fit the model and a checkpoint bucket this process cannot use (no credential,
 access denied, no such bucket) included; exit 1 when the checkpoints cannot be read.
 SIGTERM/SIGINT stop serving, write a final checkpoint and exit 0.
+
+`--lock PATH` (DILOCO_SYNCER_LOCK): a second syncer with the same lock, port and checkpoint
+path is a warm standby (standby.py) that serves within a second of the first one's death.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from diloco_trainer.config import (
     ConfigError,
@@ -38,8 +43,12 @@ from diloco_trainer.syncer.checkpoint import (
     StorageAccessError,
 )
 from diloco_trainer.syncer.fragment import InitFn, default_init
+from diloco_trainer.syncer.standby import ServingLock, wait_as_standby
 from diloco_trainer.workload.weights import WeightsError
 from diloco_trainer.workload.weights import init_from as init_from_weights
+
+if TYPE_CHECKING:
+    from diloco_trainer.syncer.core import Syncer
 
 log = logging.getLogger("diloco.syncer")
 DEFAULT_PORT = 8470
@@ -61,6 +70,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-units",
         default=None,
         help="distinct learner units admitted (else DILOCO_MAX_UNITS; unset: any number)",
+    )
+    p.add_argument(
+        "--lock",
+        default=os.environ.get("DILOCO_SYNCER_LOCK") or None,
+        help="serve only while holding this local file's lock; a second syncer given the same "
+        "lock waits as a warm standby and takes over when the first dies (standby.py)",
     )
     p.add_argument("--log-level", default=os.environ.get("DILOCO_LOG_LEVEL", "INFO"))
     p.add_argument(
@@ -148,6 +163,21 @@ def starting_params(init_from: str | None, snapshot: Snapshot | None) -> InitFn:
     return init_from_weights(init_from, default_init)
 
 
+def stand_by(syncer: Syncer, lock: ServingLock, store: CheckpointStore) -> None:
+    """Warm up, wait for the lock while following the journal, then take over."""
+    syncer.warm_up()
+    log.info("event=standby_ready lock=%s versions=%s", lock.path, syncer.versions())
+    wait_as_standby(syncer, lock)
+    started = time.perf_counter()
+    store.remove_strays()  # the dead syncer's interrupted save
+    syncer.take_over()
+    log.info(
+        "event=took_over seconds=%.3f versions=%s",
+        time.perf_counter() - started,
+        syncer.versions(),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -168,10 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"diloco-syncer: config error: {exc}", file=sys.stderr)
         return 2
+    lock = ServingLock(Path(args.lock)) if args.lock else None
+    serving = lock is None or lock.try_acquire()
     try:
         store = CheckpointStore(ckpt_path, cfg.checkpoint.keep, field=ckpt_field)
-        # Before importing JAX: a bad checkpoint dir or an unusable bucket fails fast.
-        snapshot = store.load_latest()
+        # Before importing JAX: a bad checkpoint dir or an unusable bucket fails fast. A
+        # standby must not touch the serving syncer's save in progress.
+        snapshot = store.load_latest(remove_stray=serving)
     except CheckpointError as exc:
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, StorageAccessError) else 1
@@ -185,8 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         syncer = Syncer(
             cfg, token, run=name, store=store, restore=snapshot, max_units=max_units,
-            init_fn=init_fn,
+            init_fn=init_fn, standby=not serving,
         )  # fmt: skip
+        if lock is not None and not serving:
+            stand_by(syncer, lock, store)
+        if lock is not None:
+            lock.announce()
     except ValueError as exc:  # a checkpoint or initFrom weights that do not fit this config
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,6 +14,8 @@ from diloco_trainer.config import TrainingConfig
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer.checkpoint import Snapshot
 from diloco_trainer.syncer.data_leases import LeaseBook
+from diloco_trainer.syncer.fragment import l2_norm
+from diloco_trainer.syncer.journal import fits
 
 if TYPE_CHECKING:
     from diloco_trainer.syncer.core import Syncer
@@ -36,22 +38,67 @@ def restore(s: Syncer, snap: Snapshot) -> None:
         f.opt_state = s.outer.state_from_leaves(f.params, snap.outer_state[f.index])
         f.version = snap.versions[f.index]
         f.last_merge = (snap.extra.get("lastMerge") or [None] * len(s.frags))[f.index]
-    s.learners.load_json(snap.learners, now=time.time())
-    # Absent from checkpoints older than data leases: a fresh book. The journal holds the
-    # assignments made since the checkpoint.
-    s.leases = LeaseBook.from_json(snap.extra.get("dataLeases"), s.cfg.data.shards)
-    journal = s.store.recorded_leases() if s.store is not None else None
-    if journal is not None:
-        s.leases = s.leases.newest(LeaseBook.from_json(journal, s.cfg.data.shards))
-    s.eval_loss = snap.extra.get("evalLoss")
-    s.final_loss = snap.extra.get("finalLoss")
+    restore_run_state(s, snap.learners, snap.extra)
     s._saved_mark = s._mark()
+    s.restored_seq = snap.seq
     log.info(
         "event=restored seq=%d versions=%s outer_step=%d",
         snap.seq,
         snap.versions,
         s.outer_step,
     )
+
+
+def restore_run_state(s: Syncer, learners: dict[str, Any], extra: dict[str, Any]) -> None:
+    """What a checkpoint holds besides the fragments: learner counters, data leases (the
+    journal's when newer), evaluations."""
+    s.learners.load_json(learners, now=time.time())
+    # Absent from checkpoints older than data leases: a fresh book. The journal holds the
+    # assignments made since the checkpoint.
+    s.leases = LeaseBook.from_json(extra.get("dataLeases"), s.cfg.data.shards)
+    journal = s.store.recorded_leases() if s.store is not None else None
+    if journal is not None:
+        s.leases = s.leases.newest(LeaseBook.from_json(journal, s.cfg.data.shards))
+    s.eval_loss = extra.get("evalLoss")
+    s.final_loss = extra.get("finalLoss")
+
+
+def take_over_run_state(s: Syncer) -> None:
+    """A standby's run state from the newest checkpoint's manifest (the fragments come from the
+    journal, so the tensors are not read again), or from the lease journal alone."""
+    manifest = s.store.newest_manifest(after=s.restored_seq) if s.store is not None else None
+    if manifest is not None:
+        restore_run_state(
+            s, dict(manifest.get("learners") or {}), dict(manifest.get("extra") or {})
+        )
+        s.restored_seq = int(manifest["seq"])
+        log.info("event=run_state_taken_over seq=%d", s.restored_seq)
+    elif s.store is not None and (journal := s.store.recorded_leases()) is not None:
+        s.leases = s.leases.newest(LeaseBook.from_json(journal, s.cfg.data.shards))
+
+
+def replay_journal(s: Syncer, level: int = logging.INFO) -> list[int]:
+    """Install each fragment's journaled version where it is newer than what `s` holds (the
+    checkpoint's, or a standby's earlier catch-up). Returns the fragments installed."""
+    if s.store is None:
+        return []
+    installed = []
+    for f in s.frags:
+        entry = s.store.recorded_fragment(f.index)
+        if entry is None or entry.version <= f.version:
+            continue
+        problem = fits(entry, {n: s.shapes[n] for n in f.names})
+        if problem is not None:
+            log.warning("event=fragment_journal_ignored fragment=%d reason=%r", f.index, problem)
+            continue
+        params = {n: entry.params[n].astype(np.float32) for n in f.names}
+        f.opt_state = s.outer.state_from_leaves(params, entry.outer_leaves)
+        f.params, f.version, f.last_merge = params, entry.version, entry.last_merge
+        f.norm = l2_norm(params)
+        installed.append(f.index)
+    if installed:
+        log.log(level, "event=journal_replayed fragments=%s versions=%s", installed, s.versions())
+    return installed
 
 
 def resume_numbering(s: Syncer) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ import numpy as np
 
 from diloco_trainer.downlink import Publication
 from diloco_trainer.merge import Contribution, participation_share
+from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer.fragment import (
     FragmentState,
     expected_arrival,
@@ -22,8 +24,10 @@ from diloco_trainer.syncer.fragment import (
 )
 from diloco_trainer.syncer.grace import grace_window, slack_seconds
 from diloco_trainer.syncer.health import retry_delay
+from diloco_trainer.syncer.journal import JournaledFragment
 
 if TYPE_CHECKING:
+    from diloco_trainer.syncer.checkpoint import CheckpointStore
     from diloco_trainer.syncer.core import Syncer
 
 log = logging.getLogger("diloco.syncer")
@@ -169,9 +173,11 @@ async def _merge_steps(
         return None
     new_version = f.version + 1
     if s.store is not None:
-        # Journal first, announce second: a number a learner has seen is never reissued.
+        # Journal first, announce second: neither a number nor the content a learner has seen
+        # is lost by a crash (journal.py).
         s._published[f.index] = max(s._published[f.index], new_version)
-        await loop.run_in_executor(s._journal_pool, s.store.record_versions, list(s._published))
+        entry = functools.partial(journal_entry, f.index, new_version, new_params, new_state)
+        await loop.run_in_executor(s._journal_pool, _record, s.store, entry, list(s._published))
     publication = f.publication
     if publication is not None:
         comp = s.cfg.compression
@@ -180,3 +186,20 @@ async def _merge_steps(
             publication.advance, new_params, new_version, comp.downlink, comp.block_size,
         )  # fmt: skip
     return new_params, new_state, publication, norm
+
+
+def journal_entry(
+    index: int, version: int, params: dict[str, np.ndarray], state: Any
+) -> JournaledFragment:
+    return JournaledFragment(
+        index, version, params, OuterOptimizer.state_leaves(state), last_merge=time.time()
+    )
+
+
+def _record(
+    store: CheckpointStore, entry: functools.partial[JournaledFragment], published: list[int]
+) -> None:
+    """The content first, then the number (in the journal thread): a version number on record
+    always has its content on record, or an older checkpoint's at a lower number."""
+    store.record_fragment(entry())
+    store.record_versions(published)

@@ -14,7 +14,10 @@ marker, a `ckpt-<seq>/` without one is an interrupted upload, and deleting start
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -79,3 +82,86 @@ class Location(Protocol):
 
 def is_bucket_url(root: str | Path) -> bool:
     return isinstance(root, str) and root.startswith(GCS_SCHEME)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalDir:
+    """A directory on a local or mounted filesystem (a PersistentVolume)."""
+
+    verified_publish = False
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = str(root)
+
+    def check(self) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise CheckpointError(f"checkpoint.path {self.root} exists and is not a directory")
+
+    def exists(self) -> bool:
+        return self.root.exists()
+
+    def entries(self) -> list[str]:
+        return [e.name for e in self.root.iterdir()] if self.root.is_dir() else []
+
+    def checkpoints(self) -> list[str]:
+        return [n for n in self.entries() if n.startswith("ckpt-") and (self.root / n).is_dir()]
+
+    def strays(self) -> list[str]:
+        return [n for n in self.entries() if n.startswith(".tmp-")]
+
+    def remove(self, name: str) -> None:
+        shutil.rmtree(self.root / name, ignore_errors=True)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[Path]:
+        # Beside its final place (same filesystem: the rename is atomic); the pid keeps two
+        # writers apart; a crash leaves it for the next start's stray removal.
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{name.removeprefix('ckpt-')}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        yield tmp
+
+    def publish(self, staged: Path, name: str) -> Path | str:
+        for path in staged.iterdir():
+            _fsync_file(path)
+        _fsync_dir(staged)
+        final = self.root / name
+        os.rename(staged, final)
+        _fsync_dir(self.root)
+        return final
+
+    @contextmanager
+    def fetch(self, name: str) -> Iterator[Path]:
+        yield self.root / name
+
+    def read_small(self, name: str) -> bytes | None:
+        path = self.root / name
+        return path.read_bytes() if path.exists() else None
+
+    def replace_small(self, name: str, data: bytes) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{name}.tmp"
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / name)
+        _fsync_dir(self.root)  # the rename itself survives a power loss

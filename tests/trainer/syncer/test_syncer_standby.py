@@ -1,0 +1,136 @@
+"""The warm standby syncer (standby.py): it follows the fragment journal while another syncer
+serves, and a SIGKILLed serving syncer is replaced by it with no published version lost."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from diloco_trainer.auth import unit_token
+from diloco_trainer.learner.client import SyncerClient
+from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.syncer.checkpoint import CheckpointStore
+from diloco_trainer.syncer.core import Syncer
+from diloco_trainer.syncer.standby import ServingLock, serving_pid
+
+from tests.trainer.syncer.test_syncer import TOKEN as LIVE_TOKEN
+from tests.trainer.syncer.test_syncer import LiveSyncer, fragment_delta, tiny_cfg
+from tests.trainer.syncer.test_syncer_process import (
+    TOKEN,
+    SyncerProcess,
+    delta_for,
+    procs,  # noqa: F401  (fixture)
+    start,
+    write_config,
+)
+
+
+def test_a_standby_follows_the_journal_and_takes_over_the_newest_versions(tmp_path: Path) -> None:
+    cfg = tiny_cfg(checkpoint={"path": str(tmp_path), "everySeconds": 3600})
+    serving = LiveSyncer(Syncer(cfg, LIVE_TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
+    standby = Syncer(cfg, LIVE_TOKEN, store=CheckpointStore(tmp_path), eval_fn=None, standby=True)
+    try:
+        learner = serving.client()
+        learner.join()
+        assert standby.follow() == []  # nothing merged yet
+        learner.push(0, 0, fragment_delta(serving, 0), 2, 64)
+        assert learner.poll(0, 0, wait=10) is not None
+        assert standby.follow() == [0]
+        assert standby.versions() == serving.syncer.versions() == [1, 0, 0]
+        learner.push(1, 0, fragment_delta(serving, 1), 2, 64)
+        held = learner.poll(1, 0, wait=10)
+        assert held is not None
+        serving.loop.call_soon_threadsafe(serving.loop.stop)  # dies without a checkpoint
+        serving.thread.join(10)
+        standby.take_over()
+        assert standby.versions() == [1, 1, 0]  # fragment 1 read at the take-over
+        for name, value in held[1].items():
+            np.testing.assert_array_equal(standby.frags[1].params[name], value)
+        for want, got in zip(
+            OuterOptimizer.state_leaves(serving.syncer.frags[1].opt_state),
+            OuterOptimizer.state_leaves(standby.frags[1].opt_state),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(got, want)
+        assert CheckpointStore(tmp_path).recorded_versions() == [1, 1, 0]  # not renumbered
+    finally:
+        standby.close()
+
+
+def test_the_lock_goes_to_one_holder_at_a_time(tmp_path: Path) -> None:
+    first, second = ServingLock(tmp_path / "lock"), ServingLock(tmp_path / "lock")
+    assert first.try_acquire()
+    first.announce()
+    assert not second.try_acquire()
+    assert serving_pid(tmp_path / "lock") == os.getpid()
+    os.close(first.fd)  # what a dying holder's kernel does
+    assert second.try_acquire()
+
+
+def log_has(log: Path, pattern: str, timeout: float = 90.0) -> re.Match[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(pattern, log.read_text(errors="replace"))
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"no {pattern!r} in {log}:\n{log.read_text(errors='replace')}")
+
+
+def test_sigkilled_syncer_is_replaced_by_its_standby_with_every_version(
+    tmp_path: Path,
+    procs: list[SyncerProcess],  # noqa: F811
+) -> None:
+    """Checkpoints every hour: every version merged here lives only in the journal."""
+    config = write_config(tmp_path / "run.yaml", checkpoint={"everySeconds": 3600, "keep": 2})
+    ckpt, lock = tmp_path / "ckpt", tmp_path / "syncer.lock"
+    os.environ["DILOCO_SYNCER_LOCK"] = str(lock)
+    try:
+        first = start(procs, config, ckpt, tmp_path / "first.log")
+    finally:
+        del os.environ["DILOCO_SYNCER_LOCK"]
+    standby_log = tmp_path / "standby.log"
+    standby = subprocess.Popen(
+        [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(config),
+         "--host", "127.0.0.1", "--port", str(first.port), "--checkpoint-dir", str(ckpt),
+         "--lock", str(lock)],
+        stdout=subprocess.DEVNULL, stderr=standby_log.open("ab"),
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "DILOCO_TOKEN": TOKEN},
+    )  # fmt: skip
+    try:
+        log_has(standby_log, r"event=standby_ready")
+        assert serving_pid(lock) == first.proc.pid
+        learner = SyncerClient(first.url, unit_token(TOKEN, "unit-0"), "unit-0", 0, timeout=5)
+        join = learner.join()
+        held: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        for i in range(3):
+            for p in range(2):
+                learner.push(p, i, delta_for(learner, join.layout, p, 10 * i + p), 4, 256)
+                got = learner.poll(p, i, wait=10)
+                assert got is not None
+                held[p] = got
+        assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+        log_has(standby_log, r"event=listening")
+        assert serving_pid(lock) == standby.pid
+        status = learner.status()
+        assert [f.version for f in status.fragments] == [3, 3]
+        for p, (version, values) in held.items():
+            assert learner.poll(p, version, wait=0.2) is None  # nothing newer: the same version
+            served = learner.poll(p, version - 1, wait=5)
+            assert served is not None and served[0] == version
+            for name, value in values.items():
+                np.testing.assert_array_equal(served[1][name], value)
+        learner.join()  # a new attempt, as a learner that lost its syncer makes
+        learner.push(0, 3, delta_for(learner, join.layout, 0, 99), 4, 256)
+        got = learner.poll(0, 3, wait=10)
+        assert got is not None and got[0] == 4
+    finally:
+        if standby.poll() is None:
+            standby.kill()
+        standby.wait(10)
