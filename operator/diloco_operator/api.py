@@ -190,6 +190,13 @@ class SyncerSpec(Strict):
         None, description="Syncer container resources (CPU and memory)."
     )
     port: int = Field(8470, ge=1024, le=65535, description="Syncer HTTP port.")
+    standby: bool = Field(
+        True,
+        description="Keep a warm standby syncer beside the serving one (a second process "
+        "locally, a second container in the syncer pod): it follows the fragment journal and "
+        "serves within a second when the serving syncer's process dies, with every published "
+        "version. Costs a second copy of the syncer's memory.",
+    )
     checkpoint: CheckpointStorage = Field(default_factory=lambda: CheckpointStorage())
     node_selector: NodeSelector | None = Field(
         None, description="Node labels the syncer pod must run on (a CPU pool)."

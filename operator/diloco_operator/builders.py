@@ -36,6 +36,7 @@ from diloco_operator.placement import group_placement, place_learner_pod
 from diloco_operator.planner import CreateUnit
 from diloco_operator.pod_security import TOKEN_KEY, secure_pod
 from diloco_operator.pod_template import apply_template
+from diloco_operator.syncer_standby import LOCK_ENV, add_standby
 
 CONFIG_DIR = "/etc/diloco"
 CONFIG_FILE = "run.yaml"
@@ -245,7 +246,14 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
         pod_spec["tolerations"] = [t.to_wire() for t in spec.syncer.tolerations]
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
+    if spec.syncer.standby:
+        env.append(LOCK_ENV)
     secure_pod(pod_spec, run.token_secret)
+    template = apply_template(
+        {"metadata": {"labels": pod_labels}, "spec": pod_spec}, spec.syncer.template
+    )
+    if spec.syncer.standby:
+        add_standby(template, port)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -255,9 +263,7 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
             # Never two syncers on one checkpoint: the old pod goes before the new one starts.
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER}},
-            "template": apply_template(
-                {"metadata": {"labels": pod_labels}, "spec": pod_spec}, spec.syncer.template
-            ),
+            "template": template,
         },
     }
 

@@ -39,7 +39,7 @@ OWNED_VOLUMES = ("config", "token", "tmp", "cache", "checkpoints")
 # builders.CONFIG_DIR and CHECKPOINT_MOUNT (builders imports this module, so they are spelled
 # here; tests/operator/test_pod_template.py checks every mount the builders make is listed).
 OWNED_MOUNT_PATHS = ("/etc/diloco", TOKEN_DIR, "/tmp", CACHE_DIR, "/var/lib/diloco/checkpoints")
-MAIN_CONTAINERS = ("learner", "syncer")
+MAIN_CONTAINERS = ("learner", "syncer", "syncer-standby")
 
 # An absolute path with no empty, "." or ".." segment and no trailing slash, so that comparing
 # strings is comparing paths (the overlap rule below relies on it).
@@ -131,7 +131,8 @@ class ExtraContainer(Strict):
         min_length=1,
         max_length=63,
         pattern=DNS_LABEL,
-        description="Container name, not learner or syncer; the other fields are passed through "
+        description="Container name, not learner, syncer or syncer-standby; the other fields are "
+        "passed through "
         "(no securityContext: the operator's restricted one).",
     )
     image: str = Field(min_length=1, max_length=512, description="Container image.")
@@ -225,7 +226,7 @@ def conflicts(template: PodTemplate) -> list[str]:
         ("spec.initContainers", spec.init_containers),
     ):
         found += [
-            f"{field}: {c.name} is the name of the operator's main container"
+            f"{field}: {c.name} is the name of one of the operator's containers"
             for c in extra or []
             if c.name in MAIN_CONTAINERS
         ]
@@ -297,13 +298,14 @@ def _cel_rules() -> list[dict[str, str]]:
         _rule(
             ("spec", "containers"),
             f"all(c, !(c.name in {main}))",
-            "spec.containers: learner and syncer are the names of the operator's main containers",
+            "spec.containers: learner, syncer and syncer-standby are the names of the operator's "
+            "containers",
         ),
         _rule(
             ("spec", "initContainers"),
             f"all(c, !(c.name in {main}))",
-            "spec.initContainers: learner and syncer are the names of the operator's main "
-            "containers",
+            "spec.initContainers: learner, syncer and syncer-standby are the names of the "
+            "operator's containers",
         ),
         _rule(
             ("mainContainer", "env"),

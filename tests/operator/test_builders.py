@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
-from diloco_operator import builders
+from diloco_operator import builders, pod_security, syncer_standby
 from diloco_operator.api import parse_spec
 from diloco_operator.planner import CreateUnit, desired_units
 from diloco_trainer.auth import unit_token
@@ -314,3 +314,27 @@ def test_syncer_readiness_is_its_ability_to_merge_and_persist() -> None:
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     # not ready is reported, never a reason to cut learners off from it
     assert builders.syncer_service(run)["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_syncer_standby_is_a_second_container_on_the_same_lock_and_port() -> None:
+    template = {"mainContainer": {"env": [{"name": "EXTRA", "value": "1"}]}}
+    run = make_run(syncer={"template": template})
+    pod = builders.syncer_deployment(run)["spec"]["template"]
+    serving, standby = pod["spec"]["containers"][:2]
+    assert (serving["name"], standby["name"]) == ("syncer", "syncer-standby")
+    assert pod["metadata"]["annotations"]["kubectl.kubernetes.io/default-container"] == "syncer"
+    for c in (serving, standby):
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["DILOCO_SYNCER_LOCK"] == syncer_standby.LOCK_FILE and env["EXTRA"] == "1"
+        assert c["command"] == serving["command"]
+        assert c["securityContext"] == pod_security.container_security_context()
+        assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}  # the shared lock's dir
+    assert "ports" not in standby  # the port is served by whichever holds the lock
+    assert standby["readinessProbe"]["httpGet"]["port"] == 8470
+    assert standby["livenessProbe"]["httpGet"]["port"] == 8470
+    assert serving["readinessProbe"]["httpGet"]["port"] == "http"  # the copy changed nothing
+    assert roundtrip(builders.syncer_deployment(run)) == builders.syncer_deployment(run)
+
+    alone = builders.syncer_deployment(make_run(syncer={"standby": False}))["spec"]["template"]
+    assert [c["name"] for c in alone["spec"]["containers"]] == ["syncer"]
+    assert "DILOCO_SYNCER_LOCK" not in {e["name"] for e in alone["spec"]["containers"][0]["env"]}

@@ -43,7 +43,7 @@ from diloco_operator.local.programs import (
 from diloco_operator.local.recorder import Event, Recorder
 from diloco_operator.local.report import write_report
 from diloco_operator.local.spares import SparePool, is_spare
-from diloco_operator.local.syncer_process import SYNCER, SyncerProcess
+from diloco_operator.local.syncer_process import STANDBY, SYNCER, SyncerProcess
 from diloco_operator.planner import (
     Action,
     CreateSyncer,
@@ -123,6 +123,7 @@ class LocalRuntime:
             max_units=run.spec.total_units,
             max_restarts=options.max_syncer_restarts,
             start_timeout=options.syncer_start_timeout,
+            standby=run.spec.syncer.standby,
         )
         self.chaos = FaultDelivery(
             ChaosScheduler(options.chaos), self.procs, self.recorder, self.slots, SYNCER
@@ -226,6 +227,9 @@ class LocalRuntime:
             if key == SYNCER:
                 self.syncer.exited(code, now)
                 continue
+            if key == STANDBY:
+                self.syncer.standby_exited(code, now)
+                continue
             if is_spare(key):
                 self.spares.exited(key, code, now)
                 continue
@@ -277,7 +281,9 @@ class LocalRuntime:
         self.status = result.status
         self.requeue_after = result.requeue_after
         self.apply(result.actions, now)
-        self.spares.top_up(now, run_over=self.status.phase in ("Succeeded", "Failed"))
+        run_over = self.status.phase in ("Succeeded", "Failed")
+        self.spares.top_up(now, run_over=run_over)
+        self.syncer.top_up_standby(now, run_over=run_over)
         paused = self._paused([u.name for u in self.status.units])
         for unit in self.status.units:
             self.recorder.state(now, unit.name, unit_state(unit.state, unit.name in paused))
@@ -386,7 +392,9 @@ class LocalRuntime:
         ours is left."""
         self.chaos.resume_all()
         spares = self.spares.settle(time.time())
-        units = [s.name for s in self.slots] + spares  # spares die with the units
+        # Spares die with the units; so does the standby syncer, before the serving one's
+        # SIGTERM would hand it the lock.
+        units = [s.name for s in self.slots] + spares + [STANDBY]
         self.procs.stop_all(grace_seconds=self.opts.stop_grace_seconds, batches=[units, [SYNCER]])
         self.spares.close()
         left = self.procs.survivors()

@@ -1,5 +1,10 @@
 """The syncer of a local run as a process: started (and restarted) on a loopback port, polled for
-its /v1/status each tick, and given up on when it cannot start."""
+its /v1/status each tick, and given up on when it cannot start.
+
+With `standby`, a second syncer process waits warm on the same port, checkpoint path and lock
+file (diloco_trainer/syncer/standby.py). When the serving one dies, the standby has taken over
+before the supervisor even notices; the supervisor only renames it `syncer` and starts the next
+standby once it serves."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from diloco_operator.local.syncer_client import SyncerClient, free_port
 from diloco_operator.planner import SyncerStatus
 
 SYNCER = "syncer"
+STANDBY = "syncer-standby"
 
 
 class SyncerProcess:
@@ -35,6 +41,7 @@ class SyncerProcess:
         max_units: int,
         max_restarts: int,
         start_timeout: float,
+        standby: bool = False,
     ) -> None:
         self.procs = procs
         self.recorder = recorder
@@ -42,6 +49,10 @@ class SyncerProcess:
         self.config = config
         self.checkpoint_dir = checkpoint_dir
         self.log_path = logs_dir / "syncer.log"
+        self.logs_dir = logs_dir
+        self.standbys = 0  # standbys started: each logs to syncer-standby-<n>.log
+        self.lock_path = logs_dir / "syncer.lock" if standby else None
+        self.takeovers = 0
         self.max_units = max_units
         self.max_restarts = max_restarts
         self.start_timeout = start_timeout
@@ -68,19 +79,51 @@ class SyncerProcess:
             self.restarts += 1
             if self.restarts > self.max_restarts:
                 raise RunAborted(f"the syncer died {self.restarts} times; giving up")
-        argv = [*self.argv_prefix, "--config", str(self.config), "--host", "127.0.0.1"]
-        argv += ["--port", str(self.port), "--checkpoint-dir", str(self.checkpoint_dir)]
-        env = child_env(dict(os.environ))
-        env["DILOCO_TOKEN"] = self.token  # the run secret; each unit gets unit_token(secret, name)
-        env["DILOCO_MAX_UNITS"] = str(self.max_units)
-        self.procs.spawn(SYNCER, argv, env, self.log_path)
+        self._spawn(SYNCER, self.log_path)
         self.healthy = False
         kind = "syncer-restarted" if restarting else "syncer-started"
         self.recorder.event(now, kind, SYNCER, f"syncer on port {self.port}")
         self.recorder.state(now, SYNCER, "starting")
 
+    def _spawn(self, key: str, log_path: Path) -> None:
+        argv = [*self.argv_prefix, "--config", str(self.config), "--host", "127.0.0.1"]
+        argv += ["--port", str(self.port), "--checkpoint-dir", str(self.checkpoint_dir)]
+        if self.lock_path is not None:
+            argv += ["--lock", str(self.lock_path)]
+        env = child_env(dict(os.environ))
+        env["DILOCO_TOKEN"] = self.token  # the run secret; each unit gets unit_token(secret, name)
+        env["DILOCO_MAX_UNITS"] = str(self.max_units)
+        self.procs.spawn(key, argv, env, log_path)
+
+    def top_up_standby(self, now: float, run_over: bool) -> None:
+        """Start a standby once the serving syncer serves (not before: the two would compete
+        for the CPU while the run starts), unless one waits already."""
+        if self.lock_path is None or run_over or not self.healthy:
+            return
+        standby = self.procs.get(STANDBY)
+        if standby is None or not standby.alive():
+            self.standbys += 1
+            log_path = self.logs_dir / f"syncer-standby-{self.standbys}.log"
+            self._spawn(STANDBY, log_path)
+            self.recorder.event(now, "syncer-standby-started", STANDBY, f"logs to {log_path.name}")
+
+    def standby_exited(self, code: int, now: float) -> None:
+        self.recorder.event(now, "syncer-standby-exited", STANDBY, exit_description(code))
+
     def exited(self, code: int, now: float) -> None:
-        """The process exited: a syncer that never served means the run cannot start."""
+        """The process exited: a syncer that never served means the run cannot start. A
+        standby, if one waits, is serving already (or is about to): it becomes `syncer`."""
+        standby = self.procs.get(STANDBY)
+        if self.ever_healthy and standby is not None and standby.alive():
+            self.recorder.event(now, "syncer-exited", SYNCER, exit_description(code))
+            self.restarts += 1
+            if self.restarts > self.max_restarts:
+                raise RunAborted(f"the syncer died {self.restarts} times; giving up")
+            self.procs.rename(STANDBY, SYNCER)
+            self.takeovers += 1
+            self.healthy = False
+            self.recorder.event(now, "syncer-standby-took-over", SYNCER, f"pid {standby.pid}")
+            return
         self.recorder.state(now, SYNCER, "offline")
         if not self.ever_healthy:
             path = self.log_path
