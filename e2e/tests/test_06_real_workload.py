@@ -11,10 +11,12 @@ Security profile. In order, one run:
    with no grace): Offline, recreated, the new pod joins and pulls the global parameters;
 3. a learner's process is SIGKILLed inside its container (from the node, as the OOM killer
    would), and separately a learner pod is deleted: each unit is replaced and rejoins;
-4. the syncer pod is deleted: the new one resumes from its checkpoint volume (a fresh ext4
+4. the serving syncer's process is SIGKILLed: the standby container of the same pod serves every
+   version and the run trains on, no learner restarts;
+5. the syncer pod is deleted: the new one resumes from its checkpoint volume (a fresh ext4
    disk), the outer step falls back at most one checkpoint period, and no learner restarts;
-5. the run reaches its budget: Succeeded, finalLoss set, learner pods Completed;
-6. deleting the run removes every child, and no container of the namespace is left on the node.
+6. the run reaches its budget: Succeeded, finalLoss set, learner pods Completed;
+7. deleting the run removes every child, and no container of the namespace is left on the node.
 """
 
 from __future__ import annotations
@@ -250,8 +252,9 @@ def training_pods_of(c: harness._ClusterBase, ns: str, unit: str) -> dict[str, A
     return pods[0] if pods else None
 
 
-def pod_log(c: harness._ClusterBase, ns: str, pod: str) -> str:
-    r = kubectl(c, "logs", "-n", ns, pod, check=False)
+def pod_log(c: harness._ClusterBase, ns: str, pod: str, container: str | None = None) -> str:
+    which = ["-c", container] if container else []
+    r = kubectl(c, "logs", "-n", ns, pod, *which, check=False)
     return r.stdout + r.stderr
 
 
@@ -285,10 +288,15 @@ def wait_replaced(
     return time.monotonic() - t0, pod
 
 
-def container_pid(cluster: harness._ClusterBase, pod: dict[str, Any]) -> int:
-    """The host PID of the pod's learner process, from the node's containerd."""
+def container_pid(
+    cluster: harness._ClusterBase, pod: dict[str, Any], container: str | None = None
+) -> int:
+    """The host PID of a container's main process (default: the pod's first container), from
+    the node's containerd."""
     assert isinstance(cluster, harness.LocalCluster)
-    cid = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("containerd://")
+    statuses = pod["status"]["containerStatuses"]
+    status = next(c for c in statuses if c["name"] == container) if container else statuses[0]
+    cid = status["containerID"].removeprefix("containerd://")
     sock = cluster.state_dir / "node" / "containerd.sock"
     out = subprocess.run(
         ["ctr", "--address", str(sock), "-n", "k8s.io", "tasks", "ls"],
@@ -387,6 +395,53 @@ def test_sigkilled_learner_and_deleted_pod_are_replaced(
     say(f"pod of {unit} deleted -> training again in {took:.1f}s")
     restarts = {u["name"]: u.get("restarts", 0) for u in units(cluster, ns).values()}
     assert restarts[unit_name(0)] >= 2 and restarts[unit_name(1)] >= 1, restarts
+
+
+def test_sigkilled_syncer_is_replaced_by_the_standby_in_its_pod(
+    cluster: harness._ClusterBase, run: dict[str, Any]
+) -> None:
+    """The syncer pod's two containers share one lock: SIGKILL the serving syncer's process
+    (from the node, as the OOM killer would) and the other container serves the same port with
+    every version; the pod stays, the kubelet restarts the dead container as the next standby."""
+    ns = run["ns"]
+    attempts = {n: u["attempt"] for n, u in units(cluster, ns).items()}
+    (pod,) = runs.items(cluster, "pods", ns, runs.run_selector(RUN, "syncer"))
+    name = pod["metadata"]["name"]
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["syncer", "syncer-standby"]
+
+    def roles() -> tuple[str, str] | None:
+        logs = {c: pod_log(cluster, ns, name, c) for c in ("syncer", "syncer-standby")}
+        serving = [c for c, text in logs.items() if "event=listening" in text]
+        waiting = [c for c, text in logs.items() if "event=standby_ready" in text]
+        return (serving[0], waiting[0]) if len(serving) == 1 and len(waiting) == 1 else None
+
+    serving, standby = wait_for("one syncer serving, the other a warm standby", roles, 240)
+    before = st(cluster, ns)["outerStep"]
+    pod = get_json(cluster, "get", "pod", name, "-n", ns)
+    pid = container_pid(cluster, pod, serving)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    took = wait_for(
+        "the standby took over",
+        lambda: re.search(r"event=took_over .*", pod_log(cluster, ns, name, standby)),
+        120,
+    )
+    wait_for("outer step past the old one", lambda: st(cluster, ns)["outerStep"] > before, 180)
+    record(
+        run, "SIGKILL of the serving syncer -> standby container training on", time.monotonic() - t0
+    )
+    say(
+        f"SIGKILL of the {serving} container's syncer (host pid {pid}) -> {standby}: {took.group(0)}"
+    )
+    assert "versions_lost" not in pod_log(cluster, ns, name, standby)
+    after = runs.items(cluster, "pods", ns, runs.run_selector(RUN, "syncer"))
+    assert [p["metadata"]["name"] for p in after] == [name]  # the same pod
+    assert {n: u["attempt"] for n, u in units(cluster, ns).items()} == attempts
+    wait_for(
+        "the killed container back as the standby",
+        lambda: "event=standby_ready" in pod_log(cluster, ns, name, serving),
+        240,
+    )
 
 
 def test_syncer_pod_deleted_resumes_from_its_checkpoint_volume(
