@@ -26,6 +26,7 @@ BENCHES: list[tuple[str, str]] = [
     ("ablations", "bench.ablation_bench"),
     ("goodput_real", "bench.goodput_real"),
     ("chaos_loss", "bench.chaos_loss"),
+    ("syncer_failover", "bench.syncer_failover"),
     ("mixed_speed", "bench.mixed_speed"),
     ("gpu", "bench.gpu_bench"),
     ("sharding", "bench.sharding_bench"),
@@ -45,6 +46,7 @@ the same machine; absolute times are context only. Sections: {names}.
 | bytes per token >= 400x below data-parallel with int4 | communication |
 | goodput >= 90% at one kill per unit per minute | goodput_real |
 | chaos vs no chaos: final loss within 3% | chaos_loss |
+| syncer SIGKILL: serving again within 3 s, no published version lost; harsh schedule within 5% of calm loss at goodput >= 90% (issue 18) | syncer_failover |
 | simulator within 3 points of each published goodput figure | simulator |
 | learner overhead <= 3% | overhead |
 | model entrypoint path costs <= 2% tokens/s vs the built-in path (issue 17) | entrypoint |
