@@ -62,7 +62,9 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 MAX_RUN_NAME = 40
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
-Accelerator = Literal["tpu-v6e-slice", "tpu-v5p-slice", "tpu-v5-lite-podslice", "tpu-v4-podslice"]
+Accelerator = Literal[
+    "tpu-v6e-slice", "tpu-v5p-slice", "tpu-v5-lite-podslice", "tpu-v4-podslice", "tpu7x"
+]
 assert set(Accelerator.__args__) == set(ACCELERATORS)  # type: ignore[attr-defined]
 
 

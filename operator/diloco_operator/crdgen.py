@@ -22,48 +22,12 @@ import yaml
 from diloco_trainer.config import CompressionConfig, TrainingConfig
 
 from diloco_operator import api, pod_template
-from diloco_operator.accelerators import (
-    ACCELERATOR_LABEL,
-    ACCELERATORS,
-    SPOT_LABEL,
-    TOPOLOGY_LABEL,
-    allowed_chips_per_host,
-)
+from diloco_operator.accelerators import ACCELERATOR_LABEL, SPOT_LABEL, TOPOLOGY_LABEL
+from diloco_operator.crd_tpu import tpu_rules
 
 DEFAULT_MAX_LENGTH = 1024
 DEFAULT_MAX_ITEMS = 1000
 CRD_FILE = "diloco.dev_dilocoruns.yaml"
-
-
-def _cel_list(items: list[str] | list[int]) -> str:
-    return "[" + ", ".join(repr(i) if isinstance(i, str) else str(i) for i in items) + "]"
-
-
-def _tpu_rules() -> list[dict[str, str]]:
-    topologies = ", ".join(
-        f"{name!r}: {_cel_list(list(acc.topologies))}" for name, acc in ACCELERATORS.items()
-    )
-    hosts = ", ".join(
-        f"{name + '/' + topo!r}: {_cel_list(list(allowed_chips_per_host(name, topo)))}"
-        for name, acc in ACCELERATORS.items()
-        for topo in acc.topologies
-    )
-    return [
-        {
-            # An unknown accelerator is already refused by its enum; no second error for it.
-            "rule": f"!(self.accelerator in {{{topologies}}}) || "
-            f"self.topology in {{{topologies}}}[self.accelerator]",
-            "message": "topology: not a known topology of this accelerator",
-            "fieldPath": ".topology",
-        },
-        {
-            "rule": f"!has(self.chipsPerHost) || !((self.accelerator + '/' + self.topology) in "
-            f"{{{hosts}}}) || self.chipsPerHost in {{{hosts}}}[self.accelerator + '/' + "
-            "self.topology]",
-            "message": "chipsPerHost: does not fit this accelerator and topology",
-            "fieldPath": ".chipsPerHost",
-        },
-    ]
 
 
 _TOTAL_UNITS = (
@@ -132,7 +96,7 @@ RULES: dict[str, list[dict[str, str]]] = {
             "message": "chaos.slowdown: every key must name a unit group of the run",
         },
     ],
-    "TpuSpec": _tpu_rules(),
+    "TpuSpec": tpu_rules(),
     "Toleration": [
         {
             "rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || "

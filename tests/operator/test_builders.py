@@ -127,6 +127,21 @@ def test_multi_host_tpu_unit_is_an_indexed_job_over_its_hosts() -> None:
     assert (owner["kind"], owner["uid"], owner["controller"]) == ("DilocoRun", "uid-123", True)
 
 
+def test_ironwood_unit_selects_both_labels_and_runs_a_pod_per_4_chip_host() -> None:
+    """GKE's own multi-host Ironwood sample selects tpu7x and its topology (2x2x2: 2 pods)."""
+    ironwood = {"name": "iw", "tpu": {"accelerator": "tpu7x", "topology": "2x2x2"}}
+    run = make_run(replicas=2, unitGroups=[ironwood])
+    job = builders.unit_job(run, create(run, "mix-iw-0"))
+    assert (job["spec"]["completions"], job["spec"]["parallelism"]) == (2, 2)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu7x",
+        "cloud.google.com/gke-tpu-topology": "2x2x2",
+    }
+    res = pod["containers"][0]["resources"]
+    assert res["limits"]["google.com/tpu"] == res["requests"]["google.com/tpu"] == "4"
+
+
 def test_single_host_and_cpu_units() -> None:
     run = make_run()
     v5p = builders.unit_job(run, create(run, "mix-v5p-0"))

@@ -5,6 +5,8 @@ fields."""
 from __future__ import annotations
 
 import copy
+import json
+import random
 import re
 import subprocess
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 import yaml
 from crd_schema import ROOT, openapi_schema
 from diloco_operator import crdgen
+from diloco_operator.accelerators import ACCELERATORS, check_tpu
 
 FORBIDDEN = {"$ref", "anyOf", "oneOf", "allOf", "const", "title", "$defs", "propertyNames"}
 
@@ -166,3 +169,68 @@ def test_apiserver_validation_accepts_the_crd_and_examples_and_rejects_the_catal
         line = verdicts[str(path)]
         expect = re.search(r"^# expect: (.*)$", path.read_text(), re.M)
         assert line.startswith("REJECT") and expect and expect.group(1) in line, line
+
+
+def tpu_cases() -> list[tuple[str, str, int | None]]:
+    """Every named shape with each host size, edge shapes, and a seeded sample of 3D strings."""
+    cases: list[tuple[str, str, int | None]] = []
+    for name, acc in ACCELERATORS.items():
+        for topology in acc.topologies:
+            cases += [(name, topology, per_host) for per_host in (None, 1, 2, 4, 8)]
+    edges = ["04x4x4", "4x4x4", "16x16x24", "16x16x32", "16x24x24", "24x24x24", "4x4x256"]
+    edges += ["4x4x260", "8x4x4", "2x2x3", "1x1x1", "4x8", "12x12x12", "8x16x16"]
+    rng = random.Random(7)
+    edge_lengths = [4, 8, 12, 16, 20, 24, 28, 32, 36, 64, 128, 256]
+    odd_lengths = [*edge_lengths, 1, 2, 3, 6, 260]
+    ascending = [sorted(rng.choices(edge_lengths, k=3)) for _ in range(80)]
+    anything = [rng.choices(odd_lengths, k=3) for _ in range(40)]
+    sample = ["x".join(map(str, dims)) for dims in ascending + anything]
+    for name in ACCELERATORS:
+        cases += [(name, t, None) for t in edges + sample]
+        cases += [(name, t, rng.choice([4, 8])) for t in sample[:30]]
+    return cases
+
+
+@pytest.mark.skipif(not CRDCHECK.exists(), reason="crdcheck not built (crds/validate/build.sh)")
+def test_apiserver_and_pydantic_agree_on_every_tpu_shape(tmp_path: Path) -> None:
+    """The CRD's CEL (map lookups plus cube arithmetic) accepts exactly what accelerators.py
+    accepts, and refuses the rest naming the same field."""
+    cases = tpu_cases()
+    paths = []
+    for i, (accelerator, topology, per_host) in enumerate(cases):
+        tpu: dict[str, Any] = {"accelerator": accelerator, "topology": topology}
+        if per_host is not None:
+            tpu["chipsPerHost"] = per_host
+        doc = {
+            "apiVersion": "diloco.dev/v1alpha1",
+            "kind": "DilocoRun",
+            "metadata": {"name": "tpu"},
+            "spec": {
+                "image": "t",
+                "unitGroups": [{"name": "g", "tpu": tpu}],
+                "training": {"totalSteps": 10},
+            },
+        }
+        path = tmp_path / f"{i:04d}.json"
+        path.write_text(json.dumps(doc))
+        paths.append(str(path))
+    out = subprocess.run(
+        [str(CRDCHECK), str(ROOT / "crds" / crdgen.CRD_FILE), *paths],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
+    assert out[0] == "CRD OK"
+    verdicts = {line.split(" ", 2)[1]: line for line in out[1:]}
+    accepted = cube_built = 0
+    for path, (accelerator, topology, per_host) in zip(paths, cases, strict=True):
+        line, problem = verdicts[path], check_tpu(accelerator, topology, per_host)
+        if problem is None:
+            accepted += 1
+            cube_built += topology not in ACCELERATORS[accelerator].topologies
+            assert line.startswith("ACCEPT"), (accelerator, topology, per_host, line)
+        else:
+            field = problem.split(":")[0]
+            assert line.startswith("REJECT") and f"tpu.{field}:" in line, (problem, line)
+    # Both verdicts, and shapes accepted by the cube rule alone, are well represented.
+    assert cube_built > 50 and 100 < accepted < len(cases) - 100, (cube_built, accepted)
