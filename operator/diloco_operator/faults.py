@@ -126,9 +126,14 @@ class ChaosScheduler:
     def _gap(self, interval: float) -> float:
         return self._rng.expovariate(1.0 / interval)
 
-    def due(self, now: float, running_units: Sequence[int]) -> list[Fault]:
+    def due(
+        self, now: float, running_units: Sequence[int], syncer_up: bool = True
+    ) -> list[Fault]:
         """Faults to deliver at `now`. A unit fault with no running unit to hit waits (it stays
-        due) rather than being dropped, so a schedule's count of kills is kept."""
+        due) rather than being dropped, so a schedule's count of kills is kept; so does a
+        syncer kill while the syncer is not serving (`syncer_up`): killing one that is still
+        starting tests nothing a user would meet, and locally it ends a run whose syncer never
+        served."""
         faults: list[Fault] = []
         targets = sorted(running_units)
         hit: set[int] = set()
@@ -146,6 +151,8 @@ class ChaosScheduler:
         while self._fixed and self._fixed[0].at <= now:
             spec = self._fixed[0]
             if spec.kind == "kill-syncer":
+                if not syncer_up:
+                    break  # keep order, as for a unit fault with no target
                 faults.append(make("kill-syncer", None))
             else:
                 unit = pick(spec.unit)
@@ -159,6 +166,8 @@ class ChaosScheduler:
             if stream.next_at > now:
                 continue
             if stream.kind == "kill-syncer":
+                if not syncer_up:
+                    continue
                 faults.append(make("kill-syncer", None))
             else:
                 unit = pick(None)

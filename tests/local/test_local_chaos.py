@@ -54,6 +54,17 @@ def test_fixed_schedule_in_order_with_pause_resume_time() -> None:
     assert faults[0].resume_at == 5.0
 
 
+def test_syncer_kill_waits_until_the_syncer_serves_and_keeps_the_order() -> None:
+    s = ChaosSettings(
+        enabled=True,
+        schedule=(ScheduledFault(1.0, "kill-syncer"), ScheduledFault(2.0, "kill", 0)),
+    )
+    sched = ChaosScheduler(s)
+    assert sched.due(5.0, [0], syncer_up=False) == []  # still starting: both wait, in order
+    faults = sched.due(6.0, [0], syncer_up=True)
+    assert [(f.kind, f.unit) for f in faults] == [("kill-syncer", None), ("kill", 0)]
+
+
 def test_unit_fault_waits_until_its_unit_runs() -> None:
     sched = ChaosScheduler(ChaosSettings(enabled=True, schedule=(ScheduledFault(1.0, "kill", 2),)))
     assert sched.due(1.0, [0, 1]) == []  # unit 2 not running: kept, not dropped

@@ -47,9 +47,16 @@ class FaultDelivery:
         self.killed: set[str] = set()  # units sent SIGKILL and not stopped since
         self.resume_at: dict[str, float] = {}  # paused unit -> wall time of its SIGCONT
 
-    def step(self, now: float, elapsed: float, candidates: Callable[[str], bool]) -> None:
+    def step(
+        self,
+        now: float,
+        elapsed: float,
+        candidates: Callable[[str], bool],
+        syncer_up: bool = True,
+    ) -> None:
         """Resume the pauses that are over, then deliver the faults due at `elapsed` seconds
-        into the run. `candidates(name)` says whether a unit may be hit (online, alive)."""
+        into the run. `candidates(name)` says whether a unit may be hit (online, alive);
+        `syncer_up` whether the syncer serves (a syncer kill waits for it)."""
         for name, when in list(self.resume_at.items()):
             if now >= when:
                 del self.resume_at[name]
@@ -62,7 +69,7 @@ class FaultDelivery:
             for s in self.slots
             if s.name not in self.resume_at and s.name not in self.killed and candidates(s.name)
         ]
-        for fault in self.scheduler.due(elapsed, running):
+        for fault in self.scheduler.due(elapsed, running, syncer_up):
             self.deliver(fault, now)
 
     def deliver(self, fault: Fault, now: float) -> None:

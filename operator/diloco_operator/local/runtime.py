@@ -293,7 +293,7 @@ class LocalRuntime:
             proc = self.procs.get(name)
             return name in online and proc is not None and proc.alive()
 
-        self.chaos.step(now, now - self.started_at, candidate)
+        self.chaos.step(now, now - self.started_at, candidate, syncer_up=self.syncer.healthy)
         return self.status.phase == "Succeeded"
 
     def execute(self, on_tick: Callable[[View], None] | None = None) -> RunResult:
