@@ -10,7 +10,7 @@ Three `diloco local run`s of one manifest (4 units, tiny model, the same token b
 Per syncer kill, from the run's event log and the syncers' own logs (timestamps to the
 millisecond): seconds from the SIGKILL until the next syncer listens, until its first merge, the
 published versions it lost (`event=versions_lost`), and the eval-loss bump (the highest
-evaluation within 30 s after the kill over the last one before it). Per run: final eval loss
+evaluation in its first 30 s of serving over the last one before the kill). Per run: final eval loss
 against the calm run's, and goodput.
 """
 
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import BenchContext, Section, log, md_table
+from bench.goodput_real import SPARES, UNITS
+from bench.goodput_real import manifest as goodput_manifest
 from bench.live import local_run
 
-UNITS = 4
-SPARES = 2
 OFFLINE_AFTER = 20.0
 BUMP_WINDOW = 30.0
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?event=(\w+)(.*)$")
@@ -47,36 +47,17 @@ def harsh_schedule(quick: bool) -> list[dict[str, Any]]:
 
 
 def manifest(tokens: int, schedule: list[dict[str, Any]] | None, standby: bool) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "image": "elastic-diloco-trainer:cpu",
-        "replicas": UNITS,
-        "syncer": {"standby": standby},
-        "training": {
-            "model": {"preset": "tiny"},
-            "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 4_000_000},
-            "innerSteps": 20,
-            "fragments": 4,
-            "quorum": 1,
-            "totalTokens": tokens,
-            "seed": 0,
-            "heartbeatSeconds": 1,
-            "checkpoint": {"everySeconds": 10},
-            "eval": {"everySeconds": 5, "batches": 4},
-        },
-        "failurePolicy": {
-            "maxUnitRestarts": 100,
-            "restartBackoffSeconds": 1,
-            "offlineAfterSeconds": OFFLINE_AFTER,
-        },
-    }
+    """goodput_real's manifest, with evaluations every 5 s (to see a bump), the standby on or
+    off, and a fixed fault schedule."""
+    doc = goodput_manifest(tokens, None)
+    doc["metadata"]["name"] = "bench-failover"
+    spec = doc["spec"]
+    spec["syncer"] = {"standby": standby}
+    spec["training"]["eval"] = {"everySeconds": 5, "batches": 4}
+    spec["failurePolicy"]["offlineAfterSeconds"] = OFFLINE_AFTER
     if schedule is not None:
         spec["chaos"] = {"seed": 0, "schedule": schedule}
-    return {
-        "apiVersion": "diloco.dev/v1alpha1",
-        "kind": "DilocoRun",
-        "metadata": {"name": "bench-failover"},
-        "spec": spec,
-    }
+    return doc
 
 
 def syncer_log_events(logs: Path) -> list[tuple[float, str, str, str]]:
@@ -108,11 +89,11 @@ def kill_costs(report: Path) -> list[dict[str, float]]:
         nxt = next((t for t in kills if t > k), float("inf"))
         lost = sum(1 for t, ev, _ in after if ev == "versions_lost" and t < nxt)
         before = [loss for t, loss in evals if t <= k]
-        window = [loss for t, loss in evals if k < t <= k + BUMP_WINDOW]
+        window = [loss for t, loss in evals if listening < t <= listening + BUMP_WINDOW]
         bump = max(window) / before[-1] - 1 if before and window else float("nan")
-        # Whether a standby had logged standby_ready before the kill (the one waiting is the
-        # one that takes over).
-        warm = any(e == "standby_ready" and t <= k for t, e, _, name in lines if "standby" in name)
+        # Whether the standby that took over had logged standby_ready before the kill.
+        heir = next((name for t, e, _, name in lines if t > k and e == "took_over"), None)
+        warm = any(e == "standby_ready" and t <= k for t, e, _, name in lines if name == heir)
         costs.append(
             {"serving": listening - k, "merge": merged - k, "lost": lost, "bump": bump,
              "warm": float(warm)}
@@ -200,8 +181,8 @@ the pause lasts {OFFLINE_AFTER + 5:g} s, past `offlineAfterSeconds` ({OFFLINE_AF
 kill column lists the two syncer kills in order: "serving" is the SIGKILL until the next syncer
 logs `event=listening` (the port bound, requests answered), "first merge" until it merges a
 push, "versions lost" counts its `event=versions_lost` lines (versions published before the
-kill that it could not serve again), "eval bump" is its highest evaluation within 30 s of the
-kill over the last one before it. One run per row: single runs of this size vary by a few
+kill that it could not serve again), "eval bump" is its highest evaluation in its first 30 s of
+serving over the last one before the kill. One run per row: single runs of this size vary by a few
 percent in loss (goodput_real).
 
 {table}
