@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from diloco_trainer.auth import unit_token
 from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.outer import OuterOptimizer
@@ -134,3 +135,28 @@ def test_sigkilled_syncer_is_replaced_by_its_standby_with_every_version(
         if standby.poll() is None:
             standby.kill()
         standby.wait(10)
+
+
+def test_a_restoring_syncer_takes_shapes_not_values_from_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restoring (a cold restart, a standby) needs the model's shapes to check the checkpoint,
+    not a numeric init of the whole model (time and a second copy of the parameters)."""
+    from diloco_trainer.workload.check import Workload
+
+    cfg = tiny_cfg(checkpoint={"path": str(tmp_path)})
+    first = Syncer(cfg, LIVE_TOKEN, store=CheckpointStore(tmp_path), eval_fn=None)
+    CheckpointStore(tmp_path).save(first.snapshot())
+    first.close()
+
+    def no_init(self: Workload) -> None:
+        raise AssertionError("the model was initialised although a checkpoint was restored")
+
+    monkeypatch.setattr(Workload, "initial_params", no_init)
+    again = Syncer(cfg, LIVE_TOKEN, store=CheckpointStore(tmp_path), eval_fn=None, standby=True)
+    try:
+        for f, g in zip(first.frags, again.frags, strict=True):
+            for name in f.names:
+                np.testing.assert_array_equal(f.params[name], g.params[name])
+    finally:
+        again.close()

@@ -37,6 +37,7 @@ from diloco_trainer.syncer.fragment import (
     default_eval,
     default_init,
     l2_norm,
+    model_shaped,
     parse_fragment_index,
 )
 from diloco_trainer.syncer.grace import Ema
@@ -81,7 +82,9 @@ class Syncer:
             cfg.outer_optimizer.nesterov,
             per_round=cfg.outer_optimizer.momentum_per == "round",
         )
-        params = init_fn(cfg)
+        # `restore` lets the caller read (and vet) the checkpoint before paying for model init.
+        snap = restore if restore is not None else (store.load_latest() if store else None)
+        params = init_fn(cfg) if snap is None or init_fn is not default_init else model_shaped(cfg)
         self.shapes = {k: tuple(int(d) for d in v.shape) for k, v in params.items()}
         layout = pack_fragments(self.shapes, cfg.fragments)
         self.frags = [self._new_fragment(i, names, params) for i, names in enumerate(layout)]
@@ -108,8 +111,6 @@ class Syncer:
         self.closing = False
         self._evaluated: tuple[int, ...] | None = None
         self.restored_seq: int | None = None  # the checkpoint this state came from
-        # `restore` lets the caller read (and vet) the checkpoint before paying for model init.
-        snap = restore if restore is not None else (store.load_latest() if store else None)
         if snap is not None:
             persist.restore(self, snap)
         for f in self.frags:

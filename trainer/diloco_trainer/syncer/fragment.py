@@ -32,6 +32,16 @@ def default_init(cfg: TrainingConfig) -> dict[str, np.ndarray]:
     return prepared(cfg).initial_params()
 
 
+def model_shaped(cfg: TrainingConfig) -> dict[str, np.ndarray]:
+    """Zero-stride placeholders of the model's parameters (shapes by `jax.eval_shape`, no
+    memory): for a syncer that restores every value from its checkpoint, which must fit them."""
+    from diloco_trainer.workload.check import prepared
+
+    return {
+        name: np.broadcast_to(np.float32(0), shape) for name, shape in prepared(cfg).shapes.items()
+    }
+
+
 def default_eval(params: Mapping[str, np.ndarray], cfg: TrainingConfig, batches: int) -> float:
     from diloco_trainer.workload.evaluate import eval_loss
 
