@@ -33,13 +33,11 @@ def default_init(cfg: TrainingConfig) -> dict[str, np.ndarray]:
 
 
 def model_shaped(cfg: TrainingConfig) -> dict[str, np.ndarray]:
-    """Zero-stride placeholders of the model's parameters (shapes by `jax.eval_shape`, no
-    memory): for a syncer that restores every value from its checkpoint, which must fit them."""
+    """Placeholders of the model's parameters (shapes by `jax.eval_shape`, no memory): for a
+    syncer that takes every value from its checkpoint or initFrom weights, which must fit them."""
     from diloco_trainer.workload.check import prepared
 
-    return {
-        name: np.broadcast_to(np.float32(0), shape) for name, shape in prepared(cfg).shapes.items()
-    }
+    return prepared(cfg).placeholders()
 
 
 def default_eval(params: Mapping[str, np.ndarray], cfg: TrainingConfig, batches: int) -> float:

@@ -47,6 +47,14 @@ class Workload:
         tree = self.model.init(jax.random.key(self.seed))
         return {name: np.asarray(leaf, np.float32) for name, leaf in flatten(tree).items()}
 
+    def placeholders(self) -> dict[str, np.ndarray]:
+        """Zero-stride float32 stand-ins for the parameters (no memory), named and ordered as
+        `initial_params` names them: for a process that takes every value from elsewhere."""
+        return {
+            name: np.broadcast_to(np.float32(0), tuple(leaf.shape))
+            for name, leaf in flatten(self.template).items()
+        }
+
     def flat_loss(self) -> FlatLoss:
         """The model's loss over the flat `name -> array` dict the trainer keeps."""
         model, template = self.model, self.template
