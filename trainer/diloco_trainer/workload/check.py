@@ -48,8 +48,9 @@ class Workload:
         return {name: np.asarray(leaf, np.float32) for name, leaf in flatten(tree).items()}
 
     def placeholders(self) -> dict[str, np.ndarray]:
-        """Zero-stride float32 stand-ins for the parameters (no memory), named and ordered as
-        `initial_params` names them: for a process that takes every value from elsewhere."""
+        """Zero-stride float32 stand-ins for the parameters (no memory), with the names of
+        `initial_params` (not its order: `eval_shape` sorts dict keys): for a process that takes
+        every value from elsewhere."""
         return {
             name: np.broadcast_to(np.float32(0), tuple(leaf.shape))
             for name, leaf in flatten(self.template).items()
