@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 from diloco_trainer.config import ModelConfig
 from diloco_trainer.fragments import fragment_sizes, pack_fragments
-from diloco_trainer.merge import Contribution, merge_fragment
+from diloco_trainer.merge import Contribution, merge_outer_gradient
 from diloco_trainer.models.gpt import param_shapes
 from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.syncer.fragment import leaf_norms
 
 from bench.common import BenchContext, Section, interleaved, log, md_table, median
 
@@ -68,9 +69,15 @@ def _bench_size(label: str, model: ModelConfig, rounds: int) -> list[Measured]:
 
     frags = []
     for names in layout:
+        # Each delta's leaf norms as the syncer has them: measured when the push was decoded.
         contribs = [
-            Contribution(views(pool, names), c_steps=50, c_tokens=50 * 4096 * (1 + m % 3))
-            for m, pool in enumerate(pools)
+            Contribution(
+                delta,
+                c_steps=50,
+                c_tokens=50 * 4096 * (1 + m % 3),
+                norms=leaf_norms(delta),
+            )
+            for m, delta in enumerate(views(pool, names) for pool in pools)
         ]
         params = {n: v.copy() for n, v in views(pools[0], names).items()}
         frags.append((names, contribs, params))
@@ -83,11 +90,14 @@ def _bench_size(label: str, model: ModelConfig, rounds: int) -> list[Measured]:
         def go() -> None:
             for i, (names, contribs, params) in enumerate(frags):
                 t0 = time.perf_counter()
-                merged = merge_fragment(contribs, method=method)  # type: ignore[arg-type]
+                # The syncer's `merge_and_step`, in its two parts to time them apart.
+                grad = merge_outer_gradient(contribs, method)  # type: ignore[arg-type]
                 t1 = time.perf_counter()
                 # The new params replace the old, as in the syncer: the next step reads the
                 # previous step's output buffers, not the numpy arrays of the first round.
-                new_params, states[i] = outer.step(params, states[i], merged)
+                new_params, states[i] = outer.step(
+                    params, states[i], grad.directions, grad_scale=grad.scales
+                )
                 frags[i] = (names, contribs, new_params)
                 split["merge"].append(t1 - t0)
                 split["outer"].append(time.perf_counter() - t1)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from diloco_trainer.merge import Contribution, MergeMethod, merge_outer_gradient
 
 Params = dict[str, np.ndarray]
 
@@ -78,7 +80,7 @@ def round_nesterov(learning_rate: float, momentum: float) -> optax.GradientTrans
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-Step = Callable[[Any, Any, Any, jax.Array], tuple[Any, Any]]
+Step = Callable[[Any, Any, Any, jax.Array, jax.Array], tuple[Any, Any]]
 
 
 @functools.lru_cache(maxsize=16)
@@ -94,7 +96,11 @@ def _transformation(
         else optax.sgd(learning_rate=lr, momentum=momentum or None, nesterov=nesterov)
     )
 
-    def step(params: Any, state: Any, grads: Any, share: jax.Array) -> tuple[Any, Any]:
+    def step(
+        params: Any, state: Any, grads: Any, scales: jax.Array, share: jax.Array
+    ) -> tuple[Any, Any]:
+        # Each leaf's merge factor (`merge.OuterGradient`), fused into the loops that read it.
+        grads = {name: grads[name] * scales[i] for i, name in enumerate(sorted(grads))}
         if per_round:
             updates, new_state = tx.update(grads, state, params, share=share)
         else:
@@ -121,14 +127,22 @@ class OuterOptimizer:
         state: Any,
         merged_delta: Mapping[str, np.ndarray],
         share: float = 1.0,
+        grad_scale: Mapping[str, float] | None = None,
     ) -> tuple[Params, Any]:
-        """One outer step; returns new numpy params (fresh arrays, never aliasing inputs; views of
-        the step's output buffers, so treat them as read-only)."""
-        if sorted(fragment_params) != sorted(merged_delta):
+        """One outer step on the gradient grad_scale[n] * merged_delta[n] (factor 1 where
+        `grad_scale` is None); returns new numpy params (fresh arrays, never aliasing inputs;
+        views of the step's output buffers, so treat them as read-only)."""
+        names = sorted(fragment_params)
+        if names != sorted(merged_delta):
             raise ValueError("outer step: merged delta leaves differ from the fragment's leaves")
+        if grad_scale is not None and sorted(grad_scale) != names:
+            raise ValueError("outer step: grad_scale leaves differ from the fragment's leaves")
         params = {k: _on_device(v) for k, v in fragment_params.items()}
         grads = {k: _on_device(np.asarray(merged_delta[k], np.float32)) for k in params}
-        new_params, new_state = self._step(params, state, grads, jnp.float32(share))
+        scales = jnp.asarray(
+            [1.0 if grad_scale is None else grad_scale[k] for k in names], dtype=jnp.float32
+        )
+        new_params, new_state = self._step(params, state, grads, scales, jnp.float32(share))
         return {k: np.asarray(v) for k, v in new_params.items()}, new_state
 
     # Checkpointing: optimizer state as a flat list of arrays, restored into the tree of init().
@@ -149,3 +163,19 @@ class OuterOptimizer:
         return jax.tree_util.tree_unflatten(
             treedef, [jnp.asarray(x, dtype=w.dtype) for x, w in zip(leaves, ref, strict=True)]
         )
+
+
+def merge_and_step(
+    opt: OuterOptimizer,
+    fragment_params: Mapping[str, np.ndarray],
+    state: Any,
+    contributions: Sequence[Contribution],
+    method: MergeMethod,
+    token_weighting: bool,
+    share: float,
+) -> tuple[Params, Any]:
+    """A fragment's merge and outer step, as the syncer runs them: the merge's per-leaf factors
+    (RDA radius, participation share) are applied inside the jitted step, so neither takes a
+    pass of its own over the merged leaves."""
+    grad = merge_outer_gradient(contributions, method, token_weighting, share)
+    return opt.step(fragment_params, state, grad.directions, share, grad_scale=grad.scales)
