@@ -95,9 +95,7 @@ def _bench_size(label: str, model: ModelConfig, rounds: int) -> list[Measured]:
                 t1 = time.perf_counter()
                 # The new params replace the old, as in the syncer: the next step reads the
                 # previous step's output buffers, not the numpy arrays of the first round.
-                new_params, states[i] = outer.step(
-                    params, states[i], grad.directions, grad_scale=grad.scales
-                )
+                new_params, states[i] = outer.step_gradient(params, states[i], grad)
                 frags[i] = (names, contribs, new_params)
                 split["merge"].append(t1 - t0)
                 split["outer"].append(time.perf_counter() - t1)

@@ -264,6 +264,7 @@ def test_outer_gradient_with_measured_norms_and_share_equals_reference(method: s
         np.testing.assert_allclose(got, share * ref, rtol=2e-5, atol=tol, err_msg=name)
         np.testing.assert_allclose(dense[name], share * ref, rtol=2e-5, atol=tol, err_msg=name)
         assert grad.directions[name].ctypes.data % 64 == 0, name
+        assert np.shares_memory(grad.directions[name], grad.packed), name
         assert dense[name].dtype == np.float32 and dense[name].ctypes.data % 64 == 0, name
     for before, after in zip(originals, deltas, strict=True):  # the deltas are only read
         for name in before:
@@ -300,11 +301,17 @@ def test_merge_and_step_equals_merge_then_scaled_outer_step(per_round: bool) -> 
             np.testing.assert_allclose(fused[name], plain[name], rtol=1e-5, atol=1e-6)
 
 
-def test_outer_step_rejects_scales_for_other_leaves() -> None:
+def test_outer_step_rejects_leaves_unlike_the_fragments() -> None:
+    from diloco_trainer.merge import merge_outer_gradient
+
     opt = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
     theta = {"w": np.ones(3, np.float32)}
-    with pytest.raises(ValueError, match="grad_scale"):
-        opt.step(theta, opt.init(theta), {"w": np.ones(3, np.float32)}, grad_scale={"v": 1.0})
+    state = opt.init(theta)
+    with pytest.raises(ValueError, match="shape"):
+        opt.step(theta, state, {"w": np.ones(4, np.float32)})
+    other = merge_outer_gradient([Contribution({"v": np.ones(3, np.float32)}, 1, 1)])
+    with pytest.raises(ValueError, match="leaves differ"):
+        opt.step_gradient(theta, state, other)
 
 
 def test_merge_trusts_the_norms_a_contribution_carries() -> None:
@@ -316,3 +323,25 @@ def test_merge_trusts_the_norms_a_contribution_carries() -> None:
     radius = 0.5 * 8.0 + 0.5 * 1.0
     direction = np.array([0.5 * 4.0 / 8.0, 0.5 * 1.0 / 1.0])
     np.testing.assert_allclose(merged["w"], radius * direction / np.linalg.norm(direction))
+
+
+def test_outer_step_reuses_its_own_outputs_and_forgets_them_when_dropped() -> None:
+    # The params a step returns come back as the next step's: the step reads the array behind
+    # them instead of transferring them again. Same numbers as with fresh copies of them.
+    import gc
+
+    opt = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
+    theta = {"a": np.ones((4, 5), np.float32), "b": np.zeros(7, np.float32)}
+    delta = {"a": np.full((4, 5), 0.1, np.float32), "b": np.full(7, -0.2, np.float32)}
+    theta1, state1 = opt.step(theta, opt.init(theta), delta)
+    known = opt._views._arrays
+    assert {id(v) for v in theta1.values()} <= set(known)
+    assert opt._views.on_device(theta1["a"]) is known[id(theta1["a"])][1]
+    assert opt._views.on_device(theta1["a"].copy()) is not known[id(theta1["a"])][1]
+    reused, _ = opt.step(theta1, state1, delta)
+    fresh, _ = opt.step({k: v.copy() for k, v in theta1.items()}, state1, delta)
+    for name in theta:
+        np.testing.assert_array_equal(reused[name], fresh[name])
+    del theta1, reused, fresh
+    gc.collect()
+    assert known == {}

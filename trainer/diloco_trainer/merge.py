@@ -58,8 +58,9 @@ class OuterGradient:
     the participation share) are applied where the gradient is read next, in the outer step,
     rather than in passes of their own over the merged leaves."""
 
-    directions: dict[str, np.ndarray]
+    directions: dict[str, np.ndarray]  # views into `packed`, in sorted name order
     scales: dict[str, float]
+    packed: np.ndarray  # every leaf in one buffer (`pack_layout`): one transfer to the step
 
     def dense(self) -> dict[str, np.ndarray]:
         """The gradient as plain float32 arrays, 64-byte aligned (`directions` is not changed)."""
@@ -108,6 +109,27 @@ def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
     raw = np.empty(size + ALIGN_FLOATS, dtype=np.float32)
     start = (-raw.ctypes.data % (4 * ALIGN_FLOATS)) // 4
     return raw[start : start + size].reshape(shape)
+
+
+def pack_layout(shapes: Sequence[tuple[int, ...]]) -> tuple[list[int], int]:
+    """Where each leaf starts in a packed buffer of all of them, every one on a 64-byte boundary
+    (so each view is as aligned as the buffer), and the buffer's length in float32 elements."""
+    starts, end = [], 0
+    for shape in shapes:
+        starts.append(end)
+        end += -(-math.prod(shape) // ALIGN_FLOATS) * ALIGN_FLOATS
+    return starts, end
+
+
+def packed_empty(shapes: Sequence[tuple[int, ...]]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """A 64-byte-aligned buffer and a view of each shape into it, laid out by `pack_layout`."""
+    starts, length = pack_layout(shapes)
+    buffer = aligned_empty((length,))
+    views = [
+        buffer[start : start + math.prod(shape)].reshape(shape)
+        for start, shape in zip(starts, shapes, strict=True)
+    ]
+    return buffer, views
 
 
 def weighted_sum(
@@ -261,11 +283,11 @@ def merge_outer_gradient(
     weights = merge_weights([(c.c_steps, c.c_tokens) for c in contributions], token_weighting)
     largest = max((math.prod(np.shape(contributions[0].delta[n])) for n in names), default=1)
     scratch = _scratch(largest)
+    packed, outs = packed_empty([tuple(np.shape(contributions[0].delta[n])) for n in names])
     directions: dict[str, np.ndarray] = {}
     scales: dict[str, float] = {}
-    for name in names:
+    for name, out in zip(names, outs, strict=True):
         flats = [_flat32(c.delta[name]) for c in contributions]
-        out = aligned_empty(tuple(np.shape(contributions[0].delta[name])))
         if method == "rda" and not is_embedding(name):
             norms = [
                 _leaf_norm(c, name, flat) for c, flat in zip(contributions, flats, strict=True)
@@ -274,7 +296,7 @@ def merge_outer_gradient(
         else:
             factor = _mean_leaf(flats, weights, out.reshape(-1), scratch)
         directions[name], scales[name] = out, factor * share
-    return OuterGradient(directions, scales)
+    return OuterGradient(directions, scales, packed)
 
 
 def _leaf_norm(contribution: Contribution, name: str, flat: np.ndarray) -> float:
