@@ -65,7 +65,7 @@ class _DeviceViews:
     def _forget(self, key: int, ref: weakref.ref[np.ndarray]) -> None:
         known = self._arrays.get(key)
         if known is not None and known[0] is ref:
-            del self._arrays[key]
+            self._arrays.pop(key, None)
 
 
 def _same_leaves(params: Mapping[str, np.ndarray], leaves: Mapping[str, np.ndarray]) -> list[str]:
