@@ -30,9 +30,9 @@ from diloco_trainer.config import Scheme, TrainingConfig
 from diloco_trainer.data.corpus import train_batches
 from diloco_trainer.fragments import is_due, pack_fragments
 from diloco_trainer.learner.train import make_optimizer, resume_schedule
-from diloco_trainer.merge import Contribution, merge_fragment, participation_share, scale_delta
+from diloco_trainer.merge import Contribution, participation_share
 from diloco_trainer.models.gpt import init_params, loss_fn, param_shapes
-from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.outer import OuterOptimizer, merge_and_step
 from diloco_trainer.quantize import dequantize, quantize
 from diloco_trainer.workload.evaluate import eval_loss
 
@@ -212,11 +212,15 @@ def simulate(
             pending[p] = []
             if not contribs:
                 continue
-            merged = merge_fragment(contribs, s.method, s.token_weighting)
             share = participation_share(len(contribs), online)
-            merged = scale_delta(merged, share)
-            new, outer_states[p] = outer.step(
-                {n: glob[n] for n in frag}, outer_states[p], merged, share
+            new, outer_states[p] = merge_and_step(
+                outer,
+                {n: glob[n] for n in frag},
+                outer_states[p],
+                contribs,
+                s.method,
+                s.token_weighting,
+                share,
             )
             glob.update({k: np.array(v) for k, v in new.items()})
             merges, contributions = merges + 1, contributions + len(contribs)

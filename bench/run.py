@@ -50,7 +50,7 @@ the same machine; absolute times are context only. Sections: {names}.
 | simulator within 3 points of each published goodput figure | simulator |
 | learner overhead <= 3% | overhead |
 | model entrypoint path costs <= 2% tokens/s vs the built-in path (issue 17) | entrypoint |
-| syncer >= 30% of memory-copy bandwidth | syncer |
+| syncer merge + outer step >= 50% of memory-copy bandwidth at 10M, RDA (issue 21) | syncer |
 | pod failure -> Offline <= 2 s, -> replacement <= 5 s beyond backoff; RSS < 300 MiB at 50x16 | operator |
 | real pods: learner killed -> replacement training again, median <= 15 s beyond backoff (issue 16) | real_pods |
 | FSDP unit on 8 devices: same loss curve as replicated, ~1/8 the per-device parameter + optimizer bytes; an over-budget model trains sharded (issue 17) | sharding |

@@ -224,3 +224,124 @@ def test_merge_fragment_equals_reference_on_random_deltas(method: str) -> None:
             got, ref, rtol=2e-5, atol=1e-6 * float(np.abs(ref).max()), err_msg=name
         )
         assert got.ctypes.data % 64 == 0, f"{name}: not 64-byte aligned for the outer step"
+
+
+def _random_fragment(seed: int, learners: int) -> list[dict[str, np.ndarray]]:
+    from diloco_trainer.merge import BLOCK
+
+    rng = np.random.default_rng(seed)
+    shapes = {"embed": (40, 24), "ln": (24,), "w": (2 * BLOCK + 77,), "w_mat": (64, 90)}
+    return [
+        {
+            n: (rng.standard_normal(s) * rng.uniform(1e-4, 1e-1)).astype(np.float32)
+            for n, s in shapes.items()
+        }
+        for _ in range(learners)
+    ]
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+def test_outer_gradient_with_measured_norms_and_share_equals_reference(method: str) -> None:
+    # The syncer's path: leaf norms measured at push decoding (float64) for some contributions,
+    # none for a summed one, the participation share folded into the per-leaf factors.
+    from diloco_trainer.merge import merge_outer_gradient
+    from diloco_trainer.syncer.fragment import leaf_norms
+
+    deltas = _random_fragment(11, 4)
+    originals = [{n: v.copy() for n, v in d.items()} for d in deltas]
+    counters = [(50, 4096), (25, 8192), (50, 12288), (10, 4096)]
+    contributions = [
+        Contribution(d, s, t, None if m == 1 else leaf_norms(d))
+        for m, (d, (s, t)) in enumerate(zip(deltas, counters, strict=True))
+    ]
+    share = 0.375
+    grad = merge_outer_gradient(contributions, method, token_weighting=True, share=share)  # type: ignore[arg-type]
+    expected = _reference_merge(deltas, merge_weights(counters), method)
+    dense = grad.dense()
+    for name, ref in expected.items():
+        got = grad.directions[name].astype(np.float64) * grad.scales[name]
+        tol = 1e-6 * float(np.abs(ref).max())
+        np.testing.assert_allclose(got, share * ref, rtol=2e-5, atol=tol, err_msg=name)
+        np.testing.assert_allclose(dense[name], share * ref, rtol=2e-5, atol=tol, err_msg=name)
+        assert grad.directions[name].ctypes.data % 64 == 0, name
+        assert np.shares_memory(grad.directions[name], grad.packed), name
+        assert dense[name].dtype == np.float32 and dense[name].ctypes.data % 64 == 0, name
+    for before, after in zip(originals, deltas, strict=True):  # the deltas are only read
+        for name in before:
+            np.testing.assert_array_equal(before[name], after[name])
+    # dense() leaves the directions as they were: a second call gives the same arrays.
+    for name, leaf in grad.dense().items():
+        np.testing.assert_array_equal(leaf, dense[name])
+
+
+@pytest.mark.parametrize("per_round", [False, True])
+def test_merge_and_step_equals_merge_then_scaled_outer_step(per_round: bool) -> None:
+    # The fused path (factors applied inside the jitted step) against the plain one: a dense
+    # reference merge, scaled by the share, then the outer step, over three merges.
+    from diloco_trainer.merge import scale_delta
+    from diloco_trainer.outer import merge_and_step
+
+    opt = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True, per_round=per_round)
+    rng = np.random.default_rng(3)
+    first = _random_fragment(5, 3)
+    theta = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in first[0].items()}
+    fused, fused_state = theta, opt.init(theta)
+    plain, plain_state = theta, opt.init(theta)
+    for seed, share in ((5, 0.5), (6, 0.5), (7, 1.0)):
+        deltas = _random_fragment(seed, 3)
+        counters = [(50, 4096 * (1 + m)) for m in range(3)]
+        contributions = [Contribution(d, s, t) for d, (s, t) in zip(deltas, counters, strict=True)]
+        fused, fused_state = merge_and_step(
+            opt, fused, fused_state, contributions, "rda", True, share
+        )
+        ref = _reference_merge(deltas, merge_weights(counters), "rda")
+        grad = scale_delta({n: v.astype(np.float32) for n, v in ref.items()}, share)
+        plain, plain_state = opt.step(plain, plain_state, grad, share)
+        for name in theta:
+            np.testing.assert_allclose(fused[name], plain[name], rtol=1e-5, atol=1e-6)
+
+
+def test_outer_step_rejects_leaves_unlike_the_fragments() -> None:
+    from diloco_trainer.merge import merge_outer_gradient
+
+    opt = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
+    theta = {"w": np.ones(3, np.float32)}
+    state = opt.init(theta)
+    with pytest.raises(ValueError, match="shape"):
+        opt.step(theta, state, {"w": np.ones(4, np.float32)})
+    other = merge_outer_gradient([Contribution({"v": np.ones(3, np.float32)}, 1, 1)])
+    with pytest.raises(ValueError, match="leaves differ"):
+        opt.step_gradient(theta, state, other)
+
+
+def test_merge_trusts_the_norms_a_contribution_carries() -> None:
+    # Norms given with a contribution are used as they are (the syncer measured them when the
+    # push was decoded): here a's is stated as 8 where its values give 4.
+    a = {"w": np.array([4.0, 0.0], np.float32)}
+    b = {"w": np.array([0.0, 1.0], np.float32)}
+    merged = merge_fragment([Contribution(a, 1, 1, {"w": 8.0}), Contribution(b, 1, 1)])
+    radius = 0.5 * 8.0 + 0.5 * 1.0
+    direction = np.array([0.5 * 4.0 / 8.0, 0.5 * 1.0 / 1.0])
+    np.testing.assert_allclose(merged["w"], radius * direction / np.linalg.norm(direction))
+
+
+def test_outer_step_reuses_its_own_outputs_and_forgets_them_when_dropped() -> None:
+    # The params a step returns come back as the next step's: the step reads the array behind
+    # them instead of transferring them again. Same numbers as with fresh copies of them.
+    import gc
+
+    opt = OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
+    theta = {"a": np.ones((4, 5), np.float32), "b": np.zeros(7, np.float32)}
+    delta = {"a": np.full((4, 5), 0.1, np.float32), "b": np.full(7, -0.2, np.float32)}
+    theta1, state1 = opt.step(theta, opt.init(theta), delta)
+    known = opt._views._arrays
+    assert {id(v) for v in theta1.values()} <= set(known)
+    assert opt._views.on_device(theta1["a"]) is known[id(theta1["a"])][1]
+    assert opt._views.on_device(theta1["a"].copy()) is not known[id(theta1["a"])][1]
+    reused, _ = opt.step(theta1, state1, delta)
+    fresh, _ = opt.step({k: v.copy() for k, v in theta1.items()}, state1, delta)
+    for name in theta:
+        np.testing.assert_array_equal(reused[name], fresh[name])
+    del theta1, reused, fresh
+    gc.collect()
+    assert known == {}

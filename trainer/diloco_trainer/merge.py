@@ -15,6 +15,12 @@ typical step length, and the result does not depend on how leaves were packed in
 
 Embedding leaves (names starting with "embed") are always plainly weighted-averaged: each learner
 only moves the rows of tokens it saw, so their deltas are sparse and not comparable in direction.
+
+Speed (docs/design.md, "Syncer merge speed"): the merge is bound by reading M deltas from memory.
+Each delta is read once when its leaf norms come with it (the syncer measures them when it decodes
+the push), each output block is built from all deltas while it is in cache, and the per-leaf
+factors (radius / direction norm, participation share) are left to the outer step, which reads
+the merged leaves anyway (`OuterGradient`, `outer.merge_and_step`).
 """
 
 from __future__ import annotations
@@ -34,11 +40,34 @@ ALIGN_FLOATS = 16  # 64 bytes
 
 @dataclass(frozen=True)
 class Contribution:
-    """One learner's delta for one fragment (Theta_p(base) - theta_p) and its counters."""
+    """One learner's delta for one fragment (Theta_p(base) - theta_p) and its counters.
+
+    `norms`: each leaf's L2 norm where it was already measured (the syncer measures every push
+    when it decodes it); the merge then reads each delta once instead of twice."""
 
     delta: Mapping[str, np.ndarray]
     c_steps: int
     c_tokens: int
+    norms: Mapping[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class OuterGradient:
+    """A fragment's merged outer gradient as one array and one factor per leaf: the gradient of
+    leaf n is scales[n] * directions[n]. The factors (RDA radius over the direction's norm, times
+    the participation share) are applied where the gradient is read next, in the outer step,
+    rather than in passes of their own over the merged leaves."""
+
+    directions: dict[str, np.ndarray]  # views into `packed`, in sorted name order
+    scales: dict[str, float]
+    packed: np.ndarray  # every leaf in one buffer (`pack_layout`): one transfer to the step
+
+    def dense(self) -> dict[str, np.ndarray]:
+        """The gradient as plain float32 arrays, 64-byte aligned (`directions` is not changed)."""
+        return {
+            name: leaf if self.scales[name] == 1.0 else scale_delta({name: leaf}, self.scales)[name]
+            for name, leaf in self.directions.items()
+        }
 
 
 def merge_weights(counters: Sequence[tuple[int, int]], token_weighting: bool = True) -> np.ndarray:
@@ -82,55 +111,111 @@ def aligned_empty(shape: tuple[int, ...]) -> np.ndarray:
     return raw[start : start + size].reshape(shape)
 
 
-class _Accumulator:
-    """sum_i coeff_i * delta_i in float32, one delta at a time, in blocks of BLOCK elements.
+def pack_layout(shapes: Sequence[tuple[int, ...]]) -> tuple[list[int], int]:
+    """Where each leaf starts in a packed buffer of all of them, every one on a 64-byte boundary
+    (so each view is as aligned as the buffer), and the buffer's length in float32 elements."""
+    starts, end = [], 0
+    for shape in shapes:
+        starts.append(end)
+        end += -(-math.prod(shape) // ALIGN_FLOATS) * ALIGN_FLOATS
+    return starts, end
 
-    Each block is scaled into a small scratch buffer and added to the accumulator there, so the
-    work stays in the core's cache and no fragment-sized temporary is made. numpy ufuncs run on
-    the calling thread: BLAS saxpy (the earlier kernel) splits large vectors across OpenBLAS
-    threads, which on cores shared with other processes made whole merges 4-10x slower
-    (docs/design.md, "Syncer merge speed").
+
+def packed_empty(shapes: Sequence[tuple[int, ...]]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """A 64-byte-aligned buffer and a view of each shape into it, laid out by `pack_layout`."""
+    starts, length = pack_layout(shapes)
+    buffer = aligned_empty((length,))
+    views = [
+        buffer[start : start + math.prod(shape)].reshape(shape)
+        for start, shape in zip(starts, shapes, strict=True)
+    ]
+    return buffer, views
+
+
+def weighted_sum(
+    flats: Sequence[np.ndarray],
+    coeffs: Sequence[float],
+    out: np.ndarray,
+    scratch: np.ndarray,
+    measure: bool = True,
+) -> float:
+    """out = sum_i coeffs_i * flats_i over flat float32 arrays; returns the sum of out's squares
+    (0.0 unless `measure`).
+
+    Block-major: each BLOCK of out is built from every delta in turn and its squares summed
+    while it is still in the core's cache, so out is written to memory once and never read
+    back, and no fragment-sized temporary is made. Each term is scaled into `scratch` and added
+    (numpy has no fused multiply-add); the per-element order of the additions is that of
+    `flats`, as in a plain loop over the deltas. numpy ufuncs run on the calling thread: BLAS
+    saxpy splits large vectors across OpenBLAS threads, which on cores shared with other
+    processes made whole merges 4-10x slower (docs/design.md, "Syncer merge speed").
     """
-
-    def __init__(self, shape: tuple[int, ...], scratch: np.ndarray) -> None:
-        self.acc = aligned_empty(shape)
-        self.flat = self.acc.reshape(-1)
-        self.scratch = scratch
-        self.empty = True
-
-    def add(self, flat: np.ndarray, coeff: float) -> None:
-        c = np.float32(coeff)
-        if self.empty:
-            np.multiply(flat, c, out=self.flat)
-            self.empty = False
-            return
-        size = self.flat.size
-        for start in range(0, size, BLOCK):
-            stop = min(start + BLOCK, size)
-            part = self.scratch[: stop - start]
-            np.multiply(flat[start:stop], c, out=part)
-            acc = self.flat[start:stop]
-            np.add(acc, part, out=acc)
-
-    def result(self) -> np.ndarray:
-        if self.empty:
-            self.flat.fill(0.0)
-        return self.acc
+    size = out.size
+    if not flats:
+        out.fill(0.0)
+        return 0.0
+    factors = [np.float32(c) for c in coeffs]
+    squares = 0.0
+    for start in range(0, size, BLOCK):
+        stop = min(start + BLOCK, size)
+        part, term = out[start:stop], scratch[: stop - start]
+        np.multiply(flats[0][start:stop], factors[0], out=part)
+        for flat, factor in zip(flats[1:], factors[1:], strict=True):
+            np.multiply(flat[start:stop], factor, out=term)
+            np.add(part, term, out=part)
+        if measure:
+            squares += float(np.dot(part, part))
+    return squares
 
 
 def _scratch(size: int) -> np.ndarray:
     return np.empty(min(size, BLOCK), dtype=np.float32)
 
 
+def _mean_leaf(
+    flats: Sequence[np.ndarray], weights: np.ndarray, out: np.ndarray, scratch: np.ndarray
+) -> float:
+    """Writes sum_i w_i d_i into out; its factor is 1."""
+    terms = [(flat, float(w)) for w, flat in zip(weights, flats, strict=True) if w != 0.0]
+    weighted_sum([t[0] for t in terms], [t[1] for t in terms], out, scratch, measure=False)
+    return 1.0
+
+
+def _rda_leaf(
+    flats: Sequence[np.ndarray],
+    weights: np.ndarray,
+    norms: Sequence[float],
+    out: np.ndarray,
+    scratch: np.ndarray,
+    eps: float,
+) -> float:
+    """Writes the RDA direction sum_i (w_i / |d_i|) d_i into out and returns the factor that
+    gives it the radius sum_i w_i |d_i|.
+
+    Zero deltas add nothing to the direction but count (as 0) in the radius. If the unit vectors
+    cancel out, the direction is undefined and the result is zero: no confident step to take.
+    """
+    radius = sum(float(w) * n for w, n in zip(weights, norms, strict=True))
+    terms = [
+        (flat, float(w) / n)
+        for w, flat, n in zip(weights, flats, norms, strict=True)
+        if n > eps and w != 0.0
+    ]
+    dnorm = math.sqrt(weighted_sum([t[0] for t in terms], [t[1] for t in terms], out, scratch))
+    if dnorm <= eps or radius <= eps:
+        out.fill(0.0)
+        return 0.0
+    return radius / dnorm
+
+
 def weighted_mean(
     deltas: Sequence[np.ndarray], weights: np.ndarray, scratch: np.ndarray | None = None
 ) -> np.ndarray:
     shape = tuple(deltas[0].shape)
-    acc = _Accumulator(shape, _scratch(math.prod(shape)) if scratch is None else scratch)
-    for w, d in zip(weights, deltas, strict=True):
-        if w != 0.0:
-            acc.add(_flat32(d), float(w))
-    return acc.result()
+    out = aligned_empty(shape)
+    scratch = _scratch(out.size) if scratch is None else scratch
+    _mean_leaf([_flat32(d) for d in deltas], weights, out.reshape(-1), scratch)
+    return out
 
 
 def rda(
@@ -139,30 +224,13 @@ def rda(
     eps: float = 1e-12,
     scratch: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Radial-directional average of same-shaped tensors with normalised weights.
-
-    Zero deltas add nothing to the direction but count (as 0) in the radius. If the unit vectors
-    cancel out, the direction is undefined and the result is zero: no confident step to take.
-
-    Each delta's coefficient w/|d| needs only its own norm, so a delta is added to the direction
-    right after its norm is taken: the second read of the leaf comes from cache when it fits.
-    """
-    shape = tuple(deltas[0].shape)
-    acc = _Accumulator(shape, _scratch(math.prod(shape)) if scratch is None else scratch)
-    radius = 0.0
-    for w, d in zip(weights, deltas, strict=True):
-        flat = _flat32(d)
-        norm = l2_norm(flat)
-        radius += float(w) * norm
-        if norm > eps and w != 0.0:
-            acc.add(flat, float(w / norm))
-    direction = acc.result()
-    dnorm = l2_norm(direction)
-    if dnorm <= eps or radius <= eps:
-        direction.fill(0.0)
-        return direction
-    direction *= np.float32(radius / dnorm)
-    return direction
+    """Radial-directional average of same-shaped tensors with normalised weights (`_rda_leaf`)."""
+    flats = [_flat32(d) for d in deltas]
+    out = aligned_empty(tuple(deltas[0].shape))
+    scratch = _scratch(out.size) if scratch is None else scratch
+    factor = _rda_leaf(flats, weights, [l2_norm(f) for f in flats], out.reshape(-1), scratch, eps)
+    out *= np.float32(factor)
+    return out
 
 
 def is_embedding(name: str) -> bool:
@@ -183,20 +251,29 @@ def participation_share(contributing: int, online: int) -> float:
     return contributing / max(online, contributing)
 
 
-def scale_delta(delta: Mapping[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:
+def scale_delta(
+    delta: Mapping[str, np.ndarray], factor: float | Mapping[str, float]
+) -> dict[str, np.ndarray]:
+    """Each leaf times its factor (one for all, or one per leaf), as new aligned arrays."""
+
+    def factor_of(name: str) -> np.float32:
+        return np.float32(factor[name] if isinstance(factor, Mapping) else factor)
+
     # float32 * float32 scalar is already float32: no second copy of a fragment-sized array.
     return {
-        name: np.multiply(leaf, np.float32(factor), out=aligned_empty(tuple(leaf.shape)))
+        name: np.multiply(leaf, factor_of(name), out=aligned_empty(tuple(leaf.shape)))
         for name, leaf in delta.items()
     }
 
 
-def merge_fragment(
+def merge_outer_gradient(
     contributions: Sequence[Contribution],
     method: MergeMethod = "rda",
     token_weighting: bool = True,
-) -> dict[str, np.ndarray]:
-    """Merge the contributions of one fragment leaf by leaf into one outer gradient."""
+    share: float = 1.0,
+) -> OuterGradient:
+    """Merge the contributions of one fragment leaf by leaf into one outer gradient, scaled by
+    `share` (`participation_share`); each delta is read once when its norms are given."""
     if not contributions:
         raise ValueError("merge_fragment: no contributions")
     names = sorted(contributions[0].delta)
@@ -204,13 +281,35 @@ def merge_fragment(
         if sorted(c.delta) != names:
             raise ValueError("merge_fragment: contributions carry different leaves")
     weights = merge_weights([(c.c_steps, c.c_tokens) for c in contributions], token_weighting)
-    merged: dict[str, np.ndarray] = {}
     largest = max((math.prod(np.shape(contributions[0].delta[n])) for n in names), default=1)
     scratch = _scratch(largest)
-    for name in names:
-        leaves = [np.asarray(c.delta[name], dtype=np.float32) for c in contributions]
+    packed, outs = packed_empty([tuple(np.shape(contributions[0].delta[n])) for n in names])
+    directions: dict[str, np.ndarray] = {}
+    scales: dict[str, float] = {}
+    for name, out in zip(names, outs, strict=True):
+        flats = [_flat32(c.delta[name]) for c in contributions]
         if method == "rda" and not is_embedding(name):
-            merged[name] = rda(leaves, weights, scratch=scratch)
+            norms = [
+                _leaf_norm(c, name, flat) for c, flat in zip(contributions, flats, strict=True)
+            ]
+            factor = _rda_leaf(flats, weights, norms, out.reshape(-1), scratch, eps=1e-12)
         else:
-            merged[name] = weighted_mean(leaves, weights, scratch)
-    return merged
+            factor = _mean_leaf(flats, weights, out.reshape(-1), scratch)
+        directions[name], scales[name] = out, factor * share
+    return OuterGradient(directions, scales, packed)
+
+
+def _leaf_norm(contribution: Contribution, name: str, flat: np.ndarray) -> float:
+    known = contribution.norms
+    return float(known[name]) if known is not None else l2_norm(flat)
+
+
+def merge_fragment(
+    contributions: Sequence[Contribution],
+    method: MergeMethod = "rda",
+    token_weighting: bool = True,
+    share: float = 1.0,
+) -> dict[str, np.ndarray]:
+    """Merge the contributions of one fragment leaf by leaf into one outer gradient, as plain
+    arrays (the syncer hands `merge_outer_gradient`'s factors to the outer step instead)."""
+    return merge_outer_gradient(contributions, method, token_weighting, share).dense()

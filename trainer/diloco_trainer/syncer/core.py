@@ -23,8 +23,8 @@ from aiohttp import web
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.downlink import Publication
 from diloco_trainer.fragments import pack_fragments
-from diloco_trainer.merge import Contribution, merge_fragment, scale_delta
-from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.merge import Contribution
+from diloco_trainer.outer import OuterOptimizer, merge_and_step
 from diloco_trainer.status import CheckpointStatus, FinalEval, FragmentStatus, SyncerStatus
 from diloco_trainer.syncer import evaluation, persist, push
 from diloco_trainer.syncer.checkpoint import CheckpointStore, Snapshot
@@ -291,12 +291,10 @@ class Syncer:
     ) -> tuple[dict[str, np.ndarray], Any]:
         """One outer step of a fragment (in the merge thread): `syncer_merge` runs the rounds,
         `warm_up` compiles it."""
-        merged = merge_fragment(
-            contributions, self.cfg.merge.method, self.cfg.merge.token_weighting
+        merge = self.cfg.merge
+        return merge_and_step(
+            self.outer, params, state, contributions, merge.method, merge.token_weighting, share
         )
-        if share < 1.0:
-            merged = scale_delta(merged, share)
-        return self.outer.step(params, state, merged, share)
 
     # ---------------------------------------------------------------- downloads
     async def fragment_payload(self, f: FragmentState, after: int = -1, epoch: str = "") -> bytes:

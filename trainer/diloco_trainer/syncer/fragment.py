@@ -59,6 +59,7 @@ class Pending:
     header: PushHeader
     delta: dict[str, np.ndarray]
     arrived: float
+    norms: dict[str, float] | None = None  # each leaf's L2 norm, measured when decoded
 
     def plus(self, later: Pending) -> Pending:
         """Two unmerged pushes of one unit as one contribution. A push carries only the progress
@@ -73,7 +74,7 @@ class Pending:
             c_tokens=self.header.c_tokens + later.header.c_tokens,
         )
         delta = {name: value + later.delta[name] for name, value in self.delta.items()}
-        return Pending(header, delta, self.arrived)
+        return Pending(header, delta, self.arrived)  # the sum's norms: measured by the merge
 
 
 @dataclass
@@ -185,16 +186,36 @@ def validate_push(
     validate_version(f, header, max_staleness)
 
 
+def squared_norms(tensors: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Each tensor's sum of squares, in float64 (a float32 sum of squares of large finite values
+    overflows to inf)."""
+    return {name: float(np.sum(np.square(v, dtype=np.float64))) for name, v in tensors.items()}
+
+
+def leaf_norms(tensors: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Each tensor's L2 norm, as a push's are measured when it is decoded."""
+    return {name: math.sqrt(sq) for name, sq in squared_norms(tensors).items()}
+
+
 def l2_norm(tensors: Mapping[str, np.ndarray]) -> float:
-    """The L2 norm of all tensors together, summed in float64 (a float32 sum of squares of large
-    finite values overflows to inf)."""
-    return math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in tensors.values()))
+    """The L2 norm of all tensors together."""
+    return math.sqrt(sum(squared_norms(tensors).values()))
 
 
-def decode_measured(body: bytes) -> tuple[PushHeader, dict[str, np.ndarray], float]:
-    """A push body's header, delta and the delta's L2 norm (run in a worker thread)."""
+@dataclass(frozen=True)
+class MeasuredPush:
+    header: PushHeader
+    delta: dict[str, np.ndarray]
+    norms: dict[str, float]  # each leaf's L2 norm (the merge's RDA uses them)
+    norm: float  # the whole delta's
+
+
+def decode_measured(body: bytes) -> MeasuredPush:
+    """A push body decoded and measured (run in a worker thread): the push norm bound and the
+    merge both need the norms, and this is the one pass that reads every value anyway."""
     header, delta = decode_push(body)
-    return header, delta, l2_norm(delta)
+    norms = leaf_norms(delta)
+    return MeasuredPush(header, delta, norms, math.sqrt(sum(n * n for n in norms.values())))
 
 
 def norm_reference(f: FragmentState) -> float:

@@ -40,13 +40,14 @@ async def accept_push(
     loop = asyncio.get_running_loop()
     s._decoding += 1
     try:
-        header, delta, norm = await loop.run_in_executor(s._decode_pool, decode_measured, body)
+        measured = await loop.run_in_executor(s._decode_pool, decode_measured, body)
     except PayloadMismatch as exc:
         raise Reject(422, "mismatch", str(exc)) from exc
     except WireError as exc:
         raise Reject(400, "malformed", str(exc)) from exc
     finally:
         s._decoding -= 1
+    header, delta = measured.header, measured.delta
     if caller is not None and header.unit != caller:
         raise Reject(403, "identity_mismatch", f"payload unit {header.unit!r} != caller {caller!r}")
     record = s.learners.records.get(header.unit)
@@ -58,7 +59,7 @@ async def accept_push(
         )
     # Content first: a payload that can never be merged is refused even when its key
     # repeats an accepted push's.
-    validate_content(f, header, delta, s.shapes, s.cfg.merge.max_push_norm, norm)
+    validate_content(f, header, delta, s.shapes, s.cfg.merge.max_push_norm, measured.norm)
     # A retry repeats the same push exactly: the learner's step names it. (A learner that
     # predates the field sends step 0; then a later push on the same base has more c_steps.)
     key = (
@@ -81,7 +82,7 @@ async def accept_push(
     s.learners.seen(header.unit, header.attempt, s.learners.get(header.unit).group, now)
     if not f.pending:
         f.first_arrival, f.first_unit = now, header.unit
-    pending = Pending(header, delta, now)
+    pending = Pending(header, delta, now, measured.norms)
     earlier = f.pending.get(header.unit)
     if earlier is not None:
         pending = earlier.plus(pending)  # unmerged pushes of one unit add up

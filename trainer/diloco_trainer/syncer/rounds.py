@@ -120,7 +120,8 @@ async def _merge(s: Syncer, f: FragmentState) -> None:
     pending, f.pending = f.pending, {}
     f.first_arrival = f.first_unit = f.quorum_time = None
     contributions = [
-        Contribution(p.delta, p.header.c_steps, p.header.c_tokens) for p in pending.values()
+        Contribution(p.delta, p.header.c_steps, p.header.c_tokens, p.norms)
+        for p in pending.values()
     ]
     share = 1.0
     if s.cfg.merge.participation_scaling:
