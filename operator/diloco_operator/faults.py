@@ -126,9 +126,7 @@ class ChaosScheduler:
     def _gap(self, interval: float) -> float:
         return self._rng.expovariate(1.0 / interval)
 
-    def due(
-        self, now: float, running_units: Sequence[int], syncer_up: bool = True
-    ) -> list[Fault]:
+    def due(self, now: float, running_units: Sequence[int], syncer_up: bool = True) -> list[Fault]:
         """Faults to deliver at `now`. A unit fault with no running unit to hit waits (it stays
         due) rather than being dropped, so a schedule's count of kills is kept; so does a
         syncer kill while the syncer is not serving (`syncer_up`): killing one that is still
