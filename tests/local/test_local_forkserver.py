@@ -46,7 +46,7 @@ def test_forked_spare_warms_up_takes_an_identity_and_reports_exit_codes(tmp_path
         # own, and the learners' speeds swing (processes.py)
         assert os.getsid(spare.pid) == os.getsid(0)
         deadline = time.monotonic() + 120
-        while "event=standby_ready" not in spare_log.read_text() and time.monotonic() < deadline:
+        while "event=standby_ready" not in _text(spare_log) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert "event=standby_ready" in spare_log.read_text()
         # A bad identity is the same usage error (exit 2) as the flag would be, through the
@@ -70,6 +70,12 @@ def test_forked_spare_warms_up_takes_an_identity_and_reports_exit_codes(tmp_path
         server.finish_pending()
         server.close()
     assert forkservers() == []
+
+
+def _text(log: Path) -> str:
+    """The log so far; "" before the child has created it (it takes its own process group,
+    which is what the fork waits for, before it opens its log)."""
+    return log.read_text() if log.exists() else ""
 
 
 def forkservers() -> list[int]:

@@ -166,10 +166,10 @@ def test_sigterm_stops_everything_without_orphans(tmp_path: Path) -> None:
             if (report / "events.jsonl").exists():
                 spares = [e["data"]["pid"] for e in events(report) if e["kind"] == "spare-started"]
         assert spares, "supervisor did not start a warm spare"
-        time.sleep(3)  # let them get busy (imports, compiles)
         # The syncer, the fork server, both learners and the spare (forked: its parent is the
-        # fork server, so it is a descendant of the supervisor, not a direct child).
-        pids = [p.pid for p in psutil.Process(sup.pid).children(recursive=True)]
+        # fork server, so it is a descendant of the supervisor, not a direct child); all busy
+        # importing and compiling when the SIGTERM comes.
+        pids = _descendants_once(sup.pid, spares[0], deadline)
         assert len(pids) >= 5, pids
         assert spares[0] in pids
         os.kill(sup.pid, signal.SIGTERM)
@@ -185,6 +185,16 @@ def test_sigterm_stops_everything_without_orphans(tmp_path: Path) -> None:
     assert summary["exitReason"] == "interrupted by SIGTERM"
     assert summary["complete"] is False
     assert [e["kind"] for e in events(report)][-1] == "stopped"
+
+
+def _descendants_once(pid: int, spare: int, deadline: float) -> list[int]:
+    """The supervisor's descendants as soon as they include the spare and number five or more
+    (or whatever they are at `deadline`)."""
+    while True:
+        pids = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+        if (len(pids) >= 5 and spare in pids) or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.1)
 
 
 def _cmdline(pid: int) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,23 +52,32 @@ class Run:
         self.env = dict(os.environ, JAX_PLATFORMS="cpu", DILOCO_TOKEN=TOKEN)
         self.env.setdefault("DILOCO_CACHE_DIR", str(Path.home() / ".cache/diloco"))
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.syncer = self.start_syncer(0)
+        # A port chosen here, so the first learners can start with the syncer (they wait for it
+        # with backoff, as pods do) instead of after it: their imports overlap its own.
+        self.port, self.syncer_log_offset = _free_port(), 0
+        self.syncer = self.start_syncer()
 
-    def start_syncer(self, port: int) -> subprocess.Popen[bytes]:
+    def start_syncer(self) -> subprocess.Popen[bytes]:
+        """Start the syncer on `self.port` (the same address across restarts, so the learners
+        reconnect); `wait_listening` waits for it."""
         log = self.tmp / "syncer.log"
-        offset = log.stat().st_size if log.exists() else 0
+        self.syncer_log_offset = log.stat().st_size if log.exists() else 0
         proc = subprocess.Popen(
             [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(self.config),
-             "--host", "127.0.0.1", "--port", str(port), "--checkpoint-dir", str(self.ckpt)],
+             "--host", "127.0.0.1", "--port", str(self.port), "--checkpoint-dir", str(self.ckpt)],
             env=self.env, stdout=subprocess.DEVNULL, stderr=log.open("ab"),
         )  # fmt: skip
         self.procs.append(proc)
-        deadline = time.monotonic() + 60
-        while not (found := re.findall(r"event=listening \S+ port=(\d+)", _tail(log, offset))):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
-        self.port = int(found[-1])
         return proc
+
+    def wait_listening(self) -> None:
+        log, deadline = self.tmp / "syncer.log", time.monotonic() + 60
+        while f"event=listening host=127.0.0.1 port={self.port} " not in _tail(
+            log, self.syncer_log_offset
+        ):
+            alive = self.syncer.poll() is None
+            assert alive and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
 
     def start_learner(self, unit: int, attempt: int = 0) -> subprocess.Popen[bytes]:
         env = dict(
@@ -152,6 +162,12 @@ class Run:
                 proc.wait(10)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _tail(path: Path, offset: int) -> str:
     with path.open("rb") as f:
         f.seek(offset)
@@ -172,6 +188,7 @@ def assert_disjoint(readers: dict[Read, set[int]]) -> None:
 
 def test_scaled_units_read_disjoint_data(run: Run) -> None:
     first = [run.start_learner(0), run.start_learner(1)]
+    run.wait_listening()
     run.wait_reads(0, 0, 150)
     run.wait_reads(1, 0, 150)
     run.start_learner(2)  # `kubectl scale` to 3 units
@@ -192,6 +209,7 @@ def test_scaled_units_read_disjoint_data(run: Run) -> None:
 
 def test_restarted_learners_resume_where_they_reported(run: Run) -> None:
     learners = {0: run.start_learner(0), 1: run.start_learner(1)}
+    run.wait_listening()
     # SIGKILL: whatever it read after its last push is not reported.
     last = run.kill_mid_shard(1, 0, learners[1])
     reported = run.checkpointed_lease("unit-1", time.monotonic())
@@ -201,7 +219,8 @@ def test_restarted_learners_resume_where_they_reported(run: Run) -> None:
 
     run.wait_reads(0, 0, 80)
     run.kill(run.syncer)  # the syncer too: it comes back from checkpoint and lease journal
-    run.syncer = run.start_syncer(run.port)
+    run.syncer = run.start_syncer()
+    run.wait_listening()
     last = run.kill_mid_shard(0, 0, learners[0])  # after training on against the new syncer
     reported = run.checkpointed_lease("unit-0", time.monotonic())
     assert reported[:2] == last[:2] and 0 < reported[2] <= last[2] + 1

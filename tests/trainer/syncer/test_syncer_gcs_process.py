@@ -131,12 +131,12 @@ def test_sigkill_mid_upload_then_restart_resumes_from_the_last_committed_checkpo
     assert all(len(files) == 3 for files in ckpt_names(bucket, "run").values())
 
 
-def _syncer_exit(config: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+def _start_syncer(config: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(config),
          "--host", "127.0.0.1", "--port", "0"],
         env={**env, "JAX_PLATFORMS": "cpu", "DILOCO_TOKEN": TOKEN},
-        capture_output=True, text=True, timeout=60,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
@@ -151,14 +151,22 @@ def test_no_credential_or_no_bucket_exits_2_naming_the_field(
             if k not in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS")}  # fmt: skip
     bare.update(HOME=str(tmp_path), CLOUDSDK_CONFIG=str(tmp_path / "gcloud"),
                 GCE_METADATA_HOST=closed, GCE_METADATA_IP=closed)  # fmt: skip
-    done = _syncer_exit(config, bare)
-    assert done.returncode == 2, done.stderr
-    assert "training.checkpoint.path gs://some-bucket/run:" in done.stderr
-    assert "credential" in done.stderr and "Workload Identity" in done.stderr
-    assert "Traceback" not in done.stderr
-    # With the server but a bucket that does not exist.
-    done = _syncer_exit(config, dict(os.environ))
-    assert done.returncode == 2, done.stderr
+    # The two syncers are independent (the second has the server but a bucket that does not
+    # exist): they run side by side, each mostly its single-threaded start.
+    started = [_start_syncer(config, bare), _start_syncer(config, dict(os.environ))]
+    try:
+        ended = [(proc.communicate(timeout=60)[1], proc.returncode) for proc in started]
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    (no_credential, code), (no_bucket, code_no_bucket) = ended
+    assert code == 2, no_credential
+    assert "training.checkpoint.path gs://some-bucket/run:" in no_credential
+    assert "credential" in no_credential and "Workload Identity" in no_credential
+    assert "Traceback" not in no_credential
+    assert code_no_bucket == 2, no_bucket
     assert "training.checkpoint.path gs://some-bucket/run: bucket some-bucket does not exist" in (
-        done.stderr
+        no_bucket
     )
