@@ -5,9 +5,9 @@ again (seconds each on CPU; the Flax models' train steps alone took ~10 s a run)
 compiled programs, keyed by the program, the XLA flags and the jax/jaxlib versions, when
 JAX_COMPILATION_CACHE_DIR is set: set here, before any test imports JAX, it covers the pytest
 process and, inherited, every syncer, learner and worker script the tests start. It is the
-directory and threshold the learner already uses on its own (diloco_trainer.learner.distributed.
+directory and threshold the learner and the syncer use on their own (diloco_trainer.workload.compile_cache.
 enable_compilation_cache: <DILOCO_CACHE_DIR or ~/.cache/diloco>/jax, programs that took 0.5 s
-or more), so learners behave as before and the other programs now share it. A first (cold) run
+or more), so learners and syncers behave as before and the other programs now share it. A first (cold) run
 compiles everything as before; what a test checks is unchanged, only the compile is skipped.
 A value already in the environment wins.
 """

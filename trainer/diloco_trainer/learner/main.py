@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         print(f"diloco-learner: {exc}", file=sys.stderr)
         return 2
     # Heavy imports (JAX) only after the config is known to be good: errors stay fast.
-    from diloco_trainer.learner.distributed import enable_compilation_cache
+    from diloco_trainer.workload.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()
     return train(cfg, options)
@@ -164,13 +164,14 @@ def standby_main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     except (ConfigError, UsageError) as exc:
         print(f"diloco-learner: {exc}", file=sys.stderr)
         return 2
-    from diloco_trainer.learner.distributed import distributed_args, enable_compilation_cache
+    from diloco_trainer.learner.distributed import distributed_args
     from diloco_trainer.learner.standby import (
         IdentityError,
         take_identity,
         wait_for_identity,
         warm_up,
     )
+    from diloco_trainer.workload.compile_cache import enable_compilation_cache
 
     if distributed_args(env) is not None:
         print("diloco-learner: --standby runs single-host units only", file=sys.stderr)

@@ -214,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 2
     from diloco_trainer.syncer.core import Syncer
+    from diloco_trainer.workload.compile_cache import enable_compilation_cache
 
+    enable_compilation_cache()  # a restart or a standby skips compiling the merge and the eval
     try:
         syncer = Syncer(
             cfg, token, run=name, store=store, restore=snapshot, max_units=max_units,
