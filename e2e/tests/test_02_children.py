@@ -102,8 +102,11 @@ def test_syncer_and_run_objects(cluster: Any, namespace: str, mixed: dict[str, A
     deploy = cluster.kubectl_json("get", "deploy", f"{RUN}-syncer", "-n", namespace)
     assert deploy["spec"]["replicas"] == 1
     assert deploy["spec"]["strategy"]["type"] == "Recreate"
-    (container,) = deploy["spec"]["template"]["spec"]["containers"]
-    assert container["image"] == mixed["spec"]["image"]
+    # The syncer and its warm standby (spec.syncer.standby, on by default): one lock, one port.
+    container, standby = deploy["spec"]["template"]["spec"]["containers"]
+    assert (container["name"], standby["name"]) == ("syncer", "syncer-standby")
+    assert container["image"] == standby["image"] == mixed["spec"]["image"]
+    assert env_of(standby)["DILOCO_SYNCER_LOCK"] == env_of(container)["DILOCO_SYNCER_LOCK"]
     env = env_of(container)
     assert "DILOCO_TOKEN" not in env
     assert env["DILOCO_SYNCER_PORT"] == "8470"

@@ -70,7 +70,10 @@ def test_sigkilled_syncer_is_replaced_by_the_standby_with_every_version(tmp_path
         }
         taken = [int(v) for v in took.group(1).split(",")]
         # Every version the killed syncer published is served by its successor, unrenumbered.
-        assert {f: taken[f] for f in killed_merged} == killed_merged
+        # One more is possible: a merge is journaled before it is installed and logged, and the
+        # kill may fall in between (a version no learner has seen, kept rather than lost).
+        for f, merged in killed_merged.items():
+            assert merged <= taken[f] <= merged + 1, (f, merged, taken)
         assert "versions_lost" not in standby_log
         # The learners keep training against it: new merges after the take-over.
         wait_for(
