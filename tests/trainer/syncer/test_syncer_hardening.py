@@ -244,6 +244,34 @@ def test_a_checkpoint_that_cannot_be_written_makes_the_syncer_not_ready(tmp_path
         server.close()
 
 
+def test_a_fresh_syncer_whose_first_checkpoint_cannot_be_written_serves_and_retries(
+    tmp_path: Path,
+) -> None:
+    """Found by the soak bench: the disk filled while a fresh syncer warmed up, its first
+    checkpoint raised, and the syncer exited before serving (the local run aborted). A full
+    disk is a readiness problem, not a reason to exit: it serves, says so, and the periodic
+    save writes the checkpoint once there is room."""
+    cfg = tiny_cfg(checkpoint={"path": str(tmp_path), "everySeconds": 1})
+    store = CheckpointStore(tmp_path)
+    real_save = store.save
+
+    def no_space(snap: Any) -> Path:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store.save = no_space  # type: ignore[method-assign]
+    server = LiveSyncer(Syncer(cfg, TOKEN, store=store, eval_fn=None))
+    try:
+        assert server.raw("GET", "/healthz")[0] == 200
+        status, body = server.raw("GET", "/readyz")
+        assert status == 503 and "No space left" in body["problems"]["checkpoint"]
+        assert store.load_latest() is None
+        store.save = real_save  # type: ignore[method-assign]
+        wait_until(lambda: server.raw("GET", "/readyz")[0] == 200)
+        assert store.load_latest() is not None
+    finally:
+        server.close()
+
+
 def test_merge_retries_back_off_up_to_a_cap() -> None:
     delays = [retry_delay(n) for n in range(1, 12)]
     assert delays[0] == 0.5 and delays == sorted(delays) and delays[-1] == 30.0
