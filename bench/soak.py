@@ -127,7 +127,7 @@ def soak_run(tokens: int, plan: Plan, max_seconds: float) -> tuple[Outcome, Tall
     """The run with every fault; also whether the checkpoint disk could be a tmpfs."""
     with checkpoint_disk(DISK_MIB) as disk:
         faults = BenchFaults(plan.bench, disk)
-        extra = ["--checkpoint-dir", str(disk)] if disk is not None else []
+        extra = ["--checkpoint-dir", str(disk / "checkpoints")] if disk is not None else []
         doc = manifest(tokens, plan.schedule)
         hook = alongside(faults)
         with local_run(doc, max_seconds, SPARES, True, extra, hook) as (report, code):
@@ -139,13 +139,14 @@ def soak_run(tokens: int, plan: Plan, max_seconds: float) -> tuple[Outcome, Tall
 
 def fault_window(calm: Outcome) -> tuple[float, float]:
     """Seconds after the start in which the soak's faults fall: from the calm run's last first
-    `unit-online` (all units training) to 75% of the time it took to reach its budget. The
-    soak run, slowed by its faults, is usually longer; the margin is for the load of a shared
-    machine, which can make it shorter (a fault after its end is counted as not delivered)."""
+    `unit-online` (all units training) plus 10% of its time to its budget, to 75% of that
+    time. The margins are for the load of a shared machine, which can make the soak run start
+    slower (a syncer killed before it first served ends a local run) or, in spite of its
+    faults, go faster (a fault after its end is counted as not delivered)."""
     online = [float(e["elapsed"]) for e in calm.events if e["kind"] == "unit-online"]
-    start = max(online[:UNITS], default=30.0)
-    length = calm.summary.get("budgetReachedSeconds") or calm.summary["wallSeconds"]
-    return start, max(start + 10.0, 0.75 * float(length))
+    length = float(calm.summary.get("budgetReachedSeconds") or calm.summary["wallSeconds"])
+    start = max(online[:UNITS], default=30.0) + 0.1 * length
+    return start, max(start + 10.0, 0.75 * length)
 
 
 def delivered(out: Outcome, tally: Tally) -> Counter[str]:
@@ -264,10 +265,12 @@ def report_body(
     }
     verdicts = "\n".join(f"- {k}: **{'met' if v else 'NOT met'}**" for k, v in met.items())
     stale = "; ".join(soak.stale[:5]) or "none"
+    ending = str(soak.summary.get("exitReason") or "-").splitlines()[0][:300]
     return f"""
 The soak's {sum(plan.counts().values())} faults were drawn (seed 18) at uniform random times
-between {window[0]:.0f} s (all calm units training) and {window[1]:.0f} s (75% of the calm run's
-time to its budget; a fault drawn after the soak run's end is not delivered). It runs on the local runtime (`diloco local run --chaos`, real processes, a warm standby
+between {window[0]:.0f} s (all calm units training, plus 10% of the calm run's time to its
+budget) and {window[1]:.0f} s (75% of that time; a fault drawn after the soak run's end is not
+delivered). The soak run ended: {ending}. It runs on the local runtime (`diloco local run --chaos`, real processes, a warm standby
 syncer); operator restarts and duplicate pods on Kubernetes are covered by the e2e suite
 (test_03_chaos `test_operator_sigkilled_mid_change_no_duplicates`, test_04_ha_failover), not here.
 

@@ -59,8 +59,10 @@ class Tally:
 
 @contextlib.contextmanager
 def checkpoint_disk(size_mib: int) -> Iterator[Path | None]:
-    """A fresh tmpfs of `size_mib` for the run's checkpoints, unmounted afterwards; None when
-    this machine cannot mount one (not root, no CAP_SYS_ADMIN)."""
+    """A fresh tmpfs of `size_mib`, unmounted afterwards; None when this machine cannot mount
+    one (not root, no CAP_SYS_ADMIN). The checkpoints go in a folder on it and the ballast
+    beside that folder, as another writer's file would fill a disk (a syncer refuses a
+    checkpoint folder holding files it does not know)."""
     with tempfile.TemporaryDirectory(prefix="bench-soak-disk-") as tmp:
         mount = Path(tmp) / "ckpt"
         mount.mkdir()
@@ -131,21 +133,20 @@ class BenchFaults:
         self.tally.disk_full_seconds += time.monotonic() - began
 
     def _garbage(self, report: Path) -> None:
-        target = serving_syncer(report)
-        waited = time.monotonic()
-        # Between a syncer kill and its successor's take-over no syncer serves: wait for one.
-        while target is None and time.monotonic() - waited < GARBAGE_WAIT:
-            if self.stop.wait(1.0):
-                break
+        """One burst, once a syncer serves and the join succeeds: between a syncer kill and its
+        successor's take-over none does, so wait up to GARBAGE_WAIT seconds for one."""
+        waited, problem = time.monotonic(), "no serving syncer"
+        while True:
             target = serving_syncer(report)
-        if target is None:
-            self.tally.skipped["garbage: no serving syncer"] += 1
-            return
-        url, secret = target
-        sender = GarbageSender(url, secret, self._rng)
-        if not sender.join():
-            self.tally.skipped["garbage: join failed"] += 1
-            return
+            if target is not None:
+                sender = GarbageSender(target[0], target[1], self._rng)
+                joined = sender.join()
+                if joined is None:
+                    break
+                problem = f"join failed: {joined}"
+            if time.monotonic() - waited > GARBAGE_WAIT or self.stop.wait(1.0):
+                self.tally.skipped[f"garbage: {problem}"] += 1
+                return
         self.tally.delivered["garbage"] += 1
         for kind, status in sender.burst():
             self.tally.answers[f"{kind} {status}"] += 1
@@ -154,11 +155,14 @@ class BenchFaults:
 
 
 def _wait_started(report: Path, stop: threading.Event) -> float | None:
-    """Wall time of the run's start (its first event), once the runtime wrote it."""
+    """Wall time of the run's start (its first event), once its syncer has served: a fault
+    before that would end the run as a syncer that cannot start (the runtime's rule), which
+    is not what the soak is for. Faults due meanwhile come late."""
     events = report / "events.jsonl"
     while not stop.is_set():
-        if events.exists() and (first := events.read_text().split("\n", 1)[0]).endswith("}"):
-            return float(json.loads(first)["time"])
+        text = events.read_text() if events.exists() else ""
+        if '"kind": "syncer-ready"' in text:
+            return float(json.loads(text.split("\n", 1)[0])["time"])
         stop.wait(0.2)
     return None
 
@@ -208,27 +212,28 @@ class GarbageSender:
         except urllib.error.HTTPError as exc:
             return int(exc.code), exc.read()
 
-    def join(self) -> bool:
+    def join(self) -> str | None:
         """Join as a real unit under its current attempt (picked from the syncer's status, read
-        with the run secret), so that pushes get past the join check to their content."""
+        with the run secret), so that pushes get past the join check to their content. None
+        when joined, else why not."""
         try:
             _, raw = self._send("/v1/status", b"", self.secret, None)
             learners = json.loads(raw).get("learners") or {}
             if not learners:
-                return False
+                return "no learner in the status"
             self.unit = sorted(learners)[int(self.rng.integers(len(learners)))]
             self.attempt = int(learners[self.unit].get("attempt") or 0)
             self.group = str(learners[self.unit].get("group") or "default")
             body = {"unit": self.unit, "attempt": self.attempt, "group": self.group}
             status, raw = self._send("/v1/join", json.dumps(body).encode(), self.token, self.unit)
-        except (OSError, ValueError):
-            return False
+        except (OSError, ValueError) as exc:
+            return type(exc).__name__
         if status != 200:
-            return False
+            return f"{status} {raw[:80]!r}"
         reply = json.loads(raw)
         self.layout, self.shapes = reply["layout"], reply["shapes"]
         self.versions = [int(v) for v in reply["versions"]]
-        return True
+        return None
 
     @property
     def token(self) -> str:
