@@ -266,6 +266,13 @@ def _check_fresh_checkpoint_dir(path: Path) -> str | None:
     return None
 
 
+def _check_checkpoint_args(resume_from: str | None, fresh: Path | None) -> str | None:
+    """Why --resume-from or --checkpoint-dir (at most one is given) cannot be used, or None."""
+    if resume_from is not None:
+        return _check_resume_dir(resume_from)
+    return None if fresh is None else _check_fresh_checkpoint_dir(fresh)
+
+
 def checkpoint_location(resume_from: str | None, fresh: Path | None) -> Path | str | None:
     """Where the syncer keeps checkpoints: the resumed location, the fresh directory, or
     None (the runtime's default under the report folder)."""
@@ -314,15 +321,10 @@ def _local_run(args: argparse.Namespace) -> int:
         console.print(f"[bold red]invalid manifest {args.manifest}:[/]")
         console.print(str(exc), markup=False, highlight=False)
         return EXIT_BAD_INPUT
-    if args.resume_from is not None or args.checkpoint_dir is not None:
-        problem = (
-            _check_resume_dir(args.resume_from)
-            if args.resume_from is not None
-            else _check_fresh_checkpoint_dir(args.checkpoint_dir)
-        )
-        if problem:
-            console.print(f"[bold red]error:[/] {problem}", highlight=False)
-            return EXIT_BAD_INPUT
+    problem = _check_checkpoint_args(args.resume_from, args.checkpoint_dir)
+    if problem:
+        console.print(f"[bold red]error:[/] {problem}", highlight=False)
+        return EXIT_BAD_INPUT
     if run.spec.chaos is not None and run.spec.chaos.has_fault_settings and not args.chaos:
         console.print("[yellow]the manifest has a chaos block; pass --chaos to inject faults[/]")
 
