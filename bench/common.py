@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -16,6 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 FRAGMENTS = DOCS / "bench"  # one markdown fragment and its PNGs per section
 REPORT = DOCS / "benchmarks.md"
+# One line of a syncer log: its timestamp, `event=NAME` and the rest of the line.
+_SYNCER_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?event=(\w+)(.*)$")
 
 
 def cpu_model() -> str:
@@ -150,3 +153,16 @@ def fmt_bytes(n: float) -> str:
 
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def syncer_log_events(logs: Path) -> list[tuple[float, str, str, str]]:
+    """(wall time, event, rest of the line, log file name) from every syncer log of a local
+    run's logs folder (the serving syncer's and each standby's), in time order."""
+    found = []
+    for path in sorted(logs.glob("syncer*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            m = _SYNCER_LINE.match(line)
+            if m:
+                when = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                found.append((when, m.group(2), m.group(3), path.name))
+    return sorted(found)

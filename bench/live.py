@@ -14,8 +14,8 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,9 +150,12 @@ def local_run(
     spares: int,
     chaos: bool = False,
     extra_args: Sequence[str] = (),
+    alongside: Callable[[Path], AbstractContextManager[None]] | None = None,
 ) -> Iterator[tuple[Path, int]]:
     """Run the manifest `doc` with `diloco local run` (no live display) in a temporary folder;
-    yield its report folder and exit code while the folder still exists."""
+    yield its report folder and exit code while the folder still exists. `alongside(report)`,
+    if given, is entered just before the run starts and left when it has ended (the soak's
+    faults that the runtime's chaos cannot deliver)."""
     with tempfile.TemporaryDirectory(prefix="bench-local-") as tmp:
         path = Path(tmp) / "run.yaml"
         path.write_text(yaml.safe_dump(doc))
@@ -160,7 +163,8 @@ def local_run(
         cmd = [sys.executable, "-m", "diloco_operator.cli", "local", "run", str(path)]
         cmd += ["--report-dir", str(report), "--no-live", "--max-seconds", str(max_seconds)]
         cmd += ["--spares", str(spares)] + (["--chaos"] if chaos else []) + list(extra_args)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_seconds + 300)
+        with alongside(report) if alongside is not None else nullcontext():
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_seconds + 300)
         if not (report / "summary.json").exists():
             raise RuntimeError(f"local run failed ({proc.returncode}): {proc.stderr[-1500:]}")
         yield report, proc.returncode

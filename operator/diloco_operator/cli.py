@@ -1,7 +1,7 @@
 """The `diloco` command line.
 
     diloco local run FILE [--chaos] [--report-dir D] [--max-seconds S] [--seed N] [--spares N]
-                         [--no-fork-server]
+                         [--no-fork-server] [--resume-from DIR | --checkpoint-dir DIR]
     diloco simulate [--chips 150000,...] [--learners 1,2,...] [--plot FILE] [--json]
     diloco export RUN_OR_CHECKPOINT --out FILE.safetensors
     diloco data tokenize FILES_OR_DIRS... --out DIR (--tokenizer FILE | --train-vocab N)
@@ -60,10 +60,18 @@ def _add_local(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="stop (and write the report) after this long even if the budget is not reached",
     )
-    run.add_argument(
+    where = run.add_mutually_exclusive_group()
+    where.add_argument(
         "--resume-from",
         default=None,
         help="an existing syncer checkpoint directory (or gs://bucket/prefix) to continue from",
+    )
+    where.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="an empty or new directory for this run's checkpoints and journals, e.g. on a "
+        "disk of its own (default: checkpoints/ in the report folder)",
     )
     run.add_argument(
         "--spares",
@@ -243,10 +251,36 @@ def _check_resume_dir(source: str) -> str | None:
     return None
 
 
-def _resume_location(source: str | None) -> Path | str | None:
-    if source is None or source.startswith("gs://"):
-        return source
-    return Path(source).resolve()
+def _check_fresh_checkpoint_dir(path: Path) -> str | None:
+    """Why `path` cannot hold a new run's checkpoints, or None. A directory with anything in
+    it is refused: its checkpoints would be resumed silently (that is --resume-from's job)."""
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return f"--checkpoint-dir: {path} is not a directory"
+    if any(path.iterdir()):
+        return (
+            f"--checkpoint-dir: {path} is not empty (to continue from its checkpoints, "
+            "pass it as --resume-from)"
+        )
+    return None
+
+
+def _check_checkpoint_args(resume_from: str | None, fresh: Path | None) -> str | None:
+    """Why --resume-from or --checkpoint-dir (at most one is given) cannot be used, or None."""
+    if resume_from is not None:
+        return _check_resume_dir(resume_from)
+    return None if fresh is None else _check_fresh_checkpoint_dir(fresh)
+
+
+def checkpoint_location(resume_from: str | None, fresh: Path | None) -> Path | str | None:
+    """Where the syncer keeps checkpoints: the resumed location, the fresh directory, or
+    None (the runtime's default under the report folder)."""
+    if fresh is not None:
+        return fresh.resolve()
+    if resume_from is None or resume_from.startswith("gs://"):
+        return resume_from
+    return Path(resume_from).resolve()
 
 
 def check_entrypoints(training: TrainingConfig) -> None:
@@ -287,11 +321,10 @@ def _local_run(args: argparse.Namespace) -> int:
         console.print(f"[bold red]invalid manifest {args.manifest}:[/]")
         console.print(str(exc), markup=False, highlight=False)
         return EXIT_BAD_INPUT
-    if args.resume_from is not None:
-        problem = _check_resume_dir(args.resume_from)
-        if problem:
-            console.print(f"[bold red]error:[/] {problem}", highlight=False)
-            return EXIT_BAD_INPUT
+    problem = _check_checkpoint_args(args.resume_from, args.checkpoint_dir)
+    if problem:
+        console.print(f"[bold red]error:[/] {problem}", highlight=False)
+        return EXIT_BAD_INPUT
     if run.spec.chaos is not None and run.spec.chaos.has_fault_settings and not args.chaos:
         console.print("[yellow]the manifest has a chaos block; pass --chaos to inject faults[/]")
 
@@ -306,7 +339,7 @@ def _local_run(args: argparse.Namespace) -> int:
         chaos=chaos,
         max_seconds=args.max_seconds,
         live=live,
-        checkpoint_dir=_resume_location(args.resume_from),
+        checkpoint_dir=checkpoint_location(args.resume_from, args.checkpoint_dir),
         spare_learners=max(0, args.spares),
         fork_server=not args.no_fork_server,
     )

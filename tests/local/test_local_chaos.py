@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+import time
+from pathlib import Path
+
 import pytest
-from diloco_operator.local.chaos import ChaosScheduler, ChaosSettings, ScheduledFault
+from diloco_operator.local.chaos import (
+    ChaosScheduler,
+    ChaosSettings,
+    Fault,
+    FaultDelivery,
+    ScheduledFault,
+)
+from diloco_operator.local.processes import ProcessTable
+from diloco_operator.local.recorder import Recorder
 
 
 def drive(settings: ChaosSettings, running: list[int], until: float, tick: float = 0.5):
@@ -95,3 +107,27 @@ def test_random_kill_never_targets_a_stopped_unit_and_one_fault_per_unit_per_tic
 def test_bad_settings_name_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         ChaosSettings(enabled=True, **{field: value})
+
+
+def test_two_syncer_kills_due_together_kill_one_process_once(tmp_path: Path) -> None:
+    """Found by the soak bench: two kill-syncer faults due in one tick both signalled the one
+    (still dying) process and were counted as two kills. The second is dropped; a kill after
+    the syncer was replaced reaches the new process."""
+    procs = ProcessTable()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    recorder = Recorder(time.time())
+    chaos = FaultDelivery(ChaosScheduler(ChaosSettings()), procs, recorder, [], "syncer")
+    try:
+        first = procs.spawn("syncer", sleeper, {}, tmp_path / "s.log")
+        now = time.time()
+        chaos.deliver(Fault("kill-syncer", None, 1.0), now)
+        chaos.deliver(Fault("kill-syncer", None, 1.0), now)
+        assert [e.kind for e in recorder.events] == ["chaos-kill-syncer"]
+        first.popen.wait(timeout=10)
+        assert procs.poll() == {"syncer": -9}
+        second = procs.spawn("syncer", sleeper, {}, tmp_path / "s.log")
+        chaos.deliver(Fault("kill-syncer", None, 2.0), time.time())
+        assert [e.kind for e in recorder.events] == ["chaos-kill-syncer"] * 2
+        assert second.popen.wait(timeout=10) < 0
+    finally:
+        procs.stop_all(grace_seconds=1.0)

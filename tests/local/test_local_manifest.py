@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 from diloco_operator.api import parse_manifest
-from diloco_operator.cli import main
+from diloco_operator.cli import checkpoint_location, main
 from diloco_operator.local.chaos import DEFAULT_CHAOS
 from diloco_operator.local.manifest import chaos_settings, load_manifest
 
@@ -113,6 +113,40 @@ def test_bad_checkpoint_dir_is_a_clear_error(
     assert code == 2
     assert "--resume-from: " in err and str(ckpt) in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("kind", ["file", "not empty"])
+def test_a_checkpoint_dir_that_is_not_fresh_is_a_clear_error(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    if kind == "file":
+        ckpt.write_text("not a directory")
+    else:
+        ckpt.mkdir()
+        (ckpt / "manifest.json").write_text("{}")
+    code = main(["local", "run", str(EXAMPLE), "--checkpoint-dir", str(ckpt)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--checkpoint-dir: " in err and str(ckpt) in err
+    assert "Traceback" not in err
+
+
+def test_checkpoint_dir_and_resume_from_exclude_each_other(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        args = ["--checkpoint-dir", str(tmp_path), "--resume-from", str(tmp_path)]
+        main(["local", "run", str(EXAMPLE), *args])
+    assert exited.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_checkpoint_location_prefers_the_fresh_dir_then_the_resumed_one(tmp_path: Path) -> None:
+    assert checkpoint_location(None, None) is None
+    assert checkpoint_location(None, tmp_path / "new") == (tmp_path / "new").resolve()
+    assert checkpoint_location("gs://bucket/run", None) == "gs://bucket/run"
+    assert checkpoint_location(str(tmp_path), None) == tmp_path.resolve()
 
 
 def test_chaos_flag_selects_the_manifest_block_or_the_default() -> None:

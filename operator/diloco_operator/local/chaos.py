@@ -46,6 +46,7 @@ class FaultDelivery:
         self.syncer = syncer
         self.killed: set[str] = set()  # units sent SIGKILL and not stopped since
         self.resume_at: dict[str, float] = {}  # paused unit -> wall time of its SIGCONT
+        self.killed_syncer: int | None = None  # pid of the syncer process last sent SIGKILL
 
     def step(
         self,
@@ -74,7 +75,14 @@ class FaultDelivery:
 
     def deliver(self, fault: Fault, now: float) -> None:
         if fault.kind == "kill-syncer":
+            proc = self.procs.get(self.syncer)
+            # Two kills due in one tick would both reach the one process (not yet dead, let
+            # alone replaced) and count as two: the second finds it already killed and is
+            # dropped, as a kill is while no syncer runs.
+            if proc is None or proc.pid == self.killed_syncer:
+                return
             if self.procs.signal(self.syncer, signal.SIGKILL):
+                self.killed_syncer = proc.pid
                 self.recorder.event(now, "chaos-kill-syncer", self.syncer, "SIGKILL to the syncer")
             return
         slot = self.slots[fault.unit] if fault.unit is not None else None

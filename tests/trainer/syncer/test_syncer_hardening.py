@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -242,6 +243,65 @@ def test_a_checkpoint_that_cannot_be_written_makes_the_syncer_not_ready(tmp_path
         assert server.raw("GET", "/readyz")[0] == 200
     finally:
         server.close()
+
+
+def test_a_fresh_syncer_whose_first_checkpoint_cannot_be_written_serves_and_retries(
+    tmp_path: Path,
+) -> None:
+    """Found by the soak bench: the disk filled while a fresh syncer warmed up, its first
+    checkpoint raised, and the syncer exited before serving (the local run aborted). A full
+    disk is a readiness problem, not a reason to exit: it serves, says so, and the periodic
+    save writes the checkpoint once there is room."""
+    cfg = tiny_cfg(checkpoint={"path": str(tmp_path), "everySeconds": 1})
+    store = CheckpointStore(tmp_path)
+    real_save = store.save
+
+    def no_space(snap: Any) -> Path:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store.save = no_space  # type: ignore[method-assign]
+    server = LiveSyncer(Syncer(cfg, TOKEN, store=store, eval_fn=None))
+    try:
+        assert server.raw("GET", "/healthz")[0] == 200
+        status, body = server.raw("GET", "/readyz")
+        assert status == 503 and "No space left" in body["problems"]["checkpoint"]
+        assert store.load_latest() is None
+        store.save = real_save  # type: ignore[method-assign]
+        wait_until(lambda: server.raw("GET", "/readyz")[0] == 200)
+        assert store.load_latest() is not None
+    finally:
+        server.close()
+
+
+def test_a_syncer_starting_on_a_full_disk_waits_for_room_instead_of_exiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the soak bench: a syncer that starts (a restart, or a standby taking over)
+    while the disk is full could not journal its versions and exited; restarted, it exited
+    again until the disk had room, 13-28 s a time. It now retries until the journal is
+    written, then serves."""
+    monkeypatch.setattr("diloco_trainer.syncer.health.RETRY_SECONDS", 0.05)
+    cfg = tiny_cfg(checkpoint={"path": str(tmp_path), "everySeconds": 3600})
+    store = CheckpointStore(tmp_path)
+    disk = FullDisk(store)
+    store.record_versions = disk  # type: ignore[method-assign]
+    built: list[Syncer] = []
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            built.append(Syncer(cfg, TOKEN, store=store, eval_fn=None))
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    thread.join(timeout=1.0)
+    assert failed == [] and thread.is_alive()  # still waiting for room, not exited
+    disk.full = False
+    thread.join(timeout=30)
+    assert failed == [] and len(built) == 1
+    assert store.recorded_versions() == built[0].versions()
 
 
 def test_merge_retries_back_off_up_to_a_cap() -> None:

@@ -371,7 +371,12 @@ class Syncer:
         log.info("event=warmed_up seconds=%.2f", time.perf_counter() - started)
         if self.store is not None:
             if self._saved_mark is None:  # a fresh run has a checkpoint from its first second
-                await self.save_checkpoint()
+                try:
+                    await self.save_checkpoint()
+                except Exception:
+                    # A full or failing disk: serve anyway (readiness says so, health.py); the
+                    # periodic save below writes it once it can. Exiting would not free the disk.
+                    log.exception("event=checkpoint_failed when=start")
             self._background.append(
                 asyncio.create_task(
                     self._every(

@@ -15,6 +15,7 @@ from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer.checkpoint import Snapshot
 from diloco_trainer.syncer.data_leases import LeaseBook
 from diloco_trainer.syncer.fragment import l2_norm
+from diloco_trainer.syncer.health import retry_delay
 from diloco_trainer.syncer.journal import fits
 
 if TYPE_CHECKING:
@@ -117,8 +118,29 @@ def resume_numbering(s: Syncer) -> list[int]:
                 f.version = journal[f.index] + 1
         versions = s.versions()
     if s.store is not None:
-        s.store.record_versions(versions)
+        _record_versions_until_written(s, versions)
     return versions
+
+
+def _record_versions_until_written(s: Syncer, versions: list[int]) -> None:
+    """Journal the versions about to be served, retrying with backoff while the disk refuses
+    (full, failing). They must be durable before they are served (a later restart must not
+    reuse their numbers), but exiting would not free the disk: a standby that took over, or a
+    restarted syncer, would die and be restarted cold over and over until it did."""
+    assert s.store is not None
+    failures = 0
+    while True:
+        try:
+            s.store.record_versions(versions)
+            return
+        except OSError as exc:
+            failures += 1
+            delay = retry_delay(failures)
+            log.warning(
+                "event=version_journal_failed failures=%d retry_in=%.1f error=%r",
+                failures, delay, str(exc),
+            )  # fmt: skip
+            time.sleep(delay)
 
 
 def config_hash(cfg: TrainingConfig) -> str:

@@ -1,0 +1,96 @@
+"""The soak bench's reading of syncer logs (bench/soak_logs.py): versions lost per syncer kill
+and pushes of superseded attempts, on log lines written as the syncer writes them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.common import syncer_log_events
+from bench.soak_logs import kill_loss, stale_pushes
+
+PREFIX = "level=INFO logger=diloco.syncer"
+
+
+def write_log(path: Path, lines: list[tuple[str, str]]) -> None:
+    path.write_text("".join(f"2026-12-01 10:00:{sec} {PREFIX} {text}\n" for sec, text in lines))
+
+
+def test_a_standby_that_serves_every_published_version_loses_nothing(tmp_path: Path) -> None:
+    write_log(
+        tmp_path / "syncer.log",
+        [
+            ("01,000", "event=listening host=127.0.0.1 port=1 run=r fragments=2"),
+            ("02,000", "event=merged fragment=0 version=1 contributions=1 share=1 units=a"),
+            ("03,000", "event=merged fragment=1 version=1 contributions=1 share=1 units=a"),
+            ("04,000", "event=merged fragment=0 version=2 contributions=1 share=1 units=a"),
+        ],
+    )
+    write_log(
+        tmp_path / "syncer-standby-1.log",
+        [
+            ("01,500", "event=standby_ready lock=x versions=[0, 0]"),
+            ("05,200", "event=took_over seconds=0.1 versions=[2, 1]"),
+            ("05,300", "event=listening host=127.0.0.1 port=1 run=r fragments=2"),
+        ],
+    )
+    events = syncer_log_events(tmp_path)
+    kill = [when for when, event, _, _ in events if event == "merged"][-1] + 0.5
+    loss = kill_loss(kill, events)
+    assert loss is not None
+    assert (loss.published, loss.served, loss.lost) == ((2, 1), (2, 1), 0)
+    assert loss.killed_log == "syncer.log" and loss.successor_log == "syncer-standby-1.log"
+    assert loss.serving_after is not None and abs(loss.serving_after - 0.8) < 1e-6
+    assert loss.successor_warm
+
+
+def test_a_cold_restart_from_an_older_checkpoint_counts_the_renumbered_versions_lost(
+    tmp_path: Path,
+) -> None:
+    """The restarted syncer appends to the same log; it restored versions [1, 1] and had to
+    renumber fragment 0 (published 3): two versions of fragment 0 are lost."""
+    write_log(
+        tmp_path / "syncer.log",
+        [
+            ("01,000", "event=listening host=127.0.0.1 port=1 run=r fragments=2"),
+            ("02,000", "event=merged fragment=0 version=3 contributions=1 share=1 units=a"),
+            ("03,000", "event=merged fragment=1 version=1 contributions=1 share=1 units=a"),
+            ("09,000", "event=restored seq=4 versions=[1, 1] outer_step=2"),
+            ("09,100", "event=versions_lost fragment=0 checkpointed=1 published=3 resume=4"),
+            ("09,200", "event=listening host=127.0.0.1 port=1 run=r fragments=2"),
+        ],
+    )
+    events = syncer_log_events(tmp_path)
+    loss = kill_loss([when for when, event, _, _ in events if event == "merged"][-1] + 1, events)
+    assert loss is not None
+    assert (loss.published, loss.served, loss.lost) == ((3, 1), (1, 1), 2)
+    assert not loss.successor_warm  # a cold restart
+
+
+def test_a_kill_with_no_successor_before_the_logs_end_is_reported_as_such(
+    tmp_path: Path,
+) -> None:
+    write_log(
+        tmp_path / "syncer.log",
+        [("01,000", "event=listening host=127.0.0.1 port=1 run=r fragments=1")],
+    )
+    events = syncer_log_events(tmp_path)
+    loss = kill_loss(events[0][0] + 1.0, events)
+    assert loss is not None and loss.successor_log is None and loss.serving_after is None
+    assert kill_loss(events[0][0] - 1.0, events) is None  # no syncer served yet
+
+
+def test_a_push_of_an_older_attempt_after_a_newer_one_joined_is_stale(tmp_path: Path) -> None:
+    push = "event=push_accepted fragment=0 unit={} attempt={} base=0 version=0 c_steps=1"
+    write_log(
+        tmp_path / "syncer.log",
+        [
+            ("01,000", "event=join unit=u0 attempt=0 group=default versions=[0] resume_step=0"),
+            ("02,000", push.format("u0", 0)),
+            ("03,000", "event=join unit=u0 attempt=1 group=default versions=[0] resume_step=0"),
+            ("04,000", push.format("u1", 0)),  # another unit's attempt 0: not stale
+            ("05,000", push.format("u0", 1)),
+            ("06,000", push.format("u0", 0)),  # the zombie
+        ],
+    )
+    stale = stale_pushes(syncer_log_events(tmp_path))
+    assert len(stale) == 1 and stale[0].startswith("u0 attempt 0 after attempt 1")
