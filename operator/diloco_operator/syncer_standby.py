@@ -15,6 +15,7 @@ STANDBY = "syncer-standby"
 LOCK_FILE = "/tmp/diloco-syncer.lock"
 LOCK_ENV = {"name": "DILOCO_SYNCER_LOCK", "value": LOCK_FILE}
 DEFAULT_CONTAINER = "kubectl.kubernetes.io/default-container"
+STARTUP_CHECKS = 120  # 10 minutes at 5 s: a large checkpoint to load on a busy node
 
 
 def add_standby(template: dict[str, Any], port: int) -> None:
@@ -26,10 +27,19 @@ def add_standby(template: dict[str, Any], port: int) -> None:
     # Probes reach the port by number (the name belongs to the first container) and answer for
     # whichever of the two serves.
     standby.pop("ports", None)
+    # Waiting, it idles: it asks the scheduler for nothing (the pod fits where one syncer did)
+    # and keeps the syncer's limits for when it serves. Its memory, a second copy of the
+    # parameters, is above its request: under node memory pressure the spare goes first.
+    standby["resources"] = {k: v for k, v in standby.get("resources", {}).items() if k == "limits"}
+    for container in (syncer, standby):
+        # Both start, restore and compile at once: liveness only counts once one serves.
+        container["startupProbe"] = {
+            "httpGet": {"path": "/healthz", "port": port},
+            "periodSeconds": 5,
+            "failureThreshold": STARTUP_CHECKS,
+        }
     for probe in ("readinessProbe", "livenessProbe"):
         standby[probe]["httpGet"]["port"] = port
-    # Both import JAX and compile at once when the pod starts: the first liveness check later.
-    standby["livenessProbe"]["initialDelaySeconds"] = 60
     template["spec"]["containers"].insert(1, standby)
     annotations = template.setdefault("metadata", {}).setdefault("annotations", {})
     annotations[DEFAULT_CONTAINER] = syncer["name"]  # `kubectl logs` without -c

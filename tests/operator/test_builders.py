@@ -348,6 +348,14 @@ def test_syncer_standby_is_a_second_container_on_the_same_lock_and_port() -> Non
     assert standby["readinessProbe"]["httpGet"]["port"] == 8470
     assert standby["livenessProbe"]["httpGet"]["port"] == 8470
     assert serving["readinessProbe"]["httpGet"]["port"] == "http"  # the copy changed nothing
+    for c in (serving, standby):  # liveness waits until one of them serves
+        assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": 8470}
+    assert "requests" not in standby.get("resources", {})  # the pod fits where one syncer did
+    limited = builders.syncer_deployment(
+        make_run(syncer={"resources": {"requests": {"memory": "4Gi"}, "limits": {"memory": "8Gi"}}})
+    )["spec"]["template"]["spec"]["containers"]
+    assert limited[0]["resources"]["requests"] == {"memory": "4Gi"}
+    assert limited[1]["resources"] == {"limits": {"memory": "8Gi"}}
     assert roundtrip(builders.syncer_deployment(run)) == builders.syncer_deployment(run)
 
     alone = builders.syncer_deployment(make_run(syncer={"standby": False}))["spec"]["template"]
