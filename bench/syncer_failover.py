@@ -16,20 +16,18 @@ against the calm run's, and goodput.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import re
 from pathlib import Path
 from typing import Any
 
-from bench.common import BenchContext, Section, log, md_table
+from bench.common import BenchContext, Section, log, md_table, syncer_log_events
 from bench.goodput_real import SPARES, UNITS
 from bench.goodput_real import manifest as goodput_manifest
 from bench.live import local_run
 
 OFFLINE_AFTER = 20.0
 BUMP_WINDOW = 30.0
-_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?event=(\w+)(.*)$")
 
 
 def harsh_schedule(quick: bool) -> list[dict[str, Any]]:
@@ -58,18 +56,6 @@ def manifest(tokens: int, schedule: list[dict[str, Any]] | None, standby: bool) 
     if schedule is not None:
         spec["chaos"] = {"seed": 0, "schedule": schedule}
     return doc
-
-
-def syncer_log_events(logs: Path) -> list[tuple[float, str, str, str]]:
-    """(wall time, event, rest of the line, log file) from every syncer log, in time order."""
-    found = []
-    for path in sorted(logs.glob("syncer*.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            m = _STAMP.match(line)
-            if m:
-                when = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                found.append((when, m.group(2), m.group(3), path.name))
-    return sorted(found)
 
 
 def kill_costs(report: Path) -> list[dict[str, float]]:
