@@ -23,6 +23,7 @@ from bench.common import BenchContext, Section, log, md_table, syncer_log_events
 from bench.live import local_run
 from bench.soak_faults import BenchFault, BenchFaults, Tally, alongside, checkpoint_disk
 from bench.soak_logs import KillLoss, kill_loss, stale_pushes
+from bench.syncer_failover import manifest as failover_manifest
 
 UNITS = 4
 SPARES = 2
@@ -67,35 +68,12 @@ def draw_faults(count: int, start: float, end: float, seed: int) -> Plan:
 
 
 def manifest(tokens: int, schedule: list[dict[str, Any]] | None) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "image": "elastic-diloco-trainer:cpu",
-        "replicas": UNITS,
-        "training": {
-            "model": {"preset": "tiny"},
-            "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 4_000_000},
-            "innerSteps": 20,
-            "fragments": 4,
-            "quorum": 1,
-            "totalTokens": tokens,
-            "seed": 0,
-            "heartbeatSeconds": 1,
-            "checkpoint": {"everySeconds": CHECKPOINT_EVERY},
-            "eval": {"everySeconds": 5, "batches": 4},
-        },
-        "failurePolicy": {
-            "maxUnitRestarts": 1000,
-            "restartBackoffSeconds": 1,
-            "offlineAfterSeconds": OFFLINE_AFTER,
-        },
-    }
-    if schedule is not None:
-        spec["chaos"] = {"seed": 0, "schedule": schedule}
-    return {
-        "apiVersion": "diloco.dev/v1alpha1",
-        "kind": "DilocoRun",
-        "metadata": {"name": "bench-soak"},
-        "spec": spec,
-    }
+    """syncer_failover's manifest (goodput_real's, evaluations every 5 s), standby on, with
+    room for every restart a hundred faults can cause."""
+    doc = failover_manifest(tokens, schedule, standby=True)
+    doc["metadata"]["name"] = "bench-soak"
+    doc["spec"]["failurePolicy"]["maxUnitRestarts"] = 1000
+    return doc
 
 
 @dataclass
