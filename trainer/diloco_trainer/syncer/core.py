@@ -111,6 +111,7 @@ class Syncer:
         self.closing = False
         self._evaluated: tuple[int, ...] | None = None
         self.restored_seq: int | None = None  # the checkpoint this state came from
+        self.warmed = False  # warm_up has compiled every fragment's outer step
         if snap is not None:
             persist.restore(self, snap)
         for f in self.frags:
@@ -364,11 +365,15 @@ class Syncer:
         for f in self.frags:
             zero = {name: np.zeros_like(value) for name, value in f.params.items()}
             self._merge_compute(f.params, f.opt_state, [Contribution(zero, 1, 1)], 1.0)
+        self.warmed = True
 
     async def start_background(self, app: web.Application) -> None:
-        started = time.perf_counter()
-        await asyncio.get_running_loop().run_in_executor(self._merge_pool, self.warm_up)
-        log.info("event=warmed_up seconds=%.2f", time.perf_counter() - started)
+        # A standby warmed up while it waited: a take-over binds the port without a second
+        # pass over every fragment.
+        if not self.warmed:
+            started = time.perf_counter()
+            await asyncio.get_running_loop().run_in_executor(self._merge_pool, self.warm_up)
+            log.info("event=warmed_up seconds=%.2f", time.perf_counter() - started)
         if self.store is not None:
             if self._saved_mark is None:  # a fresh run has a checkpoint from its first second
                 try:
