@@ -76,7 +76,7 @@ class FragmentBook:
     def install_arrivals(
         self, step: int, params: Params, link: SyncLink | None, done: bool
     ) -> bool:
-        """Install the newer global fragments the pollers received (the same on every host);
+        """Install the global fragments the pollers received (the same on every host);
         returns the unit's stop decision (`done`, or the run complete), agreed by every host."""
         newest: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
         if link is not None:
@@ -88,8 +88,8 @@ class FragmentBook:
                 self.base[p] = link.settled(p, self.base[p])
         newest, done = exchange_arrivals(newest, self.layout, self.shapes, done)
         for p, (version, tensors) in sorted(newest.items()):
-            if version <= self.versions[p]:
-                continue
+            if version == self.versions[p]:
+                continue  # an older one is installed too: the syncer restored from a checkpoint
             for name, value in tensors.items():
                 params[name] = scatter_leaf(value, params[name].sharding)
             self.base[p], self.versions[p] = tensors, version

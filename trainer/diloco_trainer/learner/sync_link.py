@@ -146,7 +146,7 @@ class SyncLink:
         self.stopping = threading.Event()
         self.stats = {"pushes": 0, "push_failures": 0, "push_combined": 0, "rejected": 0}
         self.last_quant_error = 0.0
-        self._known = list(versions)  # newest version seen per fragment (pollers' cursor)
+        self._known = list(versions)  # the version last seen per fragment (pollers' cursor)
         self._outbox: dict[int, PendingPush] = {}
         # Pushes whose request failed. The syncer may have applied one anyway (a timeout after
         # it was received), so it is resent exactly as it was (the syncer drops a repeat by
@@ -284,7 +284,10 @@ class SyncLink:
                 self._wait(delay)
                 continue
             backoff.reset()
-            if got is not None and got[0] > self._known[fragment]:
+            # Any version other than the one held is the syncer's word, an older one too: a
+            # syncer restored from an older checkpoint refuses pushes from later bases
+            # (future_base) until the learner takes the version it serves.
+            if got is not None and got[0] != self._known[fragment]:
                 self._known[fragment] = got[0]
                 self._inbox.put(Arrival(fragment, got[0], got[1]))
 
