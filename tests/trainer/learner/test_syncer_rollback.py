@@ -66,7 +66,8 @@ class Arrived:
 
 
 def test_an_older_version_is_installed_and_the_same_one_is_not() -> None:
-    layout, shapes = [["a"], ["b"]], {"a": (2,), "b": (2,)}
+    layout = [["a"], ["b"]]
+    shapes: dict[str, tuple[int, ...]] = {"a": (2,), "b": (2,)}
     held = {0: {"a": np.full(2, 5.0, np.float32)}, 1: {"b": np.full(2, 5.0, np.float32)}}
     book = FragmentBook.starting(tiny_cfg(fragments=2), layout, shapes, [7, 7], held)
     params = {"a": jnp.full(2, 4.5, jnp.float32), "b": jnp.full(2, 4.5, jnp.float32)}
