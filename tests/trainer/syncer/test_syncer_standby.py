@@ -84,11 +84,12 @@ def log_has(log: Path, pattern: str, timeout: float = 90.0) -> re.Match[str]:
     raise AssertionError(f"no {pattern!r} in {log}:\n{log.read_text(errors='replace')}")
 
 
-def test_sigkilled_syncer_is_replaced_by_its_standby_with_every_version(
+def serving_and_standby(
     tmp_path: Path,
     procs: list[SyncerProcess],  # noqa: F811
-) -> None:
-    """Checkpoints every hour: every version merged here lives only in the journal."""
+) -> tuple[SyncerProcess, subprocess.Popen[bytes], Path, Path]:
+    """A syncer serving under a lock (its flag from the environment) and a second one given the
+    flag: the serving one, the standby, the standby's log and the lock file."""
     config = write_config(tmp_path / "run.yaml", checkpoint={"everySeconds": 3600, "keep": 2})
     ckpt, lock = tmp_path / "ckpt", tmp_path / "syncer.lock"
     os.environ["DILOCO_SYNCER_LOCK"] = str(lock)
@@ -104,6 +105,15 @@ def test_sigkilled_syncer_is_replaced_by_its_standby_with_every_version(
         stdout=subprocess.DEVNULL, stderr=standby_log.open("ab"),
         env={**os.environ, "JAX_PLATFORMS": "cpu", "DILOCO_TOKEN": TOKEN},
     )  # fmt: skip
+    return first, standby, standby_log, lock
+
+
+def test_sigkilled_syncer_is_replaced_by_its_standby_with_every_version(
+    tmp_path: Path,
+    procs: list[SyncerProcess],  # noqa: F811
+) -> None:
+    """Checkpoints every hour: every version merged here lives only in the journal."""
+    first, standby, standby_log, lock = serving_and_standby(tmp_path, procs)
     try:
         log_has(standby_log, r"event=standby_ready")
         assert serving_pid(lock) == first.proc.pid
@@ -131,6 +141,29 @@ def test_sigkilled_syncer_is_replaced_by_its_standby_with_every_version(
         learner.push(0, 3, delta_for(learner, join.layout, 0, 99), 4, 256)
         got = learner.poll(0, 3, wait=10)
         assert got is not None and got[0] == 4
+    finally:
+        if standby.poll() is None:
+            standby.kill()
+        standby.wait(10)
+
+
+def test_a_standby_told_to_stop_with_the_serving_syncer_exits_without_serving(
+    tmp_path: Path,
+    procs: list[SyncerProcess],  # noqa: F811
+) -> None:
+    """The kubelet stops every container of a deleted pod at once. The serving syncer frees the
+    lock as it exits; the standby must not take it and serve on from a pod on its way out,
+    beside the syncer of the pod that replaces it (two syncers, one checkpoint volume)."""
+    first, standby, standby_log, lock = serving_and_standby(tmp_path, procs)
+    try:
+        log_has(standby_log, r"event=standby_ready")
+        standby.send_signal(signal.SIGTERM)
+        assert first.stop(signal.SIGTERM) == 0
+        assert standby.wait(30) == 0
+        text = standby_log.read_text(errors="replace")
+        assert "event=standby_stopped reason=signal" in text, text[-3000:]
+        assert "event=took_over" not in text and "event=listening" not in text, text[-3000:]
+        assert serving_pid(lock) == first.proc.pid  # no one else ever announced itself
     finally:
         if standby.poll() is None:
             standby.kill()

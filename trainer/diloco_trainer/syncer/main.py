@@ -10,7 +10,8 @@ or `gs://bucket/prefix` (Application Default Credentials: Workload Identity on G
 config error (the message names the field), `training.model.initFrom` weights that cannot be
 read or do not fit the model and a checkpoint bucket this process cannot use (no credential,
 access denied, no such bucket) included; exit 1 when the checkpoints cannot be read.
-SIGTERM/SIGINT stop serving, write a final checkpoint and exit 0.
+SIGTERM/SIGINT stop serving, write a final checkpoint and exit 0; a standby told to stop exits 0
+without serving, even when the lock it waited for comes free at that moment.
 
 `--lock PATH` (DILOCO_SYNCER_LOCK): a second syncer with the same lock, port and checkpoint
 path is a warm standby (standby.py) that serves within a second of the first one's death.
@@ -24,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -125,7 +127,18 @@ def run_name(flag: str | None, config_path: str) -> str:
     return str(name) if name else Path(config_path).stem
 
 
-async def serve(syncer: object, host: str, port: int) -> None:
+def note_termination() -> threading.Event:
+    """An event set by SIGTERM or SIGINT, from now on. Until the server installs its own
+    handlers, a signal is only noted, and each phase of the start looks at it: a syncer in a
+    container is its PID 1, which the kernel spares the default action of SIGTERM, so without
+    a handler the signal would be ignored."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+async def serve(syncer: object, host: str, port: int, terminated: threading.Event) -> None:
     from diloco_trainer.syncer.core import Syncer
     from diloco_trainer.syncer.http_api import start_server
 
@@ -142,6 +155,8 @@ async def serve(syncer: object, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if terminated.is_set():  # a signal while the server started
+        stop.set()
     await stop.wait()
     log.info("event=stopping reason=signal")
     await runner.cleanup()  # stops background tasks and writes the final checkpoint
@@ -163,11 +178,16 @@ def starting_params(init_from: str | None, snapshot: Snapshot | None) -> InitFn:
     return init_from_weights(init_from, default_init)
 
 
-def stand_by(syncer: Syncer, lock: ServingLock, store: CheckpointStore) -> None:
-    """Warm up, wait for the lock while following the journal, then take over."""
+def stand_by(
+    syncer: Syncer, lock: ServingLock, store: CheckpointStore, stop: threading.Event
+) -> bool:
+    """Warm up, wait for the lock while following the journal, then take over: True. False
+    when told to stop first."""
     syncer.warm_up()
     log.info("event=standby_ready lock=%s versions=%s", lock.path, syncer.versions())
-    wait_as_standby(syncer, lock)
+    if not wait_as_standby(syncer, lock, stop):
+        log.info("event=standby_stopped reason=signal versions=%s", syncer.versions())
+        return False
     started = time.perf_counter()
     store.remove_strays()  # the dead syncer's interrupted save
     syncer.take_over()
@@ -176,6 +196,7 @@ def stand_by(syncer: Syncer, lock: ServingLock, store: CheckpointStore) -> None:
         time.perf_counter() - started,
         syncer.versions(),
     )
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"diloco-syncer: config error: {exc}", file=sys.stderr)
         return 2
+    terminated = note_termination()
     lock = ServingLock(Path(args.lock)) if args.lock else None
     serving = lock is None or lock.try_acquire()
     try:
@@ -222,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg, token, run=name, store=store, restore=snapshot, max_units=max_units,
             init_fn=init_fn, standby=not serving,
         )  # fmt: skip
-        if lock is not None and not serving:
-            stand_by(syncer, lock, store)
+        if lock is not None and not serving and not stand_by(syncer, lock, store, terminated):
+            syncer.close()
+            return 0
         if lock is not None:
             lock.announce()
     except ValueError as exc:  # a checkpoint or initFrom weights that do not fit this config
@@ -233,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, StorageAccessError) else 1
     try:
-        asyncio.run(serve(syncer, args.host, port))
+        asyncio.run(serve(syncer, args.host, port, terminated))
     finally:
         syncer.close()
     return 0

@@ -62,8 +62,13 @@ def serving_pid(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def wait_as_standby(syncer: Syncer, lock: ServingLock, every: float = FOLLOW_SECONDS) -> None:
-    """Follow the journal until the lock is ours (the serving syncer died or stopped)."""
+def wait_as_standby(
+    syncer: Syncer, lock: ServingLock, stop: threading.Event, every: float = FOLLOW_SECONDS
+) -> bool:
+    """Follow the journal until the lock is ours (the serving syncer died or stopped): True.
+    False once `stop` is set (SIGTERM), even with the lock ours: on Kubernetes the kubelet
+    stops both containers of the pod at once, and a standby that took over from a syncer told
+    to stop would serve on, from a pod on its way out, next to the replacement pod's syncer."""
     ours = threading.Event()
 
     def acquire() -> None:
@@ -71,8 +76,9 @@ def wait_as_standby(syncer: Syncer, lock: ServingLock, every: float = FOLLOW_SEC
         ours.set()
 
     threading.Thread(target=acquire, name="serving-lock", daemon=True).start()
-    while not ours.wait(every):
+    while not stop.is_set() and not ours.wait(every):
         try:
             syncer.follow()
         except (CheckpointError, ValueError) as exc:  # the next look may do better
             log.warning("event=standby_follow_failed error=%r", str(exc))
+    return not stop.is_set()
