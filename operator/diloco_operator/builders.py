@@ -36,7 +36,7 @@ from diloco_operator.placement import group_placement, place_learner_pod
 from diloco_operator.planner import CreateUnit
 from diloco_operator.pod_security import TOKEN_KEY, secure_pod
 from diloco_operator.pod_template import apply_template
-from diloco_operator.syncer_standby import LOCK_ENV, add_standby
+from diloco_operator.syncer_standby import add_standby, lock_env
 
 CONFIG_DIR = "/etc/diloco"
 CONFIG_FILE = "run.yaml"
@@ -246,8 +246,8 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
         pod_spec["tolerations"] = [t.to_wire() for t in spec.syncer.tolerations]
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
-    if spec.syncer.standby:
-        env.append(LOCK_ENV)
+    on_claim = not ckpt.is_bucket and not ckpt.ephemeral
+    env.extend(lock_env(CHECKPOINT_MOUNT if on_claim else None, spec.syncer.standby))
     secure_pod(pod_spec, run.token_secret)
     template = apply_template(
         {"metadata": {"labels": pod_labels}, "spec": pod_spec}, spec.syncer.template
@@ -260,7 +260,9 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
         "metadata": _meta(run, run.syncer_name, SYNCER),
         "spec": {
             "replicas": 1,
-            # Never two syncers on one checkpoint: the old pod goes before the new one starts.
+            # A rollout stops the old pod before it starts the new one; a pod deleted or evicted
+            # is replaced at once, and the serving lock on the claim (syncer_standby) keeps the
+            # new pod's syncer waiting until the old one has exited.
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER}},
             "template": template,

@@ -1,9 +1,16 @@
 """The warm standby syncer on Kubernetes: a second container in the syncer pod.
 
-Both containers run the same `diloco-syncer` with the same lock file in the pod's `/tmp` (an
-emptyDir both mount, secure_pod), so whichever holds the lock serves the pod's port (the two
-share its network namespace) and the other waits warm (diloco_trainer/syncer/standby.py). A
-container that dies is restarted by the kubelet and waits as the next standby.
+Both containers run the same `diloco-syncer` with the same lock file, so whichever holds the lock
+serves the pod's port (the two share its network namespace) and the other waits warm
+(diloco_trainer/syncer/standby.py). A container that dies is restarted by the kubelet and waits
+as the next standby.
+
+The lock is on the checkpoint volume when that is a claim, standby or not: a Deployment replaces
+a deleted or evicted pod at once (its Recreate strategy only orders rollouts), and the syncer of
+the new pod then waits, warm, until the one of the pod on its way out has exited, instead of
+serving beside it on one checkpoint directory. A claim is mounted by one node at a time (or is a
+local directory of one node), so the lock is one kernel's. Otherwise (a bucket, an emptyDir) it is
+in the pod's `/tmp`, an emptyDir both containers mount (secure_pod).
 """
 
 from __future__ import annotations
@@ -11,11 +18,20 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from diloco_trainer.config import SERVING_LOCK_FILE
+
 STANDBY = "syncer-standby"
-LOCK_FILE = "/tmp/diloco-syncer.lock"
-LOCK_ENV = {"name": "DILOCO_SYNCER_LOCK", "value": LOCK_FILE}
+POD_LOCK_FILE = "/tmp/diloco-syncer.lock"
 DEFAULT_CONTAINER = "kubectl.kubernetes.io/default-container"
 STARTUP_CHECKS = 120  # 10 minutes at 5 s: a large checkpoint to load on a busy node
+
+
+def lock_env(claim_mount: str | None, standby: bool) -> list[dict[str, str]]:
+    """The syncer's DILOCO_SYNCER_LOCK: on the claim mounted at `claim_mount` (None: no claim),
+    else in the pod's /tmp for a standby, else none."""
+    if claim_mount is not None:
+        return [{"name": "DILOCO_SYNCER_LOCK", "value": f"{claim_mount}/{SERVING_LOCK_FILE}"}]
+    return [{"name": "DILOCO_SYNCER_LOCK", "value": POD_LOCK_FILE}] if standby else []
 
 
 def add_standby(template: dict[str, Any], port: int) -> None:

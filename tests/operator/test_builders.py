@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import yaml
-from diloco_operator import builders, pod_security, syncer_standby
+from diloco_operator import builders, pod_security
 from diloco_operator.api import parse_spec
 from diloco_operator.planner import CreateUnit, desired_units
 from diloco_trainer.auth import unit_token
-from diloco_trainer.config import load_training_config
+from diloco_trainer.config import SERVING_LOCK_FILE, load_training_config
 from k8s_roundtrip import roundtrip
 
 MIXED = {
@@ -56,7 +56,10 @@ def create(run: builders.Run, name: str, attempt: int = 0) -> CreateUnit:
 
 
 def env_of(job: dict[str, Any]) -> dict[str, Any]:
-    container = job["spec"]["template"]["spec"]["containers"][0]
+    return container_env(job["spec"]["template"]["spec"]["containers"][0])
+
+
+def container_env(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
@@ -339,8 +342,10 @@ def test_syncer_standby_is_a_second_container_on_the_same_lock_and_port() -> Non
     assert (serving["name"], standby["name"]) == ("syncer", "syncer-standby")
     assert pod["metadata"]["annotations"]["kubectl.kubernetes.io/default-container"] == "syncer"
     for c in (serving, standby):
-        env = {e["name"]: e.get("value") for e in c["env"]}
-        assert env["DILOCO_SYNCER_LOCK"] == syncer_standby.LOCK_FILE and env["EXTRA"] == "1"
+        env = container_env(c)
+        # on the claim: a replacement pod's syncer waits for the old pod's to exit
+        lock = f"{builders.CHECKPOINT_MOUNT}/{SERVING_LOCK_FILE}"
+        assert env["DILOCO_SYNCER_LOCK"] == lock and env["EXTRA"] == "1"
         assert c["command"] == serving["command"]
         assert c["securityContext"] == pod_security.container_security_context()
         assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}  # the shared lock's dir
@@ -360,4 +365,25 @@ def test_syncer_standby_is_a_second_container_on_the_same_lock_and_port() -> Non
 
     alone = builders.syncer_deployment(make_run(syncer={"standby": False}))["spec"]["template"]
     assert [c["name"] for c in alone["spec"]["containers"]] == ["syncer"]
-    assert "DILOCO_SYNCER_LOCK" not in {e["name"] for e in alone["spec"]["containers"][0]["env"]}
+    assert container_env(alone["spec"]["containers"][0])["DILOCO_SYNCER_LOCK"] == lock
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "standby", "lock"),
+    [
+        ({"size": "1Gi"}, True, "/var/lib/diloco/checkpoints/.serving.lock"),
+        ({"size": "1Gi"}, False, "/var/lib/diloco/checkpoints/.serving.lock"),
+        ({"ephemeral": True}, True, "/tmp/diloco-syncer.lock"),
+        ({"ephemeral": True}, False, None),
+        ({"path": "gs://bucket/run"}, True, "/tmp/diloco-syncer.lock"),
+        ({"path": "gs://bucket/run"}, False, None),
+    ],
+)
+def test_the_serving_lock_is_on_the_claim_else_in_the_pod_for_a_standby(
+    checkpoint: dict[str, Any], standby: bool, lock: str | None
+) -> None:
+    run = make_run(syncer={"checkpoint": checkpoint, "standby": standby})
+    containers = builders.syncer_deployment(run)["spec"]["template"]["spec"]["containers"]
+    for c in containers:
+        assert container_env(c).get("DILOCO_SYNCER_LOCK") == lock
+    assert len(containers) == (2 if standby else 1)

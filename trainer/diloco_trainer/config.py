@@ -266,6 +266,11 @@ class CompressionConfig(Strict):
         return self
 
 
+# The syncer's serving lock (`diloco-syncer --lock`) when it lives in the checkpoint directory, as
+# the operator puts it on a claim: the one entry there that is neither a checkpoint nor a journal.
+SERVING_LOCK_FILE = ".serving.lock"
+
+
 class CheckpointConfig(Strict):
     """Periodic syncer checkpoints of the run's global state (resumed after a restart)."""
 

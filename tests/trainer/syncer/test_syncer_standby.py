@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from diloco_trainer.auth import unit_token
+from diloco_trainer.config import SERVING_LOCK_FILE
 from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer.checkpoint import CheckpointStore
@@ -87,11 +88,14 @@ def log_has(log: Path, pattern: str, timeout: float = 90.0) -> re.Match[str]:
 def serving_and_standby(
     tmp_path: Path,
     procs: list[SyncerProcess],  # noqa: F811
+    lock_in_checkpoints: bool = False,
 ) -> tuple[SyncerProcess, subprocess.Popen[bytes], Path, Path]:
     """A syncer serving under a lock (its flag from the environment) and a second one given the
-    flag: the serving one, the standby, the standby's log and the lock file."""
+    flag: the serving one, the standby, the standby's log and the lock file (in the checkpoint
+    directory, as the operator puts it on a claim, or beside it)."""
     config = write_config(tmp_path / "run.yaml", checkpoint={"everySeconds": 3600, "keep": 2})
-    ckpt, lock = tmp_path / "ckpt", tmp_path / "syncer.lock"
+    ckpt = tmp_path / "ckpt"
+    lock = ckpt / SERVING_LOCK_FILE if lock_in_checkpoints else tmp_path / "syncer.lock"
     os.environ["DILOCO_SYNCER_LOCK"] = str(lock)
     try:
         first = start(procs, config, ckpt, tmp_path / "first.log")
@@ -168,6 +172,31 @@ def test_a_standby_told_to_stop_with_the_serving_syncer_exits_without_serving(
         if standby.poll() is None:
             standby.kill()
         standby.wait(10)
+
+
+def test_a_replacement_syncer_waits_for_the_old_one_on_the_checkpoint_lock(
+    tmp_path: Path,
+    procs: list[SyncerProcess],  # noqa: F811
+) -> None:
+    """A Deployment replaces a deleted syncer pod at once: the new pod's syncer finds the lock on
+    the checkpoint directory held, waits, and serves what the old one published once it is gone.
+    The lock file in a fresh checkpoint directory does not make it look foreign."""
+    first, second, second_log, lock = serving_and_standby(tmp_path, procs, lock_in_checkpoints=True)
+    try:
+        log_has(second_log, r"event=standby_ready")
+        learner = SyncerClient(first.url, unit_token(TOKEN, "unit-0"), "unit-0", 0, timeout=5)
+        join = learner.join()
+        for p in range(2):
+            learner.push(p, 0, delta_for(learner, join.layout, p, p), 4, 256)
+            assert learner.poll(p, 0, wait=10) is not None
+        assert first.stop(signal.SIGTERM) == 0
+        log_has(second_log, r"event=listening")
+        assert serving_pid(lock) == second.pid
+        assert [f.version for f in learner.status().fragments] == [1, 1]
+    finally:
+        if second.poll() is None:
+            second.kill()
+        second.wait(10)
 
 
 def test_a_restoring_syncer_takes_shapes_not_values_from_the_model(

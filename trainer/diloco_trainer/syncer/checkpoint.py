@@ -34,6 +34,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
+from diloco_trainer.config import SERVING_LOCK_FILE
 from diloco_trainer.syncer.gcs import BucketPrefix
 from diloco_trainer.syncer.journal import (
     JournaledFragment,
@@ -360,6 +361,7 @@ class CheckpointStore:
 
     def _refuse_foreign_content(self, problems: list[str]) -> None:
         ignorable = {JOURNAL, f".{JOURNAL}.tmp", LEASE_JOURNAL, f".{LEASE_JOURNAL}.tmp"}
+        ignorable.add(SERVING_LOCK_FILE)
         ignorable |= {*FILESYSTEM_ENTRIES, *self.location.strays()}
         leftovers = sorted(
             name
