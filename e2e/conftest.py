@@ -455,12 +455,46 @@ def diagnostics(item: pytest.Item) -> str:
         parts.append(f"--- operator log tail ---\n{op.log_tail(60)}")
     c, ns = args.get("cluster"), args.get("namespace")
     if c is not None and ns:
+        parts.insert(0, f"--- runs in {ns} ---\n{run_summaries(c, ns)}")
         ev = kubectl(c, "get", "events", "-n", ns, "--sort-by=.lastTimestamp", check=False)
         parts.append(f"--- kubectl get events -n {ns} ---\n{ev.stdout[-8000:]}{ev.stderr}")
         objs = kubectl(c, "get", "dlr,jobs,pods,deploy,svc", "-n", ns, "-o", "wide", check=False)
         parts.append(f"--- objects in {ns} ---\n{objs.stdout[-8000:]}{objs.stderr}")
         nodes = kubectl(c, "get", "nodes", "-L", "cloud.google.com/gke-nodepool", check=False)
         parts.append(f"--- nodes ---\n{nodes.stdout}")
+        parts.append(syncer_log_tails(c, ns))  # last: a CI report keeps the head and the tail
+    return "\n".join(parts)
+
+
+def run_summaries(c: harness._ClusterBase, ns: str) -> str:
+    """One line per DilocoRun: what its status says about progress."""
+    got = kubectl(c, "get", "dlr", "-n", ns, "-o", "json", check=False)
+    if got.returncode != 0:
+        return got.stderr
+    lines = []
+    for item in json.loads(got.stdout).get("items", []):
+        st = item.get("status") or {}
+        fields = ("phase", "outerStep", "steps", "tokens", "loss", "unitsOnline", "message")
+        units = [(u.get("name"), u.get("state"), u.get("attempt")) for u in st.get("units", [])]
+        summary = " ".join(f"{k}={st.get(k)}" for k in fields)
+        lines.append(f"{item['metadata']['name']}: {summary} units={units}")
+    return "\n".join(lines) or "(none)"
+
+
+def syncer_log_tails(c: harness._ClusterBase, ns: str, lines: int = 12) -> str:
+    """The last lines of every container of every syncer pod (real pods log; KWOK's do not)."""
+    got = kubectl(c, "get", "pods", "-n", ns, "-l", "app.kubernetes.io/component=syncer",
+                  "-o", "json", check=False)  # fmt: skip
+    if got.returncode != 0:
+        return got.stderr
+    parts = []
+    for pod in json.loads(got.stdout).get("items", []):
+        name = pod["metadata"]["name"]
+        for container in pod["spec"]["containers"]:
+            log = kubectl(c, "logs", "-n", ns, name, "-c", container["name"],
+                          f"--tail={lines}", check=False)  # fmt: skip
+            text = "\n".join(line[:300] for line in log.stdout.splitlines())
+            parts.append(f"--- {name}/{container['name']} log tail ---\n{text}{log.stderr[:300]}")
     return "\n".join(parts)
 
 
