@@ -3,6 +3,7 @@ lease book in checkpoints. A bad header or claim gets its 4xx and changes nothin
 
 from __future__ import annotations
 
+import errno
 import http.client
 import json
 from collections.abc import Iterator
@@ -204,3 +205,40 @@ def test_a_claim_after_the_last_checkpoint_is_remembered(tmp_path: Path) -> None
         assert second.client("unit-1").join().data_lease == DataLease(0, 2, 0)
     finally:
         second.close()
+
+
+def test_a_lease_book_that_cannot_be_journaled_is_a_503_and_the_retry_gets_the_same_lease(
+    tmp_path: Path,
+) -> None:
+    """Found by the soak bench: with the checkpoint disk full a join or a claim answered 500 (an
+    unhandled OSError) and readiness stayed green. The unit is told of a lease only once a
+    restart would remember it, so it hears 503 (which it retries), readiness names the lease
+    journal, and once there is room the retry is given the lease the book already holds."""
+    store = CheckpointStore(tmp_path)
+    server = LiveSyncer(Syncer(tiny_cfg(data={"shards": 4}), TOKEN, store=store, eval_fn=None))
+    real = store.record_leases
+
+    def no_space(book: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    try:
+        store.record_leases = no_space  # type: ignore[method-assign]
+        body = json.dumps({"unit": "unit-0", "attempt": 0}).encode()
+        status, reply = request(server, "/v1/join", body)
+        assert status == 503 and reply["reason"] == "not_persisted", reply
+        assert "No space left" in reply["error"]
+        ready, health = server.raw("GET", "/readyz")
+        assert ready == 503 and "No space left" in health["problems"]["lease_journal"]
+        store.record_leases = real  # type: ignore[method-assign]
+        assert server.client("unit-0").join().data_lease == DataLease(0, 0, 0)
+        store.record_leases = no_space  # type: ignore[method-assign]
+        claim = {"unit": "unit-0", "attempt": 0, "finished": DataLease(0, 0, 3).to_json()}
+        status, reply = request(server, "/v1/data/claim", json.dumps(claim).encode())
+        assert status == 503 and reply["reason"] == "not_persisted", reply
+        store.record_leases = real  # type: ignore[method-assign]
+        again = server.client("unit-0").claim_data(DataLease(0, 0, 3))
+        assert again == DataLease(0, 1, 0)
+        assert store.recorded_leases() is not None
+        assert server.raw("GET", "/readyz")[0] == 200
+    finally:
+        server.close()

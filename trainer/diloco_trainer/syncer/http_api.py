@@ -22,6 +22,7 @@ from diloco_trainer.syncer.conn import (
 )
 from diloco_trainer.syncer.core import Syncer
 from diloco_trainer.syncer.fragment import MAX_POLL_WAIT, Reject
+from diloco_trainer.syncer.storage import CheckpointError
 from diloco_trainer.wire import (
     DATA_POSITION_HEADER,
     MAX_COUNTER,
@@ -197,12 +198,26 @@ def _alive(s: Syncer) -> list[str]:
 
 
 async def _journal_leases(s: Syncer, moves_before: int) -> None:
-    """After a lease was given, taken or finished, and before the unit hears of it: journal the
-    book, so that a syncer restarted from an older checkpoint hands no shard out twice."""
-    if s.store is None or s.leases.moves == moves_before:
+    """After a lease was given, taken or finished (or after a failed journal write: the retry
+    of a request changes nothing), and before the unit hears of it: journal the book, so that
+    a syncer restarted from an older checkpoint hands no shard out twice."""
+    if s.store is None or (s.leases.moves == moves_before and not s.lease_journal_behind):
         return
     book = s.leases.to_json()  # on the loop thread: the book as of this change
-    await asyncio.get_running_loop().run_in_executor(s._journal_pool, s.store.record_leases, book)
+    try:
+        await asyncio.get_running_loop().run_in_executor(
+            s._journal_pool, s.store.record_leases, book
+        )
+    except (OSError, CheckpointError) as exc:
+        # A full or failing disk: the unit asks again (5xx is retried) and is given the same
+        # lease, already in the book; readiness says what fails meanwhile.
+        s.health.failed("lease_journal", exc)
+        s.lease_journal_behind = True
+        raise Reject(
+            503, "not_persisted", f"the data lease book cannot be journaled: {exc}"
+        ) from exc
+    s.health.recovered("lease_journal")
+    s.lease_journal_behind = False
 
 
 async def claim_data(request: web.Request) -> web.Response:
