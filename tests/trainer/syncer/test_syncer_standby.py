@@ -3,12 +3,14 @@ serves, and a SIGKILLed serving syncer is replaced by it with no published versi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -85,11 +87,12 @@ def log_has(log: Path, pattern: str, timeout: float = 90.0) -> re.Match[str]:
     raise AssertionError(f"no {pattern!r} in {log}:\n{log.read_text(errors='replace')}")
 
 
+@contextlib.contextmanager
 def serving_and_standby(
     tmp_path: Path,
     procs: list[SyncerProcess],  # noqa: F811
     lock_in_checkpoints: bool = False,
-) -> tuple[SyncerProcess, subprocess.Popen[bytes], Path, Path]:
+) -> Iterator[tuple[SyncerProcess, subprocess.Popen[bytes], Path, Path]]:
     """A syncer serving under a lock (its flag from the environment) and a second one given the
     flag: the serving one, the standby, the standby's log and the lock file (in the checkpoint
     directory, as the operator puts it on a claim, or beside it)."""
@@ -109,7 +112,12 @@ def serving_and_standby(
         stdout=subprocess.DEVNULL, stderr=standby_log.open("ab"),
         env={**os.environ, "JAX_PLATFORMS": "cpu", "DILOCO_TOKEN": TOKEN},
     )  # fmt: skip
-    return first, standby, standby_log, lock
+    try:
+        yield first, standby, standby_log, lock
+    finally:
+        if standby.poll() is None:
+            standby.kill()
+        standby.wait(10)
 
 
 def test_sigkilled_syncer_is_replaced_by_its_standby_with_every_version(
@@ -117,8 +125,7 @@ def test_sigkilled_syncer_is_replaced_by_its_standby_with_every_version(
     procs: list[SyncerProcess],  # noqa: F811
 ) -> None:
     """Checkpoints every hour: every version merged here lives only in the journal."""
-    first, standby, standby_log, lock = serving_and_standby(tmp_path, procs)
-    try:
+    with serving_and_standby(tmp_path, procs) as (first, standby, standby_log, lock):
         log_has(standby_log, r"event=standby_ready")
         assert serving_pid(lock) == first.proc.pid
         learner = SyncerClient(first.url, unit_token(TOKEN, "unit-0"), "unit-0", 0, timeout=5)
@@ -145,10 +152,6 @@ def test_sigkilled_syncer_is_replaced_by_its_standby_with_every_version(
         learner.push(0, 3, delta_for(learner, join.layout, 0, 99), 4, 256)
         got = learner.poll(0, 3, wait=10)
         assert got is not None and got[0] == 4
-    finally:
-        if standby.poll() is None:
-            standby.kill()
-        standby.wait(10)
 
 
 def test_a_standby_told_to_stop_with_the_serving_syncer_exits_without_serving(
@@ -158,8 +161,7 @@ def test_a_standby_told_to_stop_with_the_serving_syncer_exits_without_serving(
     """The kubelet stops every container of a deleted pod at once. The serving syncer frees the
     lock as it exits; the standby must not take it and serve on from a pod on its way out,
     beside the syncer of the pod that replaces it (two syncers, one checkpoint volume)."""
-    first, standby, standby_log, lock = serving_and_standby(tmp_path, procs)
-    try:
+    with serving_and_standby(tmp_path, procs) as (first, standby, standby_log, lock):
         log_has(standby_log, r"event=standby_ready")
         standby.send_signal(signal.SIGTERM)
         assert first.stop(signal.SIGTERM) == 0
@@ -168,10 +170,6 @@ def test_a_standby_told_to_stop_with_the_serving_syncer_exits_without_serving(
         assert "event=standby_stopped reason=signal" in text, text[-3000:]
         assert "event=took_over" not in text and "event=listening" not in text, text[-3000:]
         assert serving_pid(lock) == first.proc.pid  # no one else ever announced itself
-    finally:
-        if standby.poll() is None:
-            standby.kill()
-        standby.wait(10)
 
 
 def test_a_replacement_syncer_waits_for_the_old_one_on_the_checkpoint_lock(
@@ -181,8 +179,12 @@ def test_a_replacement_syncer_waits_for_the_old_one_on_the_checkpoint_lock(
     """A Deployment replaces a deleted syncer pod at once: the new pod's syncer finds the lock on
     the checkpoint directory held, waits, and serves what the old one published once it is gone.
     The lock file in a fresh checkpoint directory does not make it look foreign."""
-    first, second, second_log, lock = serving_and_standby(tmp_path, procs, lock_in_checkpoints=True)
-    try:
+    with serving_and_standby(tmp_path, procs, lock_in_checkpoints=True) as (
+        first,
+        second,
+        second_log,
+        lock,
+    ):
         log_has(second_log, r"event=standby_ready")
         learner = SyncerClient(first.url, unit_token(TOKEN, "unit-0"), "unit-0", 0, timeout=5)
         join = learner.join()
@@ -193,10 +195,6 @@ def test_a_replacement_syncer_waits_for_the_old_one_on_the_checkpoint_lock(
         log_has(second_log, r"event=listening")
         assert serving_pid(lock) == second.pid
         assert [f.version for f in learner.status().fragments] == [1, 1]
-    finally:
-        if second.poll() is None:
-            second.kill()
-        second.wait(10)
 
 
 def test_a_restoring_syncer_takes_shapes_not_values_from_the_model(
