@@ -747,34 +747,44 @@ def test_a_run_restored_complete_without_a_final_eval_evaluates_at_startup(
 def test_join_reply_carries_the_units_step_across_restarts(tmp_path: Path) -> None:
     """resumeStep: 0 for the first unit; a unit new to a running run starts at the mean of the
     known units' steps (where the run is); after a restart of the unit (attempt+1), the steps its
-    earlier attempts reported; after a restart of the syncer, the same from its checkpoint
+    earlier attempts count: up to the step of each one's last accepted push, where its data
+    resumes (registry.py); after a restart of the syncer, the same from its checkpoint
     (per-attempt counters are checkpointed, so the token total and the schedule agree)."""
     cfg = tiny_cfg(checkpoint={"path": str(tmp_path), "everySeconds": 3600}, totalSteps=10_000)
     first = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
+
+    def push_at(client: SyncerClient, step: int) -> None:
+        version = first.syncer.frags[0].version
+        assert client.push(0, version, fragment_delta(first, 0), 10, 640, step=step).accepted
+
     try:
-        assert first.client("unit-0").join().resume_step == 0  # a new unit
-        first.client("unit-0").heartbeat(120, 120 * 64, 1.0, 3.0)
+        attempt0 = first.client("unit-0")
+        assert attempt0.join().resume_step == 0  # a new unit
+        push_at(attempt0, 100)
+        attempt0.heartbeat(120, 120 * 64, 1.0, 3.0)  # steps 101-120 die with the attempt
         restarted = first.client("unit-0", attempt=1)
-        assert restarted.join().resume_step == 120
+        assert restarted.join().resume_step == 100
         restarted.heartbeat(30, 30 * 64, 1.0, 3.0)  # counts from 0 again within its attempt
-        assert restarted.join().resume_step == 120  # its own attempt is not counted twice
-        assert first.client("unit-0", attempt=2).join().resume_step == 150
+        push_at(restarted, 30)
+        assert restarted.join().resume_step == 100  # its own attempt is not counted twice
+        assert first.client("unit-0", attempt=2).join().resume_step == 130
         # A unit new to the run starts where the run is: the mean position of the known units
-        # (unit-0 alone: 150), the same on every join of that attempt.
-        assert first.client("unit-1").join().resume_step == 150
-        assert first.client("unit-1").join().resume_step == 150
+        # (unit-0 alone: 130), the same on every join of that attempt.
+        assert first.client("unit-1").join().resume_step == 130
+        assert first.client("unit-1").join().resume_step == 130
         first.client("unit-1").heartbeat(10, 10 * 64, 1.0, 3.0)
-        assert first.client("unit-1", attempt=1).join().resume_step == 160
-        assert first.client("observer").status().learners["unit-0"].tokens == 150 * 64
+        push_at(first.client("unit-1"), 10)
+        assert first.client("unit-1", attempt=1).join().resume_step == 140
+        assert first.client("observer").status().learners["unit-0"].tokens == 130 * 64
         first.run(first.syncer.save_checkpoint(force=True))
     finally:
         first.close()
 
     second = LiveSyncer(Syncer(cfg, TOKEN, store=CheckpointStore(tmp_path), eval_fn=None))
     try:
-        assert second.client("unit-0", attempt=3).join().resume_step == 150
-        assert second.client("unit-1", attempt=2).join().resume_step == 160
-        assert second.client("observer").status().tokens == 160 * 64
+        assert second.client("unit-0", attempt=3).join().resume_step == 130
+        assert second.client("unit-1", attempt=2).join().resume_step == 140
+        assert second.client("observer").status().tokens == 140 * 64
     finally:
         second.close()
 

@@ -80,6 +80,7 @@ async def accept_push(
     while len(f.seen) > SEEN_PER_FRAGMENT:
         f.seen.popitem(last=False)
     s.learners.seen(header.unit, header.attempt, s.learners.get(header.unit).group, now)
+    s.learners.pushed(header.unit, header.attempt, header.step)
     if not f.pending:
         f.first_arrival, f.first_unit = now, header.unit
     pending = Pending(header, delta, now, measured.norms)

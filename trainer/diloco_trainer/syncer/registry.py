@@ -2,7 +2,10 @@
 
 Counting rule: a learner's step/tokens in a heartbeat are cumulative within its attempt. A restart
 (attempt+1) starts again from zero, and what earlier attempts did still counts: per (unit, attempt)
-we keep the maxima seen, and a unit's total is the sum over its attempts.
+we keep the maxima seen, and a unit's total is the sum over its attempts. A superseded attempt
+counts only up to the step of its last accepted push: its successor resumes the unit's data where
+that push said it was (the data position a push carries) and trains the steps after it again, so
+counting them twice would end the run with less training in the model than its budget says.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class LearnerRecord:
     group: str = "default"
     attempt: int = 0
     attempts: dict[int, list[int]] = field(default_factory=dict)  # attempt -> [steps, tokens]
+    pushed: dict[int, int] = field(default_factory=dict)  # attempt -> step of its last push
     joined: set[int] = field(default_factory=set)  # attempts that joined (a push needs it)
     # Where the unit's LR schedule began: 0 for the run's first units, the run's progress for a
     # unit that joined a running run (LearnerRegistry.get).
@@ -36,13 +40,22 @@ class LearnerRecord:
     step_time: Ema = field(default_factory=lambda: Ema(0.2))
     _last_hb: tuple[int, int, float] | None = None  # (attempt, step, time) of the previous beat
 
+    def counted(self, attempt: int) -> tuple[int, int]:
+        """What `attempt` counts (steps, tokens): all it reported while it is the unit's newest
+        attempt; once superseded, up to its last accepted push (tokens pro rata)."""
+        steps, tokens = self.attempts.get(attempt, (0, 0))
+        if attempt >= self.attempt:
+            return steps, tokens
+        kept = min(steps, self.pushed.get(attempt, 0))
+        return kept, (tokens * kept // steps if steps else 0)
+
     @property
     def steps(self) -> int:
-        return sum(s for s, _ in self.attempts.values())
+        return sum(self.counted(a)[0] for a in self.attempts)
 
     @property
     def tokens(self) -> int:
-        return sum(t for _, t in self.attempts.values())
+        return sum(self.counted(a)[1] for a in self.attempts)
 
     @property
     def schedule_position(self) -> int:
@@ -105,12 +118,16 @@ class LearnerRegistry:
             rec.loss = loss
         return rec
 
+    def pushed(self, unit: str, attempt: int, step: int) -> None:
+        """An accepted push of `unit`'s `attempt` made at its step `step`."""
+        rec = self.get(unit)
+        rec.pushed[attempt] = max(rec.pushed.get(attempt, 0), step)
+
     def resume_step(self, unit: str, attempt: int) -> int:
         """Where attempt `attempt` of `unit` continues its LR schedule: where the unit started
-        (`get`) plus the steps its other attempts reported. Steps an attempt did after its last
-        heartbeat are not known here (they are not counted as tokens either)."""
+        (`get`) plus the steps its other attempts count (`LearnerRecord.counted`)."""
         rec = self.get(unit)
-        return rec.start_step + sum(s for a, (s, _) in rec.attempts.items() if a != attempt)
+        return rec.start_step + sum(rec.counted(a)[0] for a in rec.attempts if a != attempt)
 
     def online(self, now: float, within: float | None = None) -> list[str]:
         """Units seen within `within` seconds (default `offline_after`)."""
@@ -179,6 +196,7 @@ class LearnerRegistry:
                 "group": r.group,
                 "attempt": r.attempt,
                 "attempts": {str(a): c for a, c in r.attempts.items()},
+                "pushed": {str(a): step for a, step in r.pushed.items()},
                 "startStep": r.start_step,
                 "loss": r.loss,
                 "joined": sorted(r.joined),
@@ -210,6 +228,15 @@ class LearnerRegistry:
                 tokens = _counter(pair[1], unit, f"attempts.{a}.tokens")
                 if attempt is not None and steps is not None and tokens is not None:
                     rec.attempts[attempt] = [steps, tokens]
+            # Absent before the field existed: then every attempt counts what it reported.
+            pushed = raw.get("pushed")
+            if not isinstance(pushed, dict):
+                pushed = {str(a): c[0] for a, c in rec.attempts.items()}
+            rec.pushed = {}
+            for a, step in pushed.items():
+                attempt, at = _counter(a, unit, "pushed"), _counter(step, unit, f"pushed.{a}")
+                if attempt is not None and at is not None:
+                    rec.pushed[attempt] = at
             # absent before the field existed
             rec.start_step = _counter(raw.get("startStep", 0), unit, "startStep") or 0
             loss = raw.get("loss")
