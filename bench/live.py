@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -165,6 +166,11 @@ def local_run(
         cmd += ["--spares", str(spares)] + (["--chaos"] if chaos else []) + list(extra_args)
         with alongside(report) if alongside is not None else nullcontext():
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_seconds + 300)
+        keep = os.environ.get("DILOCO_BENCH_KEEP")
+        if keep:  # a folder to copy each run's report (logs, events) into, for a look later
+            kept = Path(keep) / f"{doc['metadata']['name']}-{time.strftime('%H%M%S')}"
+            shutil.copytree(report, kept, dirs_exist_ok=True)
+            print(f"[bench] report kept in {kept}", file=sys.stderr, flush=True)
         if not (report / "summary.json").exists():
             raise RuntimeError(f"local run failed ({proc.returncode}): {proc.stderr[-1500:]}")
         yield report, proc.returncode
