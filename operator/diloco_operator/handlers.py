@@ -57,6 +57,7 @@ from diloco_operator.planner import (
     ScaleSyncer,
     SuspendUnit,
     SyncerStatus,
+    fault_targets,
     plan,
 )
 from diloco_operator.refusals import Refusal, create_all, report_refusals
@@ -384,8 +385,10 @@ async def inject_chaos(run: builders.Run, body: Any, status: DilocoRunStatus) ->
         if state is None:
             return
         STATE.chaos[key] = state
-    online = {u.global_index: u.name for u in status.units if u.state == "Online"}
-    faults = chaos.due(state, time.time(), sorted(online))
+    now = time.time()
+    targets = fault_targets(status.units, None, run.spec.failure_policy, now)
+    online = {u.global_index: u.name for u in targets}
+    faults = chaos.due(state, now, sorted(online))
     for fault in faults:
         delivery = chaos.plan_delivery(run, fault, online)
         message = await chaos.deliver(run, delivery)

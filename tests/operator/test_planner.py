@@ -18,6 +18,7 @@ from diloco_operator.planner import (
     Plan,
     SyncerStatus,
     desired_units,
+    fault_targets,
     plan,
 )
 from diloco_operator.planner.model import (
@@ -200,6 +201,23 @@ def test_unit_that_ran_healthily_is_recreated_at_once() -> None:
     p = plan("r", spec, [healthy], p.status, now, syncer=SYNCER_UP, report=progress)
     (create,) = p.of_type(CreateUnit)
     assert (create.name, create.attempt) == (victim, 1)
+
+
+def test_chaos_hits_only_units_that_have_run_healthily() -> None:
+    """Found by the soak bench: faults that came due while units were down landed on each unit
+    the moment it came back Online, so every restart failed at once, the crash-loop backoff grew
+    to a minute and no unit pushed for 2.5 minutes. A unit fault waits for a unit that has run
+    healthily, as a fault process in the field would find it."""
+    spec = make_spec(3)  # healthyAfterSeconds 10 (default)
+    _, status = online_run(spec)  # Online since T0+1
+    names = [u.name for u in status.units]
+    assert fault_targets(status.units, None, spec.failure_policy, T0 + 5) == []  # just started
+    later = fault_targets(status.units, None, spec.failure_policy, T0 + 12)
+    assert [u.name for u in later] == names
+    # the syncer says one of them has not made a step yet (a long compile): not a target
+    report = SyncerStatus(learners={names[1]: LearnerStatus(attempt=0, age_seconds=1, step=0)})
+    got = fault_targets(status.units, report, spec.failure_policy, T0 + 12)
+    assert [u.name for u in got] == [names[0], names[2]]
 
 
 def test_crash_loop_backs_off_doubling_capped_and_a_healthy_run_resets_it() -> None:

@@ -53,6 +53,7 @@ from diloco_operator.planner import (
     ObservedSyncer,
     UnitSlot,
     desired_units,
+    fault_targets,
     plan,
 )
 from diloco_trainer.auth import unit_token
@@ -287,11 +288,12 @@ class LocalRuntime:
         paused = self._paused([u.name for u in self.status.units])
         for unit in self.status.units:
             self.recorder.state(now, unit.name, unit_state(unit.state, unit.name in paused))
-        online = {u.name for u in self.status.units if u.state == "Online"}
+        targets = fault_targets(self.status.units, report, spec.failure_policy, now)
+        settled = {u.name for u in targets}
 
         def candidate(name: str) -> bool:
             proc = self.procs.get(name)
-            return name in online and proc is not None and proc.alive()
+            return name in settled and proc is not None and proc.alive()
 
         self.chaos.step(now, now - self.started_at, candidate, syncer_up=self.syncer.healthy)
         return self.status.phase == "Succeeded"

@@ -9,6 +9,7 @@ scaling (add/remove units), completion (Succeeded/Failed), conditions (status co
 # The `report` input: the syncer's /v1/status, one typed model for every reader.
 from diloco_trainer.status import LearnerStatus, SyncerStatus
 
+from diloco_operator.planner.failure import fault_targets
 from diloco_operator.planner.model import (
     Action,
     CreateSyncer,
@@ -39,6 +40,7 @@ __all__ = [
     "SyncerStatus",
     "UnitSlot",
     "desired_units",
+    "fault_targets",
     "plan",
     "unit_name",
 ]

@@ -12,6 +12,7 @@ further one in a row doubles it, up to `maxRestartBackoffSeconds`; a healthy run
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from diloco_trainer.status import SyncerStatus
@@ -105,6 +106,16 @@ def ran_healthily(
     if learner is None or learner.attempt != unit.attempt or learner.step is None:
         return True  # nothing says otherwise (e.g. the syncer restarted and forgot it)
     return learner.step > 0
+
+
+def fault_targets(
+    units: Sequence[UnitStatus], report: SyncerStatus | None, policy: FailurePolicy, now: float
+) -> list[UnitStatus]:
+    """The units a chaos unit fault may hit: those that have run healthily. Merely Online is not
+    enough: faults that came due while units were down would land on each one the moment it came
+    back, a crash loop that only a queue of faults makes, and the crash-loop backoff would then
+    keep the unit out of the run for minutes."""
+    return [u for u in units if ran_healthily(u, report, policy, now)]
 
 
 def restart_delay(policy: FailurePolicy, quick_failures: int) -> float:
