@@ -266,9 +266,7 @@ class CompressionConfig(Strict):
         return self
 
 
-# The syncer's serving lock (`diloco-syncer --lock`) when it lives in the checkpoint directory, as
-# the operator puts it on a claim: the one entry there that is neither a checkpoint nor a journal.
-SERVING_LOCK_FILE = ".serving.lock"
+SERVING_LOCK_FILE = ".serving.lock"  # `diloco-syncer --lock` in a checkpoint folder (on a claim)
 
 
 class CheckpointConfig(Strict):

@@ -440,8 +440,11 @@ def test_grace_expires_without_the_straggler(live: LiveSyncer) -> None:
 
 def test_heartbeats_count_across_attempts_and_complete_the_run(live: LiveSyncer) -> None:
     a0, a1, other = live.client("unit-0", 0), live.client("unit-0", 1), live.client("unit-1")
+    a0.join()
     a0.heartbeat(40, 40 * 64, 1000.0, 3.0)
     a0.heartbeat(30, 30 * 64, 1000.0, 3.0)  # out of order: maxima per attempt are kept
+    # Pushed at its last step: all 40 still count once attempt 1 supersedes it (registry.py).
+    a0.push(0, 0, fragment_delta(live, 0), 40, 40 * 64, step=40)
     a1.heartbeat(20, 20 * 64, 900.0, 2.5)  # restarted unit: attempt 1 counts from zero again
     r = other.heartbeat(30, 30 * 64, 1100.0, float("nan"))
     assert not r.complete
@@ -793,15 +796,19 @@ def test_join_reply_carries_the_units_step_across_restarts(tmp_path: Path) -> No
 def test_a_restarted_learner_continues_its_lr_schedule_and_counts_its_own_steps(
     live: LiveSyncer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Attempt 1 of a unit whose attempt 0 reported 120 steps: the learner continues its schedule
-    at 120 (re-warming), while its heartbeats count this attempt's steps from 0, so the syncer's
-    total for the unit is 120 + the new steps (nothing counted twice)."""
+    """Attempt 1 of a unit whose attempt 0 reported and pushed 120 steps: the learner continues
+    its schedule at 120 (re-warming), while its heartbeats count this attempt's steps from 0, so
+    the syncer's total for the unit is 120 + the new steps (nothing counted twice)."""
     import logging
 
     from diloco_trainer.learner.loop import LearnerOptions, run_learner
 
     cfg = live.syncer.cfg
-    live.client("unit-0").heartbeat(120, 120 * cfg.tokens_per_step, 1.0, 3.0)
+    first = live.client("unit-0")
+    first.join()
+    tokens = 120 * cfg.tokens_per_step
+    first.push(0, 0, fragment_delta(live, 0), 120, tokens, step=120)
+    first.heartbeat(120, tokens, 1.0, 3.0)
     opts = LearnerOptions(
         syncer=live.url, token=unit_token(TOKEN, "unit-0"), unit=0, num_units=1, unit_name="unit-0", attempt=1,
         log_every=2, max_steps=40, slowdown=3.0,
