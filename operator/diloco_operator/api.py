@@ -184,6 +184,11 @@ class CheckpointStorage(Strict):
     def is_bucket(self) -> bool:
         return bool(self.path and self.path.startswith("gs://"))
 
+    @property
+    def on_claim(self) -> bool:
+        """Kept on a PersistentVolumeClaim (the operator's or an existing one)."""
+        return not self.is_bucket and not self.ephemeral
+
 
 class SyncerSpec(Strict):
     """The outer-sync service (CPU only): one Deployment with a Service."""

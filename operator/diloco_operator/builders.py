@@ -246,8 +246,7 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
         pod_spec["tolerations"] = [t.to_wire() for t in spec.syncer.tolerations]
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
-    on_claim = not ckpt.is_bucket and not ckpt.ephemeral
-    env.extend(lock_env(CHECKPOINT_MOUNT if on_claim else None, spec.syncer.standby))
+    env.extend(lock_env(CHECKPOINT_MOUNT if ckpt.on_claim else None, spec.syncer.standby))
     secure_pod(pod_spec, run.token_secret)
     template = apply_template(
         {"metadata": {"labels": pod_labels}, "spec": pod_spec}, spec.syncer.template

@@ -30,8 +30,12 @@ def lock_env(claim_mount: str | None, standby: bool) -> list[dict[str, str]]:
     """The syncer's DILOCO_SYNCER_LOCK: on the claim mounted at `claim_mount` (None: no claim),
     else in the pod's /tmp for a standby, else none."""
     if claim_mount is not None:
-        return [{"name": "DILOCO_SYNCER_LOCK", "value": f"{claim_mount}/{SERVING_LOCK_FILE}"}]
-    return [{"name": "DILOCO_SYNCER_LOCK", "value": POD_LOCK_FILE}] if standby else []
+        path = f"{claim_mount}/{SERVING_LOCK_FILE}"
+    elif standby:
+        path = POD_LOCK_FILE
+    else:
+        return []
+    return [{"name": "DILOCO_SYNCER_LOCK", "value": path}]
 
 
 def add_standby(template: dict[str, Any], port: int) -> None:

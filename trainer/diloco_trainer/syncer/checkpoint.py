@@ -361,8 +361,7 @@ class CheckpointStore:
 
     def _refuse_foreign_content(self, problems: list[str]) -> None:
         ignorable = {JOURNAL, f".{JOURNAL}.tmp", LEASE_JOURNAL, f".{LEASE_JOURNAL}.tmp"}
-        ignorable.add(SERVING_LOCK_FILE)
-        ignorable |= {*FILESYSTEM_ENTRIES, *self.location.strays()}
+        ignorable |= {SERVING_LOCK_FILE, *FILESYSTEM_ENTRIES, *self.location.strays()}
         leftovers = sorted(
             name
             for name in self.location.entries()

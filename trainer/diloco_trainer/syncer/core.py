@@ -89,7 +89,6 @@ class Syncer:
         layout = pack_fragments(self.shapes, cfg.fragments)
         self.frags = [self._new_fragment(i, names, params) for i, names in enumerate(layout)]
         self.leases = LeaseBook(cfg.data.shards)  # who reads which shard (data_leases.py)
-        self.lease_journal_behind = False  # a change to the book failed to reach the journal
         # A lease whose unit was not heard from for this long may go to another unit.
         self.lease_orphan_after = max(30.0, 10 * cfg.heartbeat_seconds)
         self.eval_loss: float | None = None

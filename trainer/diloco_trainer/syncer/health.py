@@ -36,6 +36,10 @@ class Health:
         self.metrics.failing.labels(what).set(1)
         self.metrics.failures.labels(what).inc()
 
+    def failing(self, what: str) -> bool:
+        """Whether the last attempt of `what` failed."""
+        return what in self.problems
+
     def recovered(self, what: str) -> None:
         if self.problems.pop(what, None) is not None:
             log.info("event=recovered what=%s", what)

@@ -201,7 +201,8 @@ async def _journal_leases(s: Syncer, moves_before: int) -> None:
     """After a lease was given, taken or finished (or after a failed journal write: the retry
     of a request changes nothing), and before the unit hears of it: journal the book, so that
     a syncer restarted from an older checkpoint hands no shard out twice."""
-    if s.store is None or (s.leases.moves == moves_before and not s.lease_journal_behind):
+    behind = s.health.failing("lease_journal")  # the last write failed: the journal is behind
+    if s.store is None or (s.leases.moves == moves_before and not behind):
         return
     book = s.leases.to_json()  # on the loop thread: the book as of this change
     try:
@@ -212,12 +213,10 @@ async def _journal_leases(s: Syncer, moves_before: int) -> None:
         # A full or failing disk: the unit asks again (5xx is retried) and is given the same
         # lease, already in the book; readiness says what fails meanwhile.
         s.health.failed("lease_journal", exc)
-        s.lease_journal_behind = True
         raise Reject(
             503, "not_persisted", f"the data lease book cannot be journaled: {exc}"
         ) from exc
     s.health.recovered("lease_journal")
-    s.lease_journal_behind = False
 
 
 async def claim_data(request: web.Request) -> web.Response:
