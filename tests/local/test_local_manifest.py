@@ -99,36 +99,31 @@ def test_chaos_schedule_naming_a_missing_unit(
     assert "spec.chaos.schedule.0.unit: unit 4 does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", ["missing", "file", "empty"])
-def test_bad_checkpoint_dir_is_a_clear_error(
-    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("flag", "kind"),
+    [
+        ("--resume-from", "missing"),
+        ("--resume-from", "file"),
+        ("--resume-from", "empty"),
+        # a new run's directory: one with anything in it would be resumed silently
+        ("--checkpoint-dir", "file"),
+        ("--checkpoint-dir", "not empty"),
+    ],
+)
+def test_a_checkpoint_dir_the_flag_cannot_use_is_a_clear_error(
+    flag: str, kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ckpt = tmp_path / "ckpt"
     if kind == "file":
         ckpt.write_text("not a directory")
-    elif kind == "empty":
+    elif kind in ("empty", "not empty"):
         ckpt.mkdir()
-    code = main(["local", "run", str(EXAMPLE), "--resume-from", str(ckpt)])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert "--resume-from: " in err and str(ckpt) in err
-    assert "Traceback" not in err
-
-
-@pytest.mark.parametrize("kind", ["file", "not empty"])
-def test_a_checkpoint_dir_that_is_not_fresh_is_a_clear_error(
-    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    ckpt = tmp_path / "ckpt"
-    if kind == "file":
-        ckpt.write_text("not a directory")
-    else:
-        ckpt.mkdir()
+    if kind == "not empty":
         (ckpt / "manifest.json").write_text("{}")
-    code = main(["local", "run", str(EXAMPLE), "--checkpoint-dir", str(ckpt)])
+    code = main(["local", "run", str(EXAMPLE), flag, str(ckpt)])
     err = capsys.readouterr().err
     assert code == 2
-    assert "--checkpoint-dir: " in err and str(ckpt) in err
+    assert f"{flag}: " in err and str(ckpt) in err
     assert "Traceback" not in err
 
 
