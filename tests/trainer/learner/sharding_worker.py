@@ -26,14 +26,27 @@ if PROCESSES > 1:
 from diloco_trainer.config import TrainingConfig  # noqa: E402
 from diloco_trainer.data.corpus import train_batches  # noqa: E402
 from diloco_trainer.fragments import pack_fragments  # noqa: E402
+from diloco_trainer.learner.distributed import StepSignal  # noqa: E402
 from diloco_trainer.learner.fragment_sync import FragmentBook  # noqa: E402
 from diloco_trainer.learner.loop import build_step_program  # noqa: E402
 from diloco_trainer.learner.sharding import bytes_per_device, fragment_to_host  # noqa: E402
 from diloco_trainer.learner.sync_link import Arrival, host_copy  # noqa: E402
-from diloco_trainer.learner.train import init_opt_state, shard_batch, step_key  # noqa: E402
+from diloco_trainer.learner.train import (  # noqa: E402
+    ResumableScheduleState,
+    ScheduleClock,
+    init_opt_state,
+    learning_rate_schedule,
+    shard_batch,
+    step_key,
+)
 from diloco_trainer.models.gpt import init_params, param_shapes  # noqa: E402
 
 MIN_SHARD_BYTES = 4096
+FLOOR = 500  # the run's schedule step the leader hears of at the install
+
+
+def _is_schedule(node: Any) -> bool:
+    return isinstance(node, ResumableScheduleState)
 
 
 class RecordingLink:
@@ -93,7 +106,14 @@ def main() -> None:
     arrived = {n: np.full(shapes[n], 0.5, np.float32) for n in layout[1]}
     if link is not None:
         link.arrivals.append(Arrival(1, 7, arrived))
-    book.install_arrivals(STEPS, params, link, False)
+    # The leader's step signal reaches every process, and every process moves its LR schedule
+    # to the floor it carries.
+    signal = book.install_arrivals(STEPS, params, link, StepSignal(False, FLOOR * (PROCESS == 0)))
+    assert signal == StepSignal(False, FLOOR), signal
+    clock = ScheduleClock(
+        learning_rate_schedule(cfg.inner_optimizer, 1000), 1000, 20, 0, mesh
+    )  # the learner's horizon for totalSteps 1000 and one unit
+    state = clock.keep_up(STEPS, signal.schedule_floor, state)
     installed = params[name]
     install_ok = installed.sharding == before
     installed_value = fragment_to_host(params, [name])[name]
@@ -103,6 +123,12 @@ def main() -> None:
         shard_batch(next(batches)[PROCESS * rows : (PROCESS + 1) * rows], mesh),
         step_key(cfg.seed, STEPS),
     )
+    schedule = [
+        np.asarray(leaf.addressable_data(0))
+        for node in jax.tree_util.tree_leaves(state, is_leaf=_is_schedule)
+        if _is_schedule(node)
+        for leaf in node
+    ]
     final = fragment_to_host(params, list(shapes))
     held_after = bytes_per_device(params, state)
     if PROCESS != 0:
@@ -125,6 +151,7 @@ def main() -> None:
         installed_value_ok=bool(np.array_equal(installed_value, arrived[name])),
         installed_version=book.versions[1],
         after_install=float(after_install),
+        schedule_state=np.array(schedule),
         sharded_leaves=sum(not a.sharding.is_fully_replicated for a in params.values()),
         **pushed,
         **{f"param.{n}": v for n, v in final.items()},

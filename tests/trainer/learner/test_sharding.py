@@ -183,6 +183,8 @@ def test_fsdp_unit_trains_like_the_replicated_one_on_an_eighth_of_the_bytes(
     for run in (sharded, replicated):
         assert bool(run["install_ok"]) and bool(run["installed_value_ok"])
         assert int(run["installed_version"]) == 7
+        # The LR schedule moved to the run's floor (500) with the install, then took a step.
+        assert run["schedule_state"].tolist() == [501, 500 - STEPS]
     assert float(sharded["after_install"]) == pytest.approx(float(replicated["after_install"]))
 
 
@@ -214,3 +216,5 @@ def test_two_processes_of_four_devices_train_like_one_of_eight(
         np.testing.assert_allclose(multi[name], value, atol=1e-5, err_msg=name)
     assert bool(multi["pushed_replicated"]) and bool(multi["install_ok"])
     assert bool(multi["installed_value_ok"])
+    assert multi["schedule_state"].tolist() == [501, 500 - STEPS]  # the leader's floor, on both
+    assert float(multi["after_install"]) == pytest.approx(float(fsdp_run["after_install"]))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from diloco_trainer.learner.client import SyncerRejected
+from diloco_trainer.learner.distributed import StepSignal
 from diloco_trainer.learner.fragment_sync import FragmentBook
 from diloco_trainer.learner.sync_link import Arrival, Progress, SyncLink
 from diloco_trainer.syncer.core import Syncer
@@ -74,7 +75,8 @@ def test_an_older_version_is_installed_and_the_same_one_is_not() -> None:
     older = {"a": np.full(2, 1.0, np.float32)}
     again = {"b": np.full(2, 9.0, np.float32)}  # a repeat of version 7: not installed
     link = Arrived([Arrival(0, 3, older), Arrival(1, 7, again)])
-    assert not book.install_arrivals(12, params, link, False)  # type: ignore[arg-type]
+    signal = StepSignal(stop=False, schedule_floor=40)
+    assert book.install_arrivals(12, params, link, signal) == signal  # type: ignore[arg-type]
     assert book.versions == [3, 7]
     np.testing.assert_array_equal(np.asarray(params["a"]), [1.0, 1.0])
     np.testing.assert_array_equal(np.asarray(params["b"]), [4.5, 4.5])  # the training kept

@@ -825,6 +825,48 @@ def test_a_restarted_learner_continues_its_lr_schedule_and_counts_its_own_steps(
     assert counted <= 160 and live.syncer.learners.resume_step("unit-0", 2) == counted
 
 
+@pytest.mark.parametrize("live", [{"totalSteps": 10_000, "heartbeatSeconds": 0.1}], indirect=True)
+def test_a_learner_behind_the_run_moves_its_lr_schedule_up_to_the_runs_progress(
+    live: LiveSyncer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two units; unit-1 has counted 3,000 steps while unit-0 counted 120 before it restarted.
+    The run is 31.2% through its budget of 10,000 steps, so attempt 1 of unit-0 (horizon 5,000)
+    trains at schedule step 1,560 or later, not at 120 + its steps: a unit that was down must
+    not end the run at a higher LR than the others."""
+    import logging
+
+    from diloco_trainer.learner.loop import LearnerOptions, learner_horizon, run_learner
+    from diloco_trainer.learner.train import learning_rate_schedule
+
+    cfg = live.syncer.cfg
+    clients = {unit: live.client(unit) for unit in ("unit-1", "unit-0")}
+    for client in clients.values():
+        client.join()  # both start the run (a unit joining later starts at the run's position)
+    for unit, steps in (("unit-1", 3000), ("unit-0", 120)):
+        client = clients[unit]
+        tokens = steps * cfg.tokens_per_step
+        client.push(0, 0, fragment_delta(live, 0), steps, tokens, step=steps)
+        assert client.heartbeat(steps, tokens, 1.0, 3.0).budget_done == pytest.approx(
+            (3000 if unit == "unit-0" else 0) / 10_000 + steps / 10_000
+        )
+    opts = LearnerOptions(
+        syncer=live.url, token=unit_token(TOKEN, "unit-0"), unit=0, num_units=2, unit_name="unit-0", attempt=1,
+        log_every=2, max_steps=40, slowdown=3.0,
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="diloco_trainer.learner"):
+        assert run_learner(cfg, opts).steps == 40
+    text = caplog.text
+    assert "resume_step=120" in text
+    caught_up = re.search(r"event=schedule_caught_up step=\d+ schedule_step=(\d+)", text)
+    assert caught_up is not None and int(caught_up.group(1)) >= 1560, text
+    last = re.findall(r"event=progress unit=unit-0 step=40 schedule_step=(\d+) lr=(\S+) ", text)
+    assert last, text
+    position = int(last[0][0])
+    assert 1560 + 40 > position >= 1560  # at the floor, then its own steps (the floor moves less)
+    schedule = learning_rate_schedule(cfg.inner_optimizer, learner_horizon(cfg, 2))
+    assert float(last[0][1]) == pytest.approx(float(schedule(position - 1)), rel=1e-2)
+
+
 @pytest.mark.parametrize("live", [{"compression": {"downlink": "int4"}}], indirect=True)
 def test_compressed_downlink_sends_a_step_to_a_learner_holding_the_previous_version(
     live: LiveSyncer,

@@ -77,6 +77,7 @@ class HeartbeatReply:
     complete: bool
     versions: list[int]
     outer_step: int
+    budget_done: float = 0.0  # the run's counted share of its budget (0 from older syncers)
 
 
 class SyncerClient:
@@ -317,11 +318,23 @@ class SyncerClient:
                 "loss": loss,
             },
         )
-        return HeartbeatReply(bool(r["complete"]), list(r["versions"]), int(r["outerStep"]))
+        return HeartbeatReply(
+            bool(r["complete"]),
+            list(r["versions"]),
+            int(r["outerStep"]),
+            _share(r.get("budgetDone", 0.0), "heartbeat.budgetDone"),
+        )
 
     def status(self) -> SyncerStatus:
         _, _, data = self._request("GET", "/v1/status")
         return SyncerStatus.from_json(json.loads(data))
+
+
+def _share(raw: Any, what: str) -> float:
+    """A share in [0, 1] in a reply; anything else is the server's fault (5xx-like)."""
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0.0 <= raw <= 1.0:
+        raise SyncerUnavailable(f"{what}: bad reply: expected a number in [0, 1], got {raw!r}")
+    return float(raw)
 
 
 def _lease(raw: Any, what: str) -> DataLease | None:

@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -93,26 +93,34 @@ def broadcast_int(value: int) -> int:
     return int(np.asarray(broadcast_from_leader(np.asarray(value, np.int64))))
 
 
+class StepSignal(NamedTuple):
+    """What the leader decides for the whole unit at a step boundary, besides arrivals."""
+
+    stop: bool
+    schedule_floor: int = 0  # the run's position on the LR schedule (`train.ScheduleClock`)
+
+
 def exchange_arrivals(
     arrivals: dict[int, tuple[int, dict[str, np.ndarray]]],
     layout: list[list[str]],
     shapes: Mapping[str, tuple[int, ...]],
-    stop: bool,
-) -> tuple[dict[int, tuple[int, dict[str, np.ndarray]]], bool]:
-    """The leader's newest fragment arrivals and stop flag, on every process of the unit.
+    signal: StepSignal,
+) -> tuple[dict[int, tuple[int, dict[str, np.ndarray]]], StepSignal]:
+    """The leader's newest fragment arrivals and step signal, on every process of the unit.
 
     Two broadcasts keep the structure identical everywhere: first a header (one version per
-    fragment, -1 = nothing new, plus the stop flag), then the arrays of exactly those fragments.
+    fragment, -1 = nothing new, then the signal), then the arrays of exactly those fragments.
     Non-leaders pass empty `arrivals`. Identity on a single process.
     """
     if jax.process_count() == 1:
-        return arrivals, stop
-    header = np.full(len(layout) + 1, -1, np.int64)
+        return arrivals, signal
+    n = len(layout)
+    header = np.full(n + 2, -1, np.int64)
     for fragment, (version, _) in arrivals.items():
         header[fragment] = version
-    header[-1] = int(stop)
+    header[n], header[n + 1] = int(signal.stop), signal.schedule_floor
     header = np.asarray(broadcast_from_leader(header))
-    chosen = [p for p in range(len(layout)) if header[p] >= 0]
+    chosen = [p for p in range(n) if header[p] >= 0]
     payload = {
         f"{p}/{name}": (
             arrivals[p][1][name] if p in arrivals else np.zeros(shapes[name], np.float32)
@@ -125,4 +133,4 @@ def exchange_arrivals(
         p: (int(header[p]), {name: np.asarray(payload[f"{p}/{name}"]) for name in layout[p]})
         for p in chosen
     }
-    return received, bool(header[-1])
+    return received, StepSignal(bool(header[n]), int(header[n + 1]))

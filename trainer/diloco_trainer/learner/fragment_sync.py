@@ -16,7 +16,7 @@ import numpy as np
 
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import FragmentCounters, PushClock
-from diloco_trainer.learner.distributed import exchange_arrivals
+from diloco_trainer.learner.distributed import StepSignal, exchange_arrivals
 from diloco_trainer.learner.sharding import gather_fragment, scatter_leaf
 from diloco_trainer.learner.sync_link import PendingPush, SyncLink
 from diloco_trainer.learner.train import Params
@@ -74,19 +74,21 @@ class FragmentBook:
             self.counters.reset(p)
 
     def install_arrivals(
-        self, step: int, params: Params, link: SyncLink | None, done: bool
-    ) -> bool:
+        self, step: int, params: Params, link: SyncLink | None, signal: StepSignal
+    ) -> StepSignal:
         """Install the global fragments the pollers received (the same on every host);
-        returns the unit's stop decision (`done`, or the run complete), agreed by every host."""
+        returns the leader's `signal`, its stop also set when the run is complete, as every
+        host agrees on it."""
         newest: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
         if link is not None:
-            done = done or link.complete.is_set()
+            if link.complete.is_set():
+                signal = signal._replace(stop=True)
             for arrival in link.drain():
                 newest[arrival.fragment] = (arrival.version, arrival.tensors)
         if link is not None:  # references of sent pushes move to host (device memory back)
             for p in range(len(self.layout)):
                 self.base[p] = link.settled(p, self.base[p])
-        newest, done = exchange_arrivals(newest, self.layout, self.shapes, done)
+        newest, signal = exchange_arrivals(newest, self.layout, self.shapes, signal)
         for p, (version, tensors) in sorted(newest.items()):
             if version == self.versions[p]:
                 continue  # an older one is installed too: the syncer restored from a checkpoint
@@ -95,4 +97,4 @@ class FragmentBook:
             self.base[p], self.versions[p] = tensors, version
             self.counters.overwrite(p)
             self.clock.installed(step, p)
-        return done
+        return signal

@@ -32,13 +32,19 @@ from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.learner.data_feed import unit_feed
-from diloco_trainer.learner.distributed import broadcast_int, exchange_arrivals, is_leader
+from diloco_trainer.learner.distributed import (
+    StepSignal,
+    broadcast_int,
+    exchange_arrivals,
+    is_leader,
+)
 from diloco_trainer.learner.fragment_sync import FragmentBook
 from diloco_trainer.learner.metrics import LearnerMetrics, start_learner_metrics
 from diloco_trainer.learner.sharding import abstract_params
 from diloco_trainer.learner.sync_link import Progress, SyncLink, retry_until
 from diloco_trainer.learner.train import (
     Params,
+    ScheduleClock,
     TrainStep,
     check_batch_divisible,
     init_opt_state,
@@ -48,7 +54,6 @@ from diloco_trainer.learner.train import (
     make_train_step,
     place_params,
     resume_schedule,
-    resumed_learning_rate,
     rewarmup_steps,
     shard_batch,
     step_key,
@@ -192,9 +197,10 @@ def run_learner(
     mesh, train_step = program.mesh, program.train_step
     unit_key = step_key(cfg.seed, opts.unit)
     params, opt_state = _training_state(program, start)
+    clock = _schedule_clock(cfg, opts.num_units, start.resume_step, mesh)
     batches = unit_feed(cfg, program.workload.source, start.data_lease, client, stop)
     frags = FragmentBook.starting(cfg, start.layout, start.shapes, start.versions, start.fragments)
-    report = _Report.starting(cfg, opts, client, start, leader, program.workload.flops_per_token)
+    report = _Report.starting(cfg, opts, client, start, leader, program.workload, clock)
     link, tokens_per_step = report.link, cfg.tokens_per_step
 
     step, prev_loss, last_done = 0, None, time.monotonic()
@@ -224,7 +230,10 @@ def run_learner(
 
             # ---- arrivals from the syncer (and the stop decision) reach every host at this step
             done = stop.is_set() or (opts.max_steps is not None and step >= opts.max_steps)
-            done = frags.install_arrivals(step, params, link, done)
+            floor = clock.floor(link.budget_done) if link is not None else 0
+            signal = frags.install_arrivals(step, params, link, StepSignal(done, floor))
+            opt_state = clock.keep_up(step, signal.schedule_floor, opt_state)
+            done = signal.stop
             report.step(step, loss, metrics, done, frags)
             if step > 1:
                 loop_seconds["train"] += now - top
@@ -290,13 +299,21 @@ def _start(
     startup = {
         p: (versions[p], {n: global_params[n] for n in layout[p]}) for p in range(len(layout))
     }
-    startup, _ = exchange_arrivals(startup, layout, shapes, stop=False)
+    startup, _ = exchange_arrivals(startup, layout, shapes, StepSignal(stop=False))
     fragments = {p: tensors for p, (_, tensors) in startup.items()}
     params = {**global_params, **{n: a for t in fragments.values() for n, a in t.items()}}
     versions = [startup[p][0] for p in range(len(layout))]
     return _Start(
         layout, shapes, versions, params, fragments, resume_step, bytes_joined, data_lease
     )
+
+
+def _schedule_clock(
+    cfg: TrainingConfig, num_units: int, resume_step: int, mesh: Mesh
+) -> ScheduleClock:
+    horizon = learner_horizon(cfg, num_units)
+    schedule = learning_rate_schedule(cfg.inner_optimizer, horizon)
+    return ScheduleClock(schedule, horizon, rewarmup_steps(cfg.inner_optimizer), resume_step, mesh)
 
 
 def _training_state(program: StepProgram, start: _Start) -> tuple[Params, Any]:
@@ -319,9 +336,7 @@ class _Report:
     link: SyncLink | None
     metrics: LearnerMetrics | None
     progress: Progress
-    schedule: optax.Schedule
-    ramp: int
-    resume_step: int
+    clock: ScheduleClock
     tokens_per_step: int
     window_start: float = field(default_factory=time.monotonic)
     window_steps: int = 0
@@ -334,7 +349,8 @@ class _Report:
         client: SyncerClient,
         start: _Start,
         leader: bool,
-        flops_per_token: float | None,
+        workload: Workload,
+        clock: ScheduleClock,
     ) -> _Report:
         progress = Progress()
         link = SyncLink(client, start.versions, cfg.heartbeat_seconds, progress) if leader else None
@@ -343,15 +359,10 @@ class _Report:
         metrics = None
         if link is not None and opts.metrics_port > 0:
             metrics = start_learner_metrics(
-                flops_per_token, opts.name, opts.group, opts.metrics_port,
+                workload.flops_per_token, opts.name, opts.group, opts.metrics_port,
                 jax.devices()[0].device_kind, jax.device_count(), os.environ,
             )  # fmt: skip
-        schedule = learning_rate_schedule(cfg.inner_optimizer, learner_horizon(cfg, opts.num_units))
-        ramp = rewarmup_steps(cfg.inner_optimizer)
-        return cls(
-            opts, client, link, metrics, progress, schedule, ramp, start.resume_step,
-            cfg.tokens_per_step,
-        )  # fmt: skip
+        return cls(opts, client, link, metrics, progress, clock, cfg.tokens_per_step)
 
     def step(
         self, step: int, loss: jax.Array, metrics: Any, done: bool, frags: FragmentBook
@@ -364,12 +375,11 @@ class _Report:
         elapsed = time.monotonic() - self.window_start
         progress.tokens_per_sec = self.window_steps * tokens_per_step / max(elapsed, 1e-9)
         self.window_start, self.window_steps = time.monotonic(), 0
-        resume = self.resume_step
-        lr = float(resumed_learning_rate(self.schedule, resume + step - 1, resume, self.ramp))
-        overwritten = frags.counters.overwritten_share(step)
+        clock, overwritten = self.clock, frags.counters.overwritten_share(step)
         _log_progress(
-            self.opts, step, progress, frags.versions, self.link, resume + step, lr, overwritten
-        )
+            self.opts, step, progress, frags.versions, self.link, clock.position(step),
+            clock.learning_rate(step), overwritten,
+        )  # fmt: skip
         if metrics:  # the model's own (float() waits for the step: only on logged steps)
             log.info(
                 "event=model_metrics unit=%s step=%d %s", self.opts.name, step,
@@ -420,7 +430,7 @@ def _log_progress(
     overwritten: float,
 ) -> None:
     """step/tokens: this attempt's (what heartbeats report); schedule_step: the unit's step in
-    its LR schedule (earlier attempts included); lr: the LR of the last step; overwritten: the
+    its LR schedule (earlier attempts included, never behind the run: `ScheduleClock`); lr: the LR of the last step; overwritten: the
     share of its fragment-steps so far that installs replaced before a push carried them."""
     loss = float(progress.loss) if progress.loss is not None else float("nan")
     log.info(

@@ -11,8 +11,8 @@ calls and reads shared state:
   device->host copy happens here, off the hot path), computes the delta and pushes it.
 - `drain()`: new global fragment versions that the POLLER threads (one long-poll per fragment)
   received since the last call.
-- the HEARTBEAT thread reports step/tokens/throughput/loss every heartbeat period and sets
-  `complete` when the syncer says the run's budget is reached.
+- the HEARTBEAT thread reports step/tokens/throughput/loss every heartbeat period, keeps the
+  run's share of its budget (`budget_done`), and sets `complete` when the budget is reached.
 
 Connection trouble and 5xx answers are retried with exponential backoff (capped, jittered);
 4xx answers are logged and the request dropped (retrying the same request cannot help).
@@ -143,6 +143,7 @@ class SyncLink:
         self.progress = progress
         self.heartbeat_seconds = heartbeat_seconds
         self.complete = threading.Event()
+        self.budget_done = 0.0  # the run's share of its budget, as of the last heartbeat reply
         self.stopping = threading.Event()
         self.stats = {"pushes": 0, "push_failures": 0, "push_combined": 0, "rejected": 0}
         self.last_quant_error = 0.0
@@ -305,6 +306,7 @@ class SyncLink:
                 continue
             backoff.reset()
             delay = self.heartbeat_seconds
+            self.budget_done = reply.budget_done
             if reply.complete:
                 log.info("event=run_complete outer_step=%d", reply.outer_step)
                 self.complete.set()

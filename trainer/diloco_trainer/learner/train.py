@@ -10,7 +10,9 @@ which is what multi-host needs.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -30,6 +32,8 @@ Metrics = dict[str, jax.Array]
 LossFn = Callable[[Params, Any, jax.Array], tuple[jax.Array, Metrics]]
 # (params, opt_state, batch, rng) -> (params, opt_state, loss, metrics)
 TrainStep = Callable[[Params, Any, Any, jax.Array], tuple[Params, Any, jax.Array, Metrics]]
+
+log = logging.getLogger(__name__)
 
 
 def learning_rate_schedule(cfg: InnerOptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -96,20 +100,64 @@ def scale_by_resumable_schedule(
     return optax.GradientTransformation(init, update)
 
 
-def resume_schedule(opt_state: Any, step: int, mesh: Mesh | None = None) -> Any:
-    """A fresh optimizer state whose LR schedule continues at `step` (AdamW moments untouched)."""
-    value = np.asarray(step, np.int32)
+def resume_schedule(
+    opt_state: Any, step: int, mesh: Mesh | None = None, start: int | None = None
+) -> Any:
+    """The optimizer state with its LR schedule continuing at `step`, counted as started at
+    `start` (default `step`: the re-warmup begins now); AdamW moments untouched."""
+
+    def scalar(value: int) -> jax.Array:
+        host = np.asarray(value, np.int32)
+        return jax.device_put(host, replicated(mesh)) if mesh is not None else jnp.asarray(host)
 
     def fix(node: Any) -> Any:
         if isinstance(node, ResumableScheduleState):
-            arr = (
-                jax.device_put(value, replicated(mesh)) if mesh is not None else jnp.asarray(value)
-            )
-            return ResumableScheduleState(arr, arr)
+            return ResumableScheduleState(scalar(step), scalar(step if start is None else start))
         return node
 
     is_schedule = lambda node: isinstance(node, ResumableScheduleState)  # noqa: E731
     return jax.tree_util.tree_map(fix, opt_state, is_leaf=is_schedule)
+
+
+@dataclass
+class ScheduleClock:
+    """Where one learner process's steps fall on its unit's LR schedule, kept up with the run.
+
+    Step `s` of the process (from 1) trains at schedule step `start + s - 1`; `start` begins at
+    the unit's resume step. The horizon is the unit's share of the run's budget, but a unit that
+    was down, paused or slower than the others has done less than its share when the budget is
+    reached, and would end the run at a higher LR than the rest, its last deltas the largest in
+    every merge. So the clock never lags the run: when the run's progress through its budget
+    (`floor`) is ahead of the unit, the schedule jumps there, re-warmup ramp unchanged."""
+
+    schedule: optax.Schedule
+    horizon: int
+    rewarmup: int
+    start: int
+    mesh: Mesh | None = None
+
+    def floor(self, budget_done: float) -> int:
+        """The schedule step the run's counted share of its budget corresponds to."""
+        return int(budget_done * self.horizon)
+
+    def position(self, step: int) -> int:
+        """The schedule step of the update after `step` steps of this process."""
+        return self.start + step
+
+    def learning_rate(self, step: int) -> float:
+        """The LR step `step` of this process trained at."""
+        count = self.start + step - 1
+        return float(resumed_learning_rate(self.schedule, count, self.start, self.rewarmup))
+
+    def keep_up(self, step: int, floor: int, opt_state: Any) -> Any:
+        """`opt_state`, its schedule moved to `floor` if the unit is behind it."""
+        behind = floor - self.position(step)
+        if behind <= 0:
+            return opt_state
+        if behind >= self.rewarmup:  # more than the drift between units of one speed
+            log.info("event=schedule_caught_up step=%d schedule_step=%d by=%d", step, floor, behind)
+        self.start = floor - step
+        return resume_schedule(opt_state, floor, self.mesh, start=self.start)
 
 
 def _decay_mask(params: Mapping[str, Any]) -> dict[str, bool]:

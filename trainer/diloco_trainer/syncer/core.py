@@ -219,6 +219,18 @@ class Syncer:
             self.cfg.total_tokens is not None and tokens >= self.cfg.total_tokens
         )
 
+    @property
+    def budget_done(self) -> float:
+        """The share of the run's budget its learners have counted, in [0, 1]: what each
+        learner's LR schedule keeps up with (`learner.train.ScheduleClock`)."""
+        steps, tokens = self.learners.totals()
+        shares = [0.0]
+        if self.cfg.total_steps:
+            shares.append(steps / self.cfg.total_steps)
+        if self.cfg.total_tokens:
+            shares.append(tokens / self.cfg.total_tokens)
+        return min(1.0, max(shares))
+
     def versions(self) -> list[int]:
         return [f.version for f in self.frags]
 

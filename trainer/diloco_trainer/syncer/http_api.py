@@ -262,7 +262,14 @@ async def heartbeat(request: web.Request) -> web.Response:
     )
     s._publish_gauges()
     s.check_complete()
-    return _json({"complete": s.complete, "versions": s.versions(), "outerStep": s.outer_step})
+    return _json(
+        {
+            "complete": s.complete,
+            "versions": s.versions(),
+            "outerStep": s.outer_step,
+            "budgetDone": round(s.budget_done, 6),
+        }
+    )
 
 
 async def params(request: web.Request) -> web.Response:
