@@ -36,13 +36,20 @@ def test_shards_are_finite_permutations_of_disjoint_windows_inside_the_train_spl
     source = StreamSource(_cfg(), stream)
     train_end = eval_split(len(stream), 0.1).start
     starts: list[int] = []
+    windows = train_end // 8
     for shard in range(4):
         batches = _train(source, shard, 4, seed=1)
-        assert len(batches) == (train_end // 4 // 8) // 4  # whole batches of whole windows
+        mine = len(range(shard, windows, 4))  # every 4th window from the shard's own on
+        assert len(batches) == mine // 4  # whole batches of whole windows
+        shard_starts = []
         for batch in batches:
             assert batch.shape == (4, SEQ + 1)
             assert (np.diff(batch, axis=1) == 1).all()  # contiguous windows
-            starts.extend(int(s) for s in batch[:, 0])
+            shard_starts.extend(int(s) for s in batch[:, 0])
+        # Interleaved: the shard's windows are spread over the whole train split.
+        assert all(s % 32 == 8 * shard for s in shard_starts)
+        assert min(shard_starts) < train_end // 10 and max(shard_starts) > train_end * 9 // 10
+        starts.extend(shard_starts)
     assert len(starts) == len(set(starts))  # no window twice in the epoch
     assert (np.diff(sorted(starts)) >= 8).all()  # windows never overlap
     assert max(starts) + 8 <= train_end  # nothing from the eval split
@@ -77,7 +84,7 @@ def test_eval_gives_corpus_eval_batches() -> None:
 def test_a_shard_smaller_than_a_batch_names_data_shards() -> None:
     source = StreamSource(_cfg(), _positions(2_000))
     with pytest.raises(DataError, match=r"data\.shards"):
-        _train(source, 0, 64, seed=0)
+        _train(source, 0, 128, seed=0)  # 225 windows: 2 for shard 0
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -1,10 +1,11 @@
 """The built-in data source over a token stream (stdlib or memmap), in the API's form
 `source(shard, num_shards, *, seed, batch_size, split, position)` (`diloco_trainer.api`).
 
-The train split (corpus.py's layout) is cut into `num_shards` contiguous parts. Shard `s` is the
-non-overlapping windows of seq_len+1 tokens that fit in its part; its batches are those windows
-in a seeded random order, `batch_size` at a time (a last partial batch is left out), so the
-shard is finite and no window comes twice. The syncer's leases (syncer/data_leases.py) give each
+The train split (corpus.py's layout) is cut into non-overlapping windows of seq_len+1 tokens, and
+shard `s` of `num_shards` is every `num_shards`-th window from the `s`-th on (interleaved, so each
+shard spans the whole split); its batches are those windows in a seeded random order,
+`batch_size` at a time (a last partial batch is left out), so the shard is finite and no window
+comes twice. The syncer's leases (syncer/data_leases.py) give each
 (epoch, shard) to one unit, and the learner seeds the order with the epoch: within an epoch no
 window is read twice anywhere in the run, and the next epoch reads them in another order.
 
@@ -22,7 +23,6 @@ import numpy as np
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data.corpus import (
     DataError,
-    Split,
     TokenStream,
     eval_split,
     open_stream,
@@ -32,17 +32,19 @@ from diloco_trainer.data.corpus import (
 EVAL_SALT = 0xE7A1  # corpus.eval_batches' stream of held-out windows
 
 
-def shard_part(train_end: int, shard: int, num_shards: int) -> Split:
-    """Shard `shard`'s contiguous part of the train split [0, train_end)."""
+def shard_windows(train_end: int, window: int, shard: int, num_shards: int) -> np.ndarray:
+    """Start offsets of shard `shard`'s windows, ascending: of the non-overlapping windows of the
+    train split [0, train_end), every `num_shards`-th one from the `shard`-th on. Interleaved,
+    not contiguous, so that every shard samples the whole split: corpora are usually sorted (by
+    file, source or date) and a unit reading one contiguous slice for hundreds of steps would
+    train on data unlike its peers' (docs/design.md, "Interleaved shards")."""
     if not 0 <= shard < num_shards:
         raise DataError(f"data: shard {shard} outside 0..{num_shards - 1} (data.shards)")
-    bounds = np.linspace(0, train_end, num_shards + 1).astype(np.int64)
-    return Split(int(bounds[shard]), int(bounds[shard + 1]))
+    return window * np.arange(shard, train_end // window, num_shards, dtype=np.int64)
 
 
-def window_order(part: Split, window: int, seed: int, shard: int) -> np.ndarray:
-    """Start offsets of the part's non-overlapping windows, in the (seed, shard) order."""
-    starts = part.start + window * np.arange(len(part) // window, dtype=np.int64)
+def window_order(starts: np.ndarray, seed: int, shard: int) -> np.ndarray:
+    """The shard's window starts in the (seed, shard) order."""
     return np.random.default_rng([seed, shard]).permutation(starts)
 
 
@@ -85,7 +87,7 @@ class StreamSource:
     ) -> Iterator[np.ndarray]:
         stream, window = self.stream, self.cfg.model.context + 1
         train_end = eval_split(len(stream), self.cfg.data.eval_fraction).start
-        starts = window_order(shard_part(train_end, shard, num_shards), window, seed, shard)
+        starts = window_order(shard_windows(train_end, window, shard, num_shards), seed, shard)
         if len(starts) < batch_size:
             raise DataError(
                 f"data: shard {shard} of {num_shards} holds {len(starts)} windows of {window} "
