@@ -57,29 +57,50 @@ def _apply(state: dict[int, int], event: str, rest: str) -> None:
         state[int(f["fragment"])] = int(f["version"])
 
 
+def serving_starts(events: Sequence[LogEvent]) -> list[tuple[float, str, float | None]]:
+    """(began, log, listening) for each syncer that began serving, in time order: a standby at
+    its `took_over` (its `listening` follows within milliseconds), any other at its `listening`.
+    `listening` is None for a standby killed between the two."""
+    starts: list[tuple[float, str, float | None]] = []
+    taking_over: dict[str, int] = {}  # log -> index in `starts` of a took_over not yet listening
+    for when, event, _, log in events:
+        if event == "took_over":
+            taking_over[log] = len(starts)
+            starts.append((when, log, None))
+        elif event == "listening":
+            i = taking_over.pop(log, None)
+            if i is None:
+                starts.append((when, log, when))
+            else:
+                starts[i] = (starts[i][0], log, when)
+    return starts
+
+
 def kill_loss(kill: float, events: Sequence[LogEvent]) -> KillLoss | None:
     """The loss of the syncer kill at wall time `kill`; None when no syncer served before it.
-    The killed syncer is the one that last began listening before the kill; its published
-    versions are the last it stated or merged. Its successor is the next to listen; what it
-    serves is what it stated by then, where a fragment it renumbered (`versions_lost`) counts
-    with the version whose content it holds (`checkpointed`)."""
-    before = [e for e in events if e[0] <= kill]
-    listening = [e for e in before if e[1] == "listening"]
-    if not listening:
+    The killed syncer is the one that last began serving before the kill (`serving_starts`);
+    its published versions are the last it stated or merged. Its successor is the next to begin
+    serving; what it serves is what it stated by then (a standby states its restore and journal
+    replay while it waits, before the kill), where a fragment it renumbered (`versions_lost`)
+    counts with the version whose content it holds (`checkpointed`)."""
+    starts = serving_starts(events)
+    before = [s for s in starts if s[0] <= kill]
+    if not before:
         return None
-    killed_log = listening[-1][3]
+    killed_log = before[-1][1]
     published: dict[int, int] = {}
-    for _, event, rest, log in before:
-        if log == killed_log:
+    for when, event, rest, log in events:
+        if when <= kill and log == killed_log:
             _apply(published, event, rest)
-    after = [e for e in events if e[0] > kill]
-    successor = next((e for e in after if e[1] == "listening"), None)
+    successor = next((s for s in starts if s[0] > kill), None)
     served: dict[int, int] = {}
     if successor is not None:
-        for when, event, rest, log in after:
-            if when > successor[0]:
+        began, successor_log, _ = successor
+        for when, event, rest, log in events:
+            if when > began:
                 break
-            if log != successor[3]:
+            # A syncer restarted into the killed one's log states its state after the kill.
+            if log != successor_log or (log == killed_log and when <= kill):
                 continue
             _apply(served, event, rest)
             if event == "versions_lost":
@@ -89,10 +110,10 @@ def kill_loss(kill: float, events: Sequence[LogEvent]) -> KillLoss | None:
     return KillLoss(
         at=kill,
         killed_log=killed_log,
-        successor_log=None if successor is None else successor[3],
-        serving_after=None if successor is None else successor[0] - kill,
+        successor_log=None if successor is None else successor[1],
+        serving_after=None if successor is None else (successor[2] or successor[0]) - kill,
         successor_warm=successor is not None
-        and any(e[1] == "standby_ready" and e[3] == successor[3] for e in before),
+        and any(e[1] == "standby_ready" and e[3] == successor[1] and e[0] <= kill for e in events),
         published=tuple(published.get(i, 0) for i in frags),
         served=tuple(served.get(i, 0) for i in frags) if successor is not None else (),
     )

@@ -43,6 +43,54 @@ def test_a_standby_that_serves_every_published_version_loses_nothing(tmp_path: P
     assert loss.successor_warm
 
 
+def test_a_standby_killed_as_it_takes_over_hands_on_to_the_next_without_loss(
+    tmp_path: Path,
+) -> None:
+    """Two syncer kills 0.2 s apart (the soak drew them): the second hits standby 1 between its
+    took_over and its listening. It is the syncer killed then, standby 2 (cold, restored from
+    the checkpoint) its successor, and nothing was lost; before, the second kill was read as
+    syncer.log -> standby 1 with nothing served."""
+    write_log(
+        tmp_path / "syncer.log",
+        [
+            ("01,000", "event=listening host=127.0.0.1 port=1 run=r fragments=2"),
+            ("02,000", "event=merged fragment=0 version=3 contributions=1 share=1 units=a"),
+        ],
+    )
+    write_log(
+        tmp_path / "syncer-standby-1.log",
+        [
+            ("01,500", "event=restored seq=1 versions=[2, 0] outer_step=2"),
+            ("01,600", "event=standby_ready lock=x versions=[2, 0]"),
+            ("05,000", "event=took_over seconds=0.1 versions=[3, 0]"),
+            ("05,100", "event=listening host=127.0.0.1 port=1 run=r fragments=2"),
+        ],
+    )
+    write_log(
+        tmp_path / "syncer-standby-2.log",
+        [
+            ("07,000", "event=restored seq=2 versions=[3, 0] outer_step=3"),
+            ("07,200", "event=listening host=127.0.0.1 port=1 run=r fragments=2"),
+        ],
+    )
+    events = syncer_log_events(tmp_path)
+    took_over = next(when for when, event, _, _ in events if event == "took_over")
+    first, second = kill_loss(took_over - 0.2, events), kill_loss(took_over + 0.05, events)
+    assert first is not None and second is not None
+    assert (first.killed_log, first.successor_log) == ("syncer.log", "syncer-standby-1.log")
+    assert (first.published, first.served, first.lost) == (
+        (3, 0),
+        (3, 0),
+        0,
+    ) and first.successor_warm
+    assert (second.killed_log, second.successor_log) == (
+        "syncer-standby-1.log", "syncer-standby-2.log",
+    )  # fmt: skip
+    assert (second.published, second.served, second.lost) == ((3, 0), (3, 0), 0)
+    assert not second.successor_warm
+    assert second.serving_after is not None and abs(second.serving_after - 2.15) < 1e-6
+
+
 def test_a_cold_restart_from_an_older_checkpoint_counts_the_renumbered_versions_lost(
     tmp_path: Path,
 ) -> None:
