@@ -33,6 +33,7 @@ DISK_MIB = 48  # room for the kept checkpoints and the journals of the tiny mode
 # Share of each kind among the drawn faults.
 WEIGHTS = {"kill": 35, "pause": 20, "killSyncer": 10, "disk-full": 10, "garbage": 25}
 CHAOS_KINDS = {"kill": "chaos-kill", "pause": "chaos-pause", "killSyncer": "chaos-kill-syncer"}
+SEED = 18  # of the first round's faults; round n draws with SEED + n - 1
 
 
 @dataclass(frozen=True)
@@ -133,64 +134,106 @@ def delivered(out: Outcome, tally: Tally) -> Counter[str]:
     return found + Counter({k: tally.delivered[k] for k in ("disk-full", "garbage")})
 
 
+@dataclass
+class Round:
+    """One calm run and one soak run of the same manifest, the soak's faults drawn by `seed`."""
+
+    seed: int
+    calm: Outcome
+    soak: Outcome
+    plan: Plan
+    tally: Tally
+    window: tuple[float, float]
+    tmpfs: bool
+
+    @property
+    def ratio(self) -> float:
+        calm = self.calm.summary.get("finalEvalLoss") or float("nan")
+        return (self.soak.summary.get("finalEvalLoss") or float("inf")) / calm
+
+
+def one_round(tokens: int, count: int, seed: int, max_seconds: float) -> Round:
+    calm = calm_run(tokens, max_seconds)
+    window = fault_window(calm)
+    plan = draw_faults(count, *window, seed=seed)
+    soak, tally, tmpfs = soak_run(tokens, plan, max_seconds)
+    return Round(seed, calm, soak, plan, tally, window, tmpfs)
+
+
 def run(ctx: BenchContext) -> Section:
     # 4M tokens: on a lightly loaded 2-core machine a 2M-token calm run took 145 s, which
     # packed the 100 faults into 83 s (a fault every 0.8 s, the disk full the whole time).
     tokens = 600_000 if ctx.quick else 4_000_000
     count = 25 if ctx.quick else 100
     max_seconds = 1500 if ctx.quick else 3600
-    calm = calm_run(tokens, max_seconds)
-    start, end = fault_window(calm)
-    plan = draw_faults(count, start, end, seed=18)
-    soak, tally, tmpfs = soak_run(tokens, plan, max_seconds)
-    body = report_body(calm, soak, tally, plan, (start, end), tmpfs)
+    # Two rounds: one pair of runs of this size differs by several percent in final loss
+    # (0.946 and 1.037 of calm in two runs of the same code), more than the 3% target.
+    seeds = [SEED] if ctx.quick else [SEED, SEED + 1]
+    rounds = [one_round(tokens, count, seed, max_seconds) for seed in seeds]
     return Section(
         name="soak",
         title="Soak: many random faults over one local run",
-        body=f"{UNITS} units, tiny model, {tokens:,} tokens, {count} faults.\n{body}",
+        body=f"{UNITS} units, tiny model, {tokens:,} tokens, {count} faults per soak run, "
+        f"{len(rounds)} rounds.\n{report_body(rounds)}",
         command=ctx.command,
         config=f"{UNITS} units, tiny preset, batch 8, H=20, P=4, totalTokens {tokens}, "
         f"{SPARES} warm spares, warm standby syncer, checkpoints every {CHECKPOINT_EVERY:g} s, "
-        f"offlineAfterSeconds {OFFLINE_AFTER:g}, {count} faults (seed 18)",
+        f"offlineAfterSeconds {OFFLINE_AFTER:g}, {count} faults per run (seeds "
+        f"{', '.join(map(str, seeds))})",
         quick=ctx.quick,
     )
 
 
-def _fault_rows(plan: Plan, got: Counter[str], tally: Tally, tmpfs: bool) -> list[list[object]]:
-    notes = {
-        "kill": "SIGKILL of a random running unit (runtime chaos)",
-        "pause": "SIGSTOP of a random running unit for 2-30 s, then SIGCONT (runtime chaos)",
-        "killSyncer": "SIGKILL of the serving syncer (runtime chaos; dropped while none runs)",
-        "disk-full": "checkpoint tmpfs filled by a ballast file for 3-10 s (bench)"
-        if tmpfs
-        else "not delivered: no tmpfs could be mounted",
-        "garbage": "a burst of 7 hostile pushes and 6 bad heartbeats under a real unit's token "
-        "(bench)",
-    }
-    skipped = ", ".join(f"{k}: {n}" for k, n in sorted(tally.skipped.items()))
-    rows: list[list[object]] = [
-        [kind, plan.counts()[kind], got[kind], notes[kind]] for kind in WEIGHTS
-    ]
-    rows.append(["all", sum(plan.counts().values()), sum(got.values()), skipped or "-"])
+NOTES = {
+    "kill": "SIGKILL of a random running unit (runtime chaos)",
+    "pause": "SIGSTOP of a random running unit for 2-30 s, then SIGCONT (runtime chaos)",
+    "killSyncer": "SIGKILL of the serving syncer (runtime chaos; dropped while none runs)",
+    "disk-full": "checkpoint tmpfs filled by a ballast file for 3-10 s (bench)",
+    "garbage": "a burst of 7 hostile pushes and 6 bad heartbeats under a real unit's token (bench)",
+}
+
+
+def _fault_rows(rounds: list[Round]) -> list[list[object]]:
+    """Per kind: drawn / delivered in each round."""
+    got = [delivered(r.soak, r.tally) for r in rounds]
+
+    def cells(kind: str | None) -> list[object]:
+        return [
+            f"{sum(r.plan.counts().values()) if kind is None else r.plan.counts()[kind]} / "
+            f"{sum(g.values()) if kind is None else g[kind]}"
+            for r, g in zip(rounds, got, strict=True)
+        ]
+
+    rows: list[list[object]] = []
+    for kind in WEIGHTS:
+        note = NOTES[kind]
+        if kind == "disk-full" and not all(r.tmpfs for r in rounds):
+            note = "not delivered where no tmpfs could be mounted"
+        rows.append([kind, *cells(kind), note])
+    skipped = "; ".join(
+        ", ".join(f"{k}: {n}" for k, n in sorted(r.tally.skipped.items())) for r in rounds
+    ).strip("; ")
+    rows.append(["all", *cells(None), f"skipped: {skipped}" if skipped else "-"])
     return rows
 
 
-def _kill_rows(out: Outcome) -> list[list[object]]:
-    t0 = float(out.events[0]["time"])
+def _kill_rows(rounds: list[Round]) -> list[list[object]]:
     rows: list[list[object]] = []
-    for i, k in enumerate(out.kills, 1):
-        rows.append(
-            [
-                i,
-                f"{k.at - t0:.0f}",
-                f"{k.killed_log} -> {k.successor_log or 'none'}",
-                "yes" if k.successor_warm else "no",
-                "-" if k.serving_after is None else f"{k.serving_after:.1f}",
-                list(k.published),
-                list(k.served) or "-",
-                k.lost,
-            ]
-        )
+    for n, r in enumerate(rounds, 1):
+        t0 = float(r.soak.events[0]["time"])
+        for i, k in enumerate(r.soak.kills, 1):
+            rows.append(
+                [
+                    f"{n}.{i}",
+                    f"{k.at - t0:.0f}",
+                    f"{k.killed_log} -> {k.successor_log or 'none'}",
+                    "yes" if k.successor_warm else "no",
+                    "-" if k.serving_after is None else f"{k.serving_after:.1f}",
+                    list(k.published),
+                    list(k.served) or "-",
+                    k.lost,
+                ]
+            )
     return rows
 
 
@@ -209,48 +252,68 @@ def _run_row(label: str, out: Outcome, calm_loss: float | None) -> list[object]:
     ]
 
 
-def report_body(
-    calm: Outcome,
-    soak: Outcome,
-    tally: Tally,
-    plan: Plan,
-    window: tuple[float, float],
-    tmpfs: bool,
-) -> str:
-    got = delivered(soak, tally)
-    faults = md_table(["fault", "drawn", "delivered", "how"], _fault_rows(plan, got, tally, tmpfs))
+def _mean_loss(outs: list[Outcome]) -> float:
+    losses = [o.summary.get("finalEvalLoss") for o in outs]
+    return sum(x if x is not None else float("inf") for x in losses) / len(losses)
+
+
+def report_body(rounds: list[Round]) -> str:
+    faults = md_table(
+        ["fault", *(f"round {n}: drawn / delivered" for n in range(1, len(rounds) + 1)), "how"],
+        _fault_rows(rounds),
+    )
     kills = md_table(
         ["kill", "at (s)", "killed -> successor log", "standby warm", "serving again (s)",
          "published", "successor serves", "versions lost"],
-        _kill_rows(soak),
+        _kill_rows(rounds),
     )  # fmt: skip
-    calm_loss = calm.summary.get("finalEvalLoss")
+    run_rows: list[list[object]] = []
+    for n, r in enumerate(rounds, 1):
+        calm_loss = r.calm.summary.get("finalEvalLoss")
+        run_rows.append(_run_row(f"calm {n}", r.calm, calm_loss))
+        run_rows.append(_run_row(f"soak {n} (seed {r.seed})", r.soak, calm_loss))
+    calm_mean, soak_mean = (
+        _mean_loss([r.calm for r in rounds]),
+        _mean_loss([r.soak for r in rounds]),
+    )
+    ratio = soak_mean / calm_mean
+    run_rows.append(["mean of the soaks / mean of the calms", f"{soak_mean:.4f}", f"{ratio:.3f}",
+                     "", "", "", "", ""])  # fmt: skip
     runs = md_table(
         ["run", "final eval loss", "/ calm", "goodput", "wall", "budget reached", "unit kills",
          "syncer kills"],
-        [_run_row("calm", calm, calm_loss), _run_row("soak", soak, calm_loss)],
+        run_rows,
     )  # fmt: skip
+    answers_count: Counter[str] = Counter()
+    for r in rounds:
+        answers_count.update(r.tally.answers)
     answers = md_table(
-        ["garbage request, answer", "count"], sorted(tally.answers.items())
-    ) if tally.answers else "No garbage was sent."  # fmt: skip
-    lost = sum(k.lost for k in soak.kills)
-    ratio = (soak.summary.get("finalEvalLoss") or float("inf")) / (calm_loss or float("nan"))
+        ["garbage request, answer", "count"], sorted(answers_count.items())
+    ) if answers_count else "No garbage was sent."  # fmt: skip
+    all_kills = [k for r in rounds for k in r.soak.kills]
+    stale = [line for r in rounds for line in r.soak.stale]
     met = {
-        "published versions lost over all syncer kills = 0": lost == 0
-        and all(k.successor_log for k in soak.kills),
-        "pushes of a superseded attempt = 0": not soak.stale,
-        "garbage answered 2xx = 0": not tally.accepted_garbage,
-        "run completed (token budget reached)": bool(soak.summary.get("complete")),
-        "final eval loss / calm <= 1.03": ratio <= 1.03,
+        "published versions lost over all syncer kills = 0": sum(k.lost for k in all_kills) == 0
+        and all(k.successor_log for k in all_kills),
+        "pushes of a superseded attempt = 0": not stale,
+        "garbage answered 2xx = 0": not any(r.tally.accepted_garbage for r in rounds),
+        "every soak run completed (token budget reached)": all(
+            r.soak.summary.get("complete") for r in rounds
+        ),
+        "final eval loss, mean of the soak runs / mean of the calm runs <= 1.03": ratio <= 1.03,
     }
     verdicts = "\n".join(f"- {k}: **{'met' if v else 'NOT met'}**" for k, v in met.items())
-    stale = "; ".join(soak.stale[:5]) or "none"
-    ending = str(soak.summary.get("exitReason") or "-").splitlines()[0][:300]
+    windows = "; ".join(
+        f"round {n}: seed {r.seed}, {r.window[0]:.0f} s to {r.window[1]:.0f} s, ended: "
+        + str(r.soak.summary.get("exitReason") or "-").splitlines()[0][:200]
+        for n, r in enumerate(rounds, 1)
+    )
+    disk = " and ".join(f"{r.tally.disk_full_seconds:.0f} s" for r in rounds)
     return f"""
-The soak's {sum(plan.counts().values())} faults were drawn (seed 18) at uniform random times
-between {window[0]:.0f} s (all calm units training, plus 10% of the calm run's time to its
-budget) and {window[1]:.0f} s (75% of that time; a fault drawn after the soak run's end is not
-delivered). The soak run ended: {ending}. It runs on the local runtime (`diloco local run --chaos`, real processes, a warm standby
+Each round is a calm run and a soak run of one manifest. A soak run's faults are drawn with the
+round's seed at uniform random times between the calm run's last first `unit-online` (all units
+training) plus 10% of its time to its budget, and 75% of that time (a fault drawn after the soak
+run's end is not delivered): {windows}. The runs are on the local runtime (`diloco local run --chaos`, real processes, a warm standby
 syncer); operator restarts and duplicate pods on Kubernetes are covered by the e2e suite
 (test_03_chaos `test_operator_sigkilled_mid_change_no_duplicates`, test_04_ha_failover), not here.
 
@@ -265,22 +328,22 @@ successor was a standby that had finished warming up (`standby_ready`) before th
 soon after the previous one finds the new standby still importing and compiling, and serving
 waits for it.
 
-{kills if soak.kills else "No syncer kill was delivered."}
+{kills if all_kills else "No syncer kill was delivered."}
 
 {runs}
 
-Answers to the garbage (status 0: no answer, the syncer was being killed):
+Answers to the garbage, both rounds (status 0: no answer, the syncer was being killed):
 
 {answers}
 
 Pushes of a superseded attempt (a unit's older attempt pushing after a newer one joined or
-pushed; the syncer logs joins and pushes, not heartbeats): {len(soak.stale)} ({stale}).
-Checkpoint disk full for {tally.disk_full_seconds:.0f} s in all.
+pushed; the syncer logs joins and pushes, not heartbeats): {len(stale)} ({"; ".join(stale[:5]) or "none"}).
+Checkpoint disk full for {disk} in all.
 
 Verdicts:
 {verdicts}
 
 Goodput (useful learner-seconds / all learner-seconds) is reported, with no target in this
-section. One run per row: single runs of this size vary by a few percent in loss
-(goodput_real).
+section. The loss verdict is on the means: one pair of runs of this size differs by several
+percent in final loss (goodput_real; the rounds' own ratios are in the table).
 """
