@@ -197,12 +197,10 @@ def run_learner(
     mesh, train_step = program.mesh, program.train_step
     unit_key = step_key(cfg.seed, opts.unit)
     params, opt_state = _training_state(program, start)
-    clock = schedule_clock(cfg, opts.num_units, start.resume_step, mesh)
+    clock = _schedule_clock(cfg, opts.num_units, start.resume_step, mesh)
     batches = unit_feed(cfg, program.workload.source, start.data_lease, client, stop)
     frags = FragmentBook.starting(cfg, start.layout, start.shapes, start.versions, start.fragments)
-    report = _Report.starting(
-        cfg, opts, client, start, leader, program.workload.flops_per_token, clock
-    )
+    report = _Report.starting(cfg, opts, client, start, leader, program.workload, clock)
     link, tokens_per_step = report.link, cfg.tokens_per_step
 
     step, prev_loss, last_done = 0, None, time.monotonic()
@@ -310,10 +308,9 @@ def _start(
     )
 
 
-def schedule_clock(
-    cfg: TrainingConfig, num_units: int, resume_step: int, mesh: Mesh | None = None
+def _schedule_clock(
+    cfg: TrainingConfig, num_units: int, resume_step: int, mesh: Mesh
 ) -> ScheduleClock:
-    """The LR schedule of a unit of a run of `num_units`, continuing at `resume_step`."""
     horizon = learner_horizon(cfg, num_units)
     schedule = learning_rate_schedule(cfg.inner_optimizer, horizon)
     return ScheduleClock(schedule, horizon, rewarmup_steps(cfg.inner_optimizer), resume_step, mesh)
@@ -352,7 +349,7 @@ class _Report:
         client: SyncerClient,
         start: _Start,
         leader: bool,
-        flops_per_token: float | None,
+        workload: Workload,
         clock: ScheduleClock,
     ) -> _Report:
         progress = Progress()
@@ -362,7 +359,7 @@ class _Report:
         metrics = None
         if link is not None and opts.metrics_port > 0:
             metrics = start_learner_metrics(
-                flops_per_token, opts.name, opts.group, opts.metrics_port,
+                workload.flops_per_token, opts.name, opts.group, opts.metrics_port,
                 jax.devices()[0].device_kind, jax.device_count(), os.environ,
             )  # fmt: skip
         return cls(opts, client, link, metrics, progress, clock, cfg.tokens_per_step)
@@ -433,9 +430,8 @@ def _log_progress(
     overwritten: float,
 ) -> None:
     """step/tokens: this attempt's (what heartbeats report); schedule_step: the unit's step in
-    its LR schedule (earlier attempts included, never behind the run: `ScheduleClock`); lr: the
-    LR of the last step; overwritten: the share of its fragment-steps so far that installs
-    replaced before a push carried them."""
+    its LR schedule (earlier attempts included, never behind the run: `ScheduleClock`); lr: the LR of the last step; overwritten: the
+    share of its fragment-steps so far that installs replaced before a push carried them."""
     loss = float(progress.loss) if progress.loss is not None else float("nan")
     log.info(
         "event=progress unit=%s step=%d schedule_step=%d lr=%.3g tokens=%d loss=%.4f "
