@@ -64,6 +64,7 @@ def parity_config(
     seq_len: int = 64,
     outer_momentum: float = 0.8,
     phase_lock: bool = True,
+    seed: int = 0,
 ) -> TrainingConfig:
     # Short sequences and small batches keep 4,000 steps x 4 learners within ~10 CPU-minutes per
     # run on 2 cores; the comparison is between schedules, so the absolute size matters less.
@@ -83,6 +84,7 @@ def parity_config(
             "eval": {"everySeconds": None, "batches": EVAL_BATCHES},
             "checkpoint": {"everySeconds": 600},
             "heartbeatSeconds": 1.0,
+            "seed": seed,
         }
     )
 
@@ -295,61 +297,109 @@ def plot_curves(runs: list[Outcome], path: Path) -> Path:
     return path
 
 
+SEEDS = (0, 1, 2)  # init and data order; every seed is its own data-parallel reference
+
+
+@dataclass
+class SeedRuns:
+    """Every run at one seed: the reference, synchronous DiLoCo and the phase-locked repeats."""
+
+    seed: int
+    dp: Outcome
+    sync: Outcome
+    locked: list[Outcome]
+
+    def ratios(self) -> list[float]:
+        return [o.loss / self.dp.loss for o in self.locked]
+
+    def locked_mean(self) -> float:
+        return statistics.fmean(self.ratios())
+
+
+def _logged(out: Outcome, seed: int) -> Outcome:
+    log(f"parity seed {seed} {out.name}: eval loss {out.loss:.4f} ({out.seconds:.0f}s) {out.note}")
+    log(f"parity seed {seed} {out.name} curve: {out.curve}")
+    return out
+
+
+def runs_at_seed(cfg: TrainingConfig, steps: int, repeats: int) -> SeedRuns:
+    # The real-process runs first: they are the most fragile and the ones the section is about.
+    locked = [
+        _logged(decoupled(cfg, steps, f"decoupled DiLoCo, run {k + 1}"), cfg.seed)
+        for k in range(repeats)
+    ]
+    dp = _logged(data_parallel(cfg, steps), cfg.seed)
+    sync = _logged(sync_diloco(cfg, steps, name="synchronous DiLoCo"), cfg.seed)
+    return SeedRuns(cfg.seed, dp, sync, locked)
+
+
+def _interval_text(xs: list[float]) -> str:
+    if len(xs) < 2:
+        return "one value"
+    low, high = mean_interval(xs)
+    return f"{low:.3f} to {high:.3f}"
+
+
+def _joined(xs: list[float]) -> str:
+    return ", ".join(f"{x:.3f}" for x in xs)
+
+
 def run(ctx: BenchContext) -> Section:
     # 4,000 steps per learner: at 2,000, synchronous DiLoCo itself was 1.034 of data-parallel
     # on this model, at 4,000 1.013 (docs/design.md, "How long a horizon").
     steps, h = (300, 25) if ctx.quick else (4000, 30)
-    # The phase-locked run is repeated: its timing (which steps a merge catches) differs from
-    # run to run, and single runs have spread over about 2% of loss (docs/design.md).
-    repeats = 1 if ctx.quick else 3
-    cfg = parity_config(steps, h)
-    fixed = cfg.model_copy(update={"phase_lock": False})
-    locked_name = "decoupled DiLoCo (processes, async)"
-    # The real-process runs first: they are the most fragile and the ones the section is about.
-    jobs = [
-        *(
-            lambda k=k: decoupled(
-                cfg, steps, f"{locked_name}, run {k + 1}" if repeats > 1 else locked_name
-            )
-            for k in range(repeats)
+    # Several seeds, each with repeated phase-locked runs: a seed moves the init and the data
+    # order, a repeat only the timing of merges; issue 21 found a tuning that held on seed 0 and
+    # not on another, and single runs of one seed spread over about 2% (docs/design.md).
+    seeds, repeats = ((0, 1), 1) if ctx.quick else (SEEDS, 2)
+    results = [runs_at_seed(parity_config(steps, h, seed=seed), steps, repeats) for seed in seeds]
+    first = results[0]
+    unlocked = _logged(
+        decoupled(
+            parity_config(steps, h, seed=first.seed, phase_lock=False),
+            steps,
+            "decoupled DiLoCo, fixed push schedule (phaseLock off)",
         ),
-        lambda: decoupled(fixed, steps, "decoupled DiLoCo, fixed push schedule (phaseLock off)"),
-        lambda: data_parallel(cfg, steps),
-        lambda: sync_diloco(cfg, steps),
-    ]
-    outcomes = []
-    for job in jobs:
-        out = job()
-        log(f"parity {out.name}: eval loss {out.loss:.4f} ({out.seconds:.0f}s) {out.note}")
-        log(f"parity {out.name} curve: {out.curve}")
-        outcomes.append(out)
-    *locked_runs, unlocked, dp, sync = outcomes
-    runs = [dp, sync, *locked_runs, unlocked]  # report order: reference first
-    png = plot_curves(runs, ctx.plot_path("parity_curves.png"))
-    ref = dp.loss
-    rows = [
-        (o.name, f"{o.loss:.4f}", f"{o.loss / ref:.3f}", f"{o.seconds:.0f}s", o.note) for o in runs
-    ]
-    locked_loss = statistics.fmean(o.loss for o in locked_runs)
-    ratios = [o.loss / ref for o in locked_runs]
-    dec = locked_loss / ref
+        first.seed,
+    )
+    png = plot_curves(
+        [first.dp, first.sync, *first.locked, unlocked], ctx.plot_path("parity_curves.png")
+    )
+    rows = []
+    for r in results:
+        for o in [r.dp, r.sync, *r.locked, *([unlocked] if r is first else [])]:
+            rows.append(
+                (r.seed, o.name, f"{o.loss:.4f}", f"{o.loss / r.dp.loss:.3f}",
+                 f"{o.loss / r.sync.loss:.3f}", f"{o.seconds:.0f}s", o.note)
+            )  # fmt: skip
+    table = md_table(
+        ["seed", "run", "eval loss", "/ data-parallel", "/ synchronous DiLoCo", "wall", "note"],
+        rows,
+    )
+    locked_means = [r.locked_mean() for r in results]
+    sync_ratios = [r.sync.loss / r.dp.loss for r in results]
+    vs_sync = [r.locked_mean() * r.dp.loss / r.sync.loss for r in results]
+    spreads = [max(r.ratios()) - min(r.ratios()) for r in results]
+    ratios = {
+        "synchronous DiLoCo / data-parallel": sync_ratios,
+        f"decoupled (mean of {repeats} per seed) / data-parallel": locked_means,
+        "decoupled / synchronous DiLoCo": vs_sync,
+    }
+    summary = md_table(
+        ["ratio", f"mean over {len(seeds)} seeds", "95% interval (seeds)", "per seed"],
+        [
+            (name, f"**{statistics.fmean(xs):.3f}**", _interval_text(xs), _joined(xs))
+            for name, xs in ratios.items()
+        ],
+    )
+    dec = statistics.fmean(locked_means)
     verdict = "met" if dec <= 1.02 else "NOT met"
-    measure, spread_text, reading = "one run", "one run here", ""
-    # Repeated runs: a mean row, and an interval that says whether they can tell it from 1.02.
-    if repeats > 1:
-        spread_text = f"{min(ratios):.3f} to {max(ratios):.3f}"
-        mean_row = (f"{locked_name}, mean of {repeats}", f"{locked_loss:.4f}", f"{dec:.3f}")
-        rows.insert(2 + repeats, (*mean_row, "", f"runs {spread_text}"))
-        low, high = mean_interval(ratios)
-        measure = f"the mean of {repeats} runs; 95% interval of that mean {low:.3f} to {high:.3f}"
-        reading = (
-            f",\nand its interval: {repeats} runs "
-            + ("cannot" if low <= 1.02 <= high else "can")
-            + " tell it from the 1.02 target"
-        )
-    table = md_table(["run", "eval loss", "loss / data-parallel", "wall", "note"], rows)
     horizon = "the quick variant's short horizon" if ctx.quick else "this horizon"
+    cfg = parity_config(steps, h)
     outer = cfg.outer_optimizer
+    spread_line = ", ".join(
+        f"seed {r.seed}: {s:.3f}" for r, s in zip(results, spreads, strict=True)
+    )
     body = f"""
 M={M} learners, batch B={cfg.data.batch_size} x seqLen {cfg.model.context} each; data-parallel
 uses batch {M * cfg.data.batch_size}. {steps} steps per learner (= {steps} data-parallel steps,
@@ -357,35 +407,38 @@ equal tokens: {steps * M * cfg.tokens_per_step:,}), H={h}, P={cfg.fragments}, qu
 {cfg.quorum}, grace {cfg.grace.mode} (max {cfg.grace.max_seconds:g} s), inner AdamW lr
 {cfg.inner_optimizer.lr} (warmup {cfg.inner_optimizer.warmup_steps}, cosine), outer Nesterov
 {outer.lr}/{outer.momentum} (the paper's momentum is 0.9; 0.8 did better here, docs/design.md).
-The decoupled runs are real `diloco-syncer` and `diloco-learner` processes; the first uses
-`phaseLock: true`, the second the fixed staggered schedule. Eval: {EVAL_BATCHES} held-out batches.
-The ablations (RDA vs plain mean, token weighting, int8/int4, chaos, mixed speeds, M=8) are the
-next section, under a controlled clock.
+Seeds {", ".join(str(s) for s in seeds)}: a seed sets the initial parameters, the data order and
+the held-out batches, so each run is compared with data-parallel at its own seed. The decoupled
+runs are real `diloco-syncer` and `diloco-learner` processes with `phaseLock: true`, {repeats}
+per seed (they differ in the timing of merges); the fixed staggered schedule runs once, at seed
+{first.seed}. Eval: {EVAL_BATCHES} held-out batches. The ablations (RDA vs plain mean, token
+weighting, int8/int4, chaos, mixed speeds, M=8) are the next section, under a controlled clock.
+
+{summary}
 
 {table}
 
-![loss curves]({png.relative_to(ctx.out_dir.parent).as_posix()})
+![loss curves, seed {first.seed}]({png.relative_to(ctx.out_dir.parent).as_posix()})
 
-Target: decoupled M=4 loss / data-parallel <= 1.02: **{verdict}** ({dec:.3f}, {measure}) over {horizon}
-({steps} inner steps per learner; the issue asks for >= 2000 for the full row, where short
-horizons favour data-parallel: the same settings at 2,000 steps gave synchronous DiLoCo 1.034 and
-the phase-locked run 1.035, docs/design.md). Data: an 8 MB slice of the corpus, about one pass
-of it at 4,000 steps. Data-parallel draws its windows at random from the whole train split; the
-DiLoCo learners, synchronous and decoupled, read the syncer's leased shards (interleaved windows,
-each read once per epoch: docs/design.md, "Interleaved shards"), the synchronous ones in the
-order the lease book hands them to learners of one pace.
+Target: decoupled M=4 loss / data-parallel <= 1.02: **{verdict}** ({dec:.3f}, the mean over
+{len(seeds)} seeds of each seed's mean; 95% interval over the seeds {_interval_text(locked_means)})
+over {horizon} ({steps} inner steps per learner; short horizons favour data-parallel: the same
+settings at 2,000 steps gave synchronous DiLoCo 1.034, docs/design.md). Issue 21 asks for <= 1.00.
+Data: an 8 MB slice of the corpus, about one pass of it at 4,000 steps. Data-parallel draws its
+windows at random from the whole train split; the DiLoCo learners, synchronous and decoupled,
+read the syncer's leased shards (interleaved windows, each read once per epoch: docs/design.md,
+"Interleaved shards"), the synchronous ones in the order the lease book hands them to learners
+of one pace.
 
-Reading: synchronous DiLoCo is {sync.loss / ref:.3f} of data-parallel here (a 0.4M-parameter
-model, {steps} steps); the phase-locked decoupled runs are {locked_loss / sync.loss:.3f} (mean) of
-synchronous DiLoCo, the fixed schedule {unlocked.loss / sync.loss:.3f}. On the fixed schedule the
-learners' pushes scatter in time, so nearly every merge holds one learner's delta (see the
-fragment versions: about one merge per push) and each learner's progress on a fragment since
-the previous merge is overwritten by the next. Phase-locked, the learners push each fragment
-together and merges hold all of them (about a quarter as many versions): the decoupled runs then
-train like synchronous DiLoCo, and what remains is DiLoCo's own gap at this model size, plus
-the steps a learner makes on a fragment between its push and the install of the merge (it waits
-for the slowest of four processes sharing two cores: "steps overwritten" in the notes).
-The repeated runs differ only in that timing ({spread_text}): read the mean, not one run{reading}.
+Reading: on the fixed schedule the learners' pushes scatter in time, so nearly every merge holds
+one learner's delta (see the fragment versions: about one merge per push) and each learner's
+progress on a fragment since the previous merge is overwritten by the next. Phase-locked, the
+learners push each fragment together and merges hold all of them (about a quarter as many
+versions): the decoupled runs then train like synchronous DiLoCo, and what remains is DiLoCo's
+own gap at this model size, plus the steps a learner makes on a fragment between its push and
+the install of the merge (it waits for the slowest of four processes sharing two cores: "steps
+overwritten" in the notes). Spread between the repeats of one seed (largest minus smallest
+ratio): {spread_line}.
 """
     return Section(
         name="parity",
@@ -393,6 +446,7 @@ The repeated runs differ only in that timing ({spread_text}): read the mean, not
         body=body,
         command=ctx.command,
         config=f"tiny preset, M={M}, B={cfg.data.batch_size}, H={h}, P={cfg.fragments}, "
-        f"S={steps}, outer {outer.lr}/{outer.momentum}, phaseLock, seed {cfg.seed}",
+        f"S={steps}, outer {outer.lr}/{outer.momentum}, phaseLock, seeds "
+        + ", ".join(str(s) for s in seeds),
         quick=ctx.quick,
     )
