@@ -17,6 +17,7 @@ and the transport are simulated.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from diloco_trainer.config import Scheme, TrainingConfig
-from diloco_trainer.data.corpus import train_batches
+from diloco_trainer.data.tokens import StreamSource
 from diloco_trainer.fragments import is_due, pack_fragments
+from diloco_trainer.learner.data_feed import epoch_seed
 from diloco_trainer.learner.train import make_optimizer, resume_schedule
 from diloco_trainer.merge import Contribution, participation_share
 from diloco_trainer.models.gpt import init_params, loss_fn, param_shapes
@@ -89,6 +91,20 @@ class Result:
         )
 
 
+def leased_batches(cfg: TrainingConfig, unit: int, units: int) -> Iterator[np.ndarray]:
+    """The batches learner `unit` of `units` in lockstep reads under the syncer's data leases:
+    shards unit, unit + units, ... of each epoch through the built-in source, as the lease book
+    hands them out when every learner reads at the same pace; so the in-process runs read the
+    data the real decoupled ones do (a restarted learner goes on with its predecessor's lease)."""
+    source = StreamSource(cfg)
+    for epoch in itertools.count():
+        for shard in range(unit, cfg.data.shards, units):
+            yield from source(
+                shard, cfg.data.shards, seed=epoch_seed(cfg.seed, epoch),
+                batch_size=cfg.data.batch_size, split="train", position=0,
+            )  # fmt: skip
+
+
 def roundtrip(delta: Host, scheme: str) -> Host:
     """The delta as the syncer sees it after quantization (block 128) and dequantization."""
     if scheme == "none":
@@ -143,7 +159,7 @@ def simulate(
         return jax.tree_util.tree_map(keep, new_p, p), jax.tree_util.tree_map(keep, new_st, st)
 
     step_all = jax.jit(jax.vmap(one))
-    streams: list[Iterator[np.ndarray]] = [train_batches(cfg, m, m_count) for m in range(m_count)]
+    streams = [leased_batches(cfg, m, m_count) for m in range(m_count)]
     outer = OuterOptimizer(
         cfg.outer_optimizer.lr, cfg.outer_optimizer.momentum, True, s.per_round_momentum
     )
