@@ -13,14 +13,12 @@ All are evaluated by `eval_loss` on the same held-out batches.
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,10 +27,9 @@ import numpy as np
 from diloco_trainer.auth import unit_token
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data.corpus import train_batches
-from diloco_trainer.data.tokens import StreamSource
+from diloco_trainer.downlink import apply_step, dequantize_step, quantize_step
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.learner.client import SyncerClient
-from diloco_trainer.learner.data_feed import epoch_seed
 from diloco_trainer.learner.train import (
     init_opt_state,
     make_mesh,
@@ -48,7 +45,7 @@ from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.workload.evaluate import eval_loss
 
 from bench.common import BenchContext, Section, log, md_table, mean_interval
-from bench.decoupled_model import roundtrip
+from bench.decoupled_model import leased_batches, roundtrip
 from bench.live import TOKEN, syncer
 
 KEY = step_key(0, 0)  # the built-in model's loss draws nothing from its rng
@@ -99,13 +96,44 @@ class Outcome:
     seconds: float
     note: str = ""
     curve: list[tuple[int, float]] = field(default_factory=list)  # (tokens, eval loss)
+    traffic: Traffic | None = None  # the learners' bytes, for runs with real processes
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What the learners of a real run sent and received, from their exit lines; received
+    leaves out each attempt's join (one full pull of the parameters)."""
+
+    sent: int
+    received: int
+    tokens: int
+
+    @classmethod
+    def of_logs(cls, exits: list[dict[str, str]]) -> Traffic:
+        def total(key: str) -> int:
+            return sum(int(e[key]) for e in exits)
+
+        received = total("bytes_received") - total("bytes_joined")
+        return cls(total("bytes_sent"), received, total("tokens"))
 
 
 def _curve_due(step: int, steps: int) -> bool:
     return step % max(1, steps // CURVE_POINTS) == 0 and step != steps
 
 
+_REFERENCES: dict[tuple[str, int, int], Outcome] = {}
+
+
 def data_parallel(cfg: TrainingConfig, steps: int, learners: int = M) -> Outcome:
+    """The reference run. It is deterministic, so one run per config serves every section of
+    one bench process (parity, parity_chaos and bytes_loss share their seeds' runs)."""
+    key = (cfg.model_dump_json(), steps, learners)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _train_data_parallel(cfg, steps, learners)
+    return _REFERENCES[key]
+
+
+def _train_data_parallel(cfg: TrainingConfig, steps: int, learners: int) -> Outcome:
     start = time.perf_counter()
     dp = cfg.model_copy(
         update={"data": cfg.data.model_copy(update={"batch_size": learners * cfg.data.batch_size})}
@@ -127,23 +155,17 @@ def data_parallel(cfg: TrainingConfig, steps: int, learners: int = M) -> Outcome
     return Outcome("data-parallel (batch M x B)", loss, time.perf_counter() - start, curve=curve)
 
 
-def leased_batches(cfg: TrainingConfig, unit: int, units: int) -> Iterator[np.ndarray]:
-    """The batches learner `unit` of `units` in lockstep reads under the syncer's data leases:
-    shards unit, unit + units, ... of each epoch through the built-in source, as the lease book
-    hands them out when every learner reads at the same pace; so the synchronous runs read the
-    data the decoupled ones do."""
-    source = StreamSource(cfg)
-    for epoch in itertools.count():
-        for shard in range(unit, cfg.data.shards, units):
-            yield from source(
-                shard, cfg.data.shards, seed=epoch_seed(cfg.seed, epoch),
-                batch_size=cfg.data.batch_size, split="train", position=0,
-            )  # fmt: skip
-
-
 def sync_diloco(
-    cfg: TrainingConfig, steps: int, method: str = "rda", scheme: str = "none", name: str = ""
+    cfg: TrainingConfig,
+    steps: int,
+    method: str = "rda",
+    scheme: str = "none",
+    name: str = "",
+    downlink: str = "none",
 ) -> Outcome:
+    """Synchronous DiLoCo in this process: pushes quantized with `scheme`; with a `downlink`
+    scheme the learners install the syncer's published copy (compressed steps with error
+    feedback, `downlink.py`) instead of the global parameters themselves."""
     start = time.perf_counter()
     mesh = make_mesh()
     opt = make_optimizer(cfg.inner_optimizer, steps)
@@ -151,6 +173,7 @@ def sync_diloco(
     shapes = param_shapes(cfg.model)
     layout = pack_fragments(shapes, cfg.fragments)
     global_params = init_params(cfg.model, cfg.seed)
+    published = dict(global_params)  # what the learners hold
     outer = OuterOptimizer(cfg.outer_optimizer.lr, cfg.outer_optimizer.momentum, True)
     outer_states = [outer.init({n: global_params[n] for n in frag}) for frag in layout]
     learners: list[list[Any]] = []
@@ -170,7 +193,7 @@ def sync_diloco(
         for i, frag in enumerate(layout):
             contribs = [
                 Contribution(
-                    roundtrip({n: global_params[n] - h[n] for n in frag}, scheme),
+                    roundtrip({n: published[n] - h[n] for n in frag}, scheme),
                     c_steps=cfg.inner_steps,
                     c_tokens=tokens,
                 )
@@ -181,12 +204,22 @@ def sync_diloco(
                 {n: global_params[n] for n in frag}, outer_states[i], merged
             )
             global_params.update(new)
+            published.update(_publish({n: published[n] for n in frag}, new, downlink))
         for lr in learners:  # overwrite local parameters, keep the inner optimizer state
-            lr[0] = place_params(global_params, mesh)
+            lr[0] = place_params(published, mesh)
     loss = eval_loss(global_params, cfg, EVAL_BATCHES)
     curve.append((steps * M * cfg.tokens_per_step, loss))
     label = name or f"synchronous DiLoCo ({method}, {scheme})"
     return Outcome(label, loss, time.perf_counter() - start, curve=curve)
+
+
+def _publish(
+    published: dict[str, np.ndarray], target: dict[str, np.ndarray], scheme: str
+) -> dict[str, np.ndarray]:
+    if scheme == "none":
+        return target
+    step = quantize_step(published, target, scheme, 128)  # type: ignore[arg-type]
+    return apply_step(published, dequantize_step(step))
 
 
 def decoupled(
@@ -235,24 +268,25 @@ def decoupled(
         finally:
             client.close()
         status = sy.status()
-        overwritten = [
-            _overwritten_share((sy.workdir / f"learner-{m}.log").read_text()) for m in range(M)
-        ]
+        exits = [_exit_line((sy.workdir / f"learner-{m}.log").read_text()) for m in range(M)]
     loss = eval_loss(params, cfg, EVAL_BATCHES)
     curve.append((status.tokens or 0, loss))
+    # The share of each learner's fragment-steps that installs replaced before a push.
+    overwritten = statistics.fmean(float(e["overwritten_share"]) for e in exits)
     note = (
         f"fragment versions {versions}, outer step {status.outer_step}, "
-        f"steps overwritten {statistics.fmean(overwritten):.1%}"
+        f"steps overwritten {overwritten:.1%}"
     )
-    return Outcome(name, loss, time.perf_counter() - start, note, curve)
+    seconds = time.perf_counter() - start
+    return Outcome(name, loss, seconds, note, curve, Traffic.of_logs(exits))
 
 
-def _overwritten_share(learner_log: str) -> float:
-    """The share of a learner's fragment-steps that installs replaced (its `event=exit` line)."""
-    found = re.search(r"event=exit .*overwritten_share=([0-9.]+)", learner_log)
+def _exit_line(learner_log: str) -> dict[str, str]:
+    """The key=value fields of a learner's `event=exit` line."""
+    found = re.search(r"event=exit (.*)$", learner_log, re.MULTILINE)
     if found is None:
         raise RuntimeError(f"no exit line in the learner log: {learner_log[-500:]}")
-    return float(found.group(1))
+    return dict(re.findall(r"(\w+)=(\S+)", found.group(1)))
 
 
 def _follow(

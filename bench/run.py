@@ -23,6 +23,7 @@ BENCHES: list[tuple[str, str]] = [
     ("entrypoint", "bench.entrypoint_bench"),
     ("parity", "bench.parity_bench"),
     ("parity_chaos", "bench.parity_chaos"),
+    ("bytes_loss", "bench.bytes_loss"),
     ("ablations", "bench.ablation_bench"),
     ("goodput_real", "bench.goodput_real"),
     ("chaos_loss", "bench.chaos_loss"),
@@ -45,6 +46,7 @@ the same machine; absolute times are context only. Sections: {names}.
 |---|---|
 | decoupled M=4 loss / data-parallel loss at equal tokens <= 1.02 (<= 1.03 under chaos) | parity, parity_chaos, ablations |
 | bytes per token >= 400x below data-parallel with int4 | communication |
+| >= 1000x fewer bytes per token than data-parallel, sent and received, at loss <= 1.02 of it (issue 21) | bytes_loss |
 | goodput >= 90% at one kill per unit per minute | goodput_real |
 | chaos vs no chaos: final loss within 3% | chaos_loss |
 | syncer SIGKILL: serving again within 3 s, no published version lost; harsh schedule within 5% of calm loss at goodput >= 90% (issue 18) | syncer_failover |

@@ -217,8 +217,8 @@ def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | N
         return 2
     log.info(
         "event=exit unit=%s steps=%d tokens=%d tokens_per_sec=%.0f complete=%s loss=%s "
-        "versions=%s bytes_sent=%d bytes_received=%d train_seconds=%.2f slowdown_seconds=%.2f "
-        "other_seconds=%.2f overwritten_share=%.3f link=%s",
+        "versions=%s bytes_sent=%d bytes_received=%d bytes_joined=%d train_seconds=%.2f "
+        "slowdown_seconds=%.2f other_seconds=%.2f overwritten_share=%.3f link=%s",
         opts.name,
         result.steps,
         result.tokens,
@@ -228,6 +228,7 @@ def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | N
         ",".join(map(str, result.versions)),
         result.bytes_sent,
         result.bytes_received,
+        result.bytes_joined,
         result.loop_seconds.get("train", 0.0),
         result.loop_seconds.get("slowdown", 0.0),
         result.loop_seconds.get("other", 0.0),

@@ -1,0 +1,106 @@
+"""Bytes per token against loss (issue 21, item 3): the parity section's decoupled run with a
+longer period H and int4 both ways, its traffic counted by the learners themselves.
+
+Each row is a real phase-locked run (a `diloco-syncer` and M `diloco-learner` processes, 4,000
+steps per learner) that changes only H and the compression of the parity section's run; its loss
+is read against data-parallel at the same seed and tokens, and its bytes from the learners' exit
+lines (every request body sent; every response body received after each attempt's join).
+Synchronous DiLoCo at the longest H runs beside it, so a loss that moves can be split into
+DiLoCo's own cost of a long H and what decoupling adds.
+"""
+
+from __future__ import annotations
+
+from diloco_trainer.config import TrainingConfig
+
+from bench.comm_bench import bytes_per_param, dp_bytes_per_token, n_params
+from bench.common import BenchContext, Section, log, md_table
+from bench.parity_bench import M, Outcome, data_parallel, decoupled, parity_config, sync_diloco
+
+BLOCK = 128  # the product's default quantization block
+# (H, push, downlink): the parity row's period with int4 both ways, then the period at which
+# int4 crosses 1000x (8H / b >= 1000 with b = 0.5 + 4/128 bytes per parameter: H >= 67).
+SETTINGS = [(30, "int4", "int4"), (70, "int4", "int4")]
+
+
+def compressed(cfg: TrainingConfig, h: int, push: str, downlink: str) -> TrainingConfig:
+    compression = {"scheme": push, "downlink": downlink, "blockSize": BLOCK}
+    return TrainingConfig.model_validate(
+        {**cfg.model_dump(by_alias=True), "innerSteps": h, "compression": compression}
+    )
+
+
+def _row(out: Outcome, dp: Outcome, h: int, push: str, down: str, dp_bytes: float) -> tuple:
+    analytic = 8 * h / bytes_per_param(push, BLOCK)
+    sent = received = "-"  # in-process synchronous DiLoCo: nothing crossed a network
+    if out.traffic is not None:
+        sent, received = (f"{b:.2f} B (**{dp_bytes / b:,.0f}x**)" for b in _per_token(out))
+    return (
+        out.name, h, f"{push} / {down}", f"{out.loss:.4f}", f"{out.loss / dp.loss:.3f}",
+        f"{analytic:,.0f}x", sent, received, out.note,
+    )  # fmt: skip
+
+
+def _per_token(out: Outcome) -> tuple[float, float]:
+    assert out.traffic is not None
+    return out.traffic.sent / out.traffic.tokens, out.traffic.received / out.traffic.tokens
+
+
+def _meets(out: Outcome, dp: Outcome, dp_bytes: float) -> bool:
+    return out.loss / dp.loss <= 1.02 and all(dp_bytes / b >= 1000 for b in _per_token(out))
+
+
+def run(ctx: BenchContext) -> Section:
+    steps = 300 if ctx.quick else 4000
+    base = parity_config(steps, SETTINGS[0][0])
+    dp = data_parallel(base, steps)
+    log(f"bytes_loss data-parallel: {dp.loss:.4f}")
+    dp_bytes = dp_bytes_per_token(n_params(base.model), base.tokens_per_step)
+    rows, meeting = [], []
+    for h, push, down in SETTINGS:
+        cfg = compressed(parity_config(steps, h), h, push, down)
+        out = decoupled(cfg, steps, f"decoupled DiLoCo, H={h}")
+        log(f"bytes_loss {out.name} {push}/{down}: {out.loss:.4f} {out.traffic} {out.note}")
+        rows.append(_row(out, dp, h, push, down, dp_bytes))
+        if _meets(out, dp, dp_bytes):
+            meeting.append(f"H={h} {push}/{down}")
+    h, push, down = SETTINGS[-1]
+    cfg = compressed(parity_config(steps, h), h, push, down)
+    sync = sync_diloco(cfg, steps, scheme=push, downlink=down, name=f"synchronous DiLoCo, H={h}")
+    log(f"bytes_loss {sync.name}: {sync.loss:.4f}")
+    rows.append(_row(sync, dp, h, push, down, dp_bytes))
+    table = md_table(
+        ["run", "H", "push / downlink", "eval loss", "/ data-parallel", "analytic DP / sent",
+         "sent per token (DP / it)", "received per token (DP / it)", "note"],
+        rows,
+    )  # fmt: skip
+    body = f"""
+The parity section's run (M={M}, batch {base.data.batch_size} x seqLen {base.model.context} per
+learner, {steps} steps each, phase-locked, outer {base.outer_optimizer.lr}/{base.outer_optimizer.momentum},
+seed {base.seed}) with one change per row: the period H and int4 quantization (block {BLOCK}) of
+the pushes and of the downlink (each new version sent as an int4 step from the previous one,
+with error feedback). Data-parallel at the same seed and tokens: {dp.loss:.4f}; it sends and
+receives {dp_bytes:,.0f} bytes per token per worker (a ring all-reduce of float32 gradients every
+step, 2 x N x 4 bytes over one worker's {base.tokens_per_step} tokens). Bytes per token: summed
+over the learners' exit lines, sent = every request body, received = every response body after
+the join's one full pull of the parameters. Analytic = 8H / b, b = {bytes_per_param("int4", BLOCK):.3f}
+bytes per parameter for int4 (docs/bench/communication.md). The float32 run at H=30 is the parity
+section's (docs/bench/parity.md).
+
+{table}
+
+Target (issue 21): >= 1000x fewer bytes per token than data-parallel, sent and received, at a
+loss <= 1.02 of data-parallel: **{"met by " + ", ".join(meeting) if meeting else "NOT met"}**
+by a single run. One run per row at one seed: single runs of the parity setting
+spread over about 2% (docs/bench/parity.md), so a row decides nothing alone.
+"""
+    return Section(
+        name="bytes_loss",
+        title="Bytes per token against loss",
+        body=body,
+        command=ctx.command,
+        config=f"tiny preset, M={M}, S={steps}, settings "
+        + ", ".join(f"H={h} {p}/{d}" for h, p, d in SETTINGS)
+        + f", seed {base.seed}",
+        quick=ctx.quick,
+    )
