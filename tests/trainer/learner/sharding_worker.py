@@ -28,14 +28,12 @@ from diloco_trainer.data.corpus import train_batches  # noqa: E402
 from diloco_trainer.fragments import pack_fragments  # noqa: E402
 from diloco_trainer.learner.distributed import StepSignal  # noqa: E402
 from diloco_trainer.learner.fragment_sync import FragmentBook  # noqa: E402
-from diloco_trainer.learner.loop import build_step_program  # noqa: E402
+from diloco_trainer.learner.loop import build_step_program, schedule_clock  # noqa: E402
 from diloco_trainer.learner.sharding import bytes_per_device, fragment_to_host  # noqa: E402
 from diloco_trainer.learner.sync_link import Arrival, host_copy  # noqa: E402
 from diloco_trainer.learner.train import (  # noqa: E402
     ResumableScheduleState,
-    ScheduleClock,
     init_opt_state,
-    learning_rate_schedule,
     shard_batch,
     step_key,
 )
@@ -110,10 +108,7 @@ def main() -> None:
     # to the floor it carries.
     signal = book.install_arrivals(STEPS, params, link, StepSignal(False, FLOOR * (PROCESS == 0)))
     assert signal == StepSignal(False, FLOOR), signal
-    clock = ScheduleClock(
-        learning_rate_schedule(cfg.inner_optimizer, 1000), 1000, 20, 0, mesh
-    )  # the learner's horizon for totalSteps 1000 and one unit
-    state = clock.keep_up(STEPS, signal.schedule_floor, state)
+    state = schedule_clock(cfg, 1, 0, mesh).keep_up(STEPS, signal.schedule_floor, state)
     installed = params[name]
     install_ok = installed.sharding == before
     installed_value = fragment_to_host(params, [name])[name]

@@ -842,13 +842,11 @@ def test_a_learner_behind_the_run_moves_its_lr_schedule_up_to_the_runs_progress(
     clients = {unit: live.client(unit) for unit in ("unit-1", "unit-0")}
     for client in clients.values():
         client.join()  # both start the run (a unit joining later starts at the run's position)
-    for unit, steps in (("unit-1", 3000), ("unit-0", 120)):
+    for unit, steps, run_share in (("unit-1", 3000, 0.3), ("unit-0", 120, 0.312)):
         client = clients[unit]
         tokens = steps * cfg.tokens_per_step
         client.push(0, 0, fragment_delta(live, 0), steps, tokens, step=steps)
-        assert client.heartbeat(steps, tokens, 1.0, 3.0).budget_done == pytest.approx(
-            (3000 if unit == "unit-0" else 0) / 10_000 + steps / 10_000
-        )
+        assert client.heartbeat(steps, tokens, 1.0, 3.0).budget_done == pytest.approx(run_share)
     opts = LearnerOptions(
         syncer=live.url, token=unit_token(TOKEN, "unit-0"), unit=0, num_units=2, unit_name="unit-0", attempt=1,
         log_every=2, max_steps=40, slowdown=3.0,

@@ -197,7 +197,7 @@ def run_learner(
     mesh, train_step = program.mesh, program.train_step
     unit_key = step_key(cfg.seed, opts.unit)
     params, opt_state = _training_state(program, start)
-    clock = _schedule_clock(cfg, opts.num_units, start.resume_step, mesh)
+    clock = schedule_clock(cfg, opts.num_units, start.resume_step, mesh)
     batches = unit_feed(cfg, program.workload.source, start.data_lease, client, stop)
     frags = FragmentBook.starting(cfg, start.layout, start.shapes, start.versions, start.fragments)
     report = _Report.starting(cfg, opts, client, start, leader, program.workload, clock)
@@ -308,9 +308,10 @@ def _start(
     )
 
 
-def _schedule_clock(
-    cfg: TrainingConfig, num_units: int, resume_step: int, mesh: Mesh
+def schedule_clock(
+    cfg: TrainingConfig, num_units: int, resume_step: int, mesh: Mesh | None = None
 ) -> ScheduleClock:
+    """The LR clock of one unit of a `num_units` run, continuing at `resume_step`."""
     horizon = learner_horizon(cfg, num_units)
     schedule = learning_rate_schedule(cfg.inner_optimizer, horizon)
     return ScheduleClock(schedule, horizon, rewarmup_steps(cfg.inner_optimizer), resume_step, mesh)
