@@ -54,8 +54,15 @@ def manifest(tmp_path: Path, **training: Any) -> Path:
                 "eval": {"everySeconds": 2, "batches": 1},
                 **training,
             },
-            "failurePolicy": {"restartBackoffSeconds": 0.5, "offlineAfterSeconds": 60},
-            # Kill the fast unit as soon as it is online (chaos waits for its target).
+            # Chaos hits a unit only once it has run healthily (Online this long, past step 0).
+            # At the default 10 s the fast unit could finish the whole budget first (it trains
+            # it in about 10 s on an idle machine) and never be killed.
+            "failurePolicy": {
+                "restartBackoffSeconds": 0.5,
+                "offlineAfterSeconds": 60,
+                "healthyAfterSeconds": 1,
+            },
+            # Kill the fast unit as soon as it may be hit (chaos waits for its target).
             "chaos": {
                 "schedule": [{"atSeconds": 0, "action": "kill", "unit": 1}],
                 "slowdown": {"slow": 50},
