@@ -24,10 +24,10 @@ BLOCK = 128  # the product's default quantization block
 SETTINGS = [(70, "int4", "int4")]
 
 
-def compressed(cfg: TrainingConfig, h: int, push: str, downlink: str) -> TrainingConfig:
+def compressed(cfg: TrainingConfig, push: str, downlink: str) -> TrainingConfig:
     compression = {"scheme": push, "downlink": downlink, "blockSize": BLOCK}
     return TrainingConfig.model_validate(
-        {**cfg.model_dump(by_alias=True), "innerSteps": h, "compression": compression}
+        {**cfg.model_dump(by_alias=True), "compression": compression}
     )
 
 
@@ -59,14 +59,13 @@ def run(ctx: BenchContext) -> Section:
     dp_bytes = dp_bytes_per_token(n_params(base.model), base.tokens_per_step)
     rows, meeting = [], []
     for h, push, down in SETTINGS:
-        cfg = compressed(parity_config(steps, h), h, push, down)
+        cfg = compressed(parity_config(steps, h), push, down)
         out = decoupled(cfg, steps, f"decoupled DiLoCo, H={h}")
         log(f"bytes_loss {out.name} {push}/{down}: {out.loss:.4f} {out.traffic} {out.note}")
         rows.append(_row(out, dp, h, push, down, dp_bytes))
         if _meets(out, dp, dp_bytes):
             meeting.append(f"H={h} {push}/{down}")
-    h, push, down = SETTINGS[-1]
-    cfg = compressed(parity_config(steps, h), h, push, down)
+    # The last setting's config again, in-process.
     sync = sync_diloco(cfg, steps, scheme=push, downlink=down, name=f"synchronous DiLoCo, H={h}")
     log(f"bytes_loss {sync.name}: {sync.loss:.4f}")
     rows.append(_row(sync, dp, h, push, down, dp_bytes))

@@ -27,7 +27,7 @@ import numpy as np
 from diloco_trainer.auth import unit_token
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data.corpus import train_batches
-from diloco_trainer.downlink import apply_step, dequantize_step, quantize_step
+from diloco_trainer.downlink import Publication
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.learner.train import (
@@ -47,6 +47,7 @@ from diloco_trainer.workload.evaluate import eval_loss
 from bench.common import BenchContext, Section, log, md_table, mean_interval
 from bench.decoupled_model import leased_batches, roundtrip
 from bench.live import TOKEN, syncer
+from bench.soak_logs import fields
 
 KEY = step_key(0, 0)  # the built-in model's loss draws nothing from its rng
 
@@ -173,7 +174,8 @@ def sync_diloco(
     shapes = param_shapes(cfg.model)
     layout = pack_fragments(shapes, cfg.fragments)
     global_params = init_params(cfg.model, cfg.seed)
-    published = dict(global_params)  # what the learners hold
+    # What the learners hold of each fragment: the copy the syncer publishes (downlink.py).
+    published = [Publication(0, {n: global_params[n] for n in frag}) for frag in layout]
     outer = OuterOptimizer(cfg.outer_optimizer.lr, cfg.outer_optimizer.momentum, True)
     outer_states = [outer.init({n: global_params[n] for n in frag}) for frag in layout]
     learners: list[list[Any]] = []
@@ -193,7 +195,7 @@ def sync_diloco(
         for i, frag in enumerate(layout):
             contribs = [
                 Contribution(
-                    roundtrip({n: published[n] - h[n] for n in frag}, scheme),
+                    roundtrip({n: published[i].tensors[n] - h[n] for n in frag}, scheme),
                     c_steps=cfg.inner_steps,
                     c_tokens=tokens,
                 )
@@ -204,22 +206,26 @@ def sync_diloco(
                 {n: global_params[n] for n in frag}, outer_states[i], merged
             )
             global_params.update(new)
-            published.update(_publish({n: published[n] for n in frag}, new, downlink))
+            published[i] = _next_publication(
+                published[i], new, downlink, cfg.compression.block_size
+            )
+        held = {n: v for pub in published for n, v in pub.tensors.items()}
         for lr in learners:  # overwrite local parameters, keep the inner optimizer state
-            lr[0] = place_params(published, mesh)
+            lr[0] = place_params(held, mesh)
     loss = eval_loss(global_params, cfg, EVAL_BATCHES)
     curve.append((steps * M * cfg.tokens_per_step, loss))
     label = name or f"synchronous DiLoCo ({method}, {scheme})"
     return Outcome(label, loss, time.perf_counter() - start, curve=curve)
 
 
-def _publish(
-    published: dict[str, np.ndarray], target: dict[str, np.ndarray], scheme: str
-) -> dict[str, np.ndarray]:
+def _next_publication(
+    pub: Publication, target: dict[str, np.ndarray], scheme: str, block_size: int
+) -> Publication:
+    """What the learners install next: `target` itself (a float32 downlink), or one compressed
+    step towards it with error feedback, as the syncer publishes it."""
     if scheme == "none":
-        return target
-    step = quantize_step(published, target, scheme, 128)  # type: ignore[arg-type]
-    return apply_step(published, dequantize_step(step))
+        return Publication(pub.version + 1, dict(target))
+    return pub.advance(target, pub.version + 1, scheme, block_size)  # type: ignore[arg-type]
 
 
 def decoupled(
@@ -286,7 +292,7 @@ def _exit_line(learner_log: str) -> dict[str, str]:
     found = re.search(r"event=exit (.*)$", learner_log, re.MULTILINE)
     if found is None:
         raise RuntimeError(f"no exit line in the learner log: {learner_log[-500:]}")
-    return dict(re.findall(r"(\w+)=(\S+)", found.group(1)))
+    return fields(found.group(1))
 
 
 def _follow(
