@@ -21,7 +21,8 @@ from bench.overhead_bench import bench_config
 
 
 def bytes_per_param(scheme: str, block: int) -> float:
-    return {"none": 4.0, "int8": 1.0 + 4.0 / block, "int4": 0.5 + 4.0 / block}[scheme]
+    per_value = {"none": 4.0, "int8": 1.0, "int4": 0.5, "int2": 0.25}[scheme]
+    return per_value + (4.0 / block if scheme != "none" else 0.0)
 
 
 def n_params(model: ModelConfig) -> int:

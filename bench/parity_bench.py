@@ -25,9 +25,10 @@ from typing import Any
 
 import numpy as np
 from diloco_trainer.auth import unit_token
-from diloco_trainer.config import TrainingConfig
+from diloco_trainer.config import CompressionConfig, TrainingConfig
 from diloco_trainer.data.corpus import train_batches
 from diloco_trainer.downlink import Publication
+from diloco_trainer.feedback import PushFeedback
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.learner.train import (
@@ -42,10 +43,11 @@ from diloco_trainer.learner.train import (
 from diloco_trainer.merge import Contribution, merge_fragment
 from diloco_trainer.models.gpt import init_params, param_shapes
 from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.quantize import dequantize, quantize
 from diloco_trainer.workload.evaluate import eval_loss
 
 from bench.common import BenchContext, Section, log, md_table, mean_interval
-from bench.decoupled_model import leased_batches, roundtrip
+from bench.decoupled_model import leased_batches
 from bench.live import TOKEN, syncer
 from bench.soak_logs import fields
 
@@ -164,9 +166,10 @@ def sync_diloco(
     name: str = "",
     downlink: str = "none",
 ) -> Outcome:
-    """Synchronous DiLoCo in this process: pushes quantized with `scheme`; with a `downlink`
-    scheme the learners install the syncer's published copy (compressed steps with error
-    feedback, `downlink.py`) instead of the global parameters themselves."""
+    """Synchronous DiLoCo in this process: pushes quantized with `scheme` (with the config's
+    error feedback, `feedback.py`); with a `downlink` scheme the learners install the syncer's
+    published copy (compressed steps with error feedback, `downlink.py`) instead of the global
+    parameters themselves."""
     start = time.perf_counter()
     mesh = make_mesh()
     opt = make_optimizer(cfg.inner_optimizer, steps)
@@ -178,6 +181,7 @@ def sync_diloco(
     published = [Publication(0, {n: global_params[n] for n in frag}) for frag in layout]
     outer = OuterOptimizer(cfg.outer_optimizer.lr, cfg.outer_optimizer.momentum, True)
     outer_states = [outer.init({n: global_params[n] for n in frag}) for frag in layout]
+    pushes = [Pusher(scheme, cfg.compression) for _ in range(M)]
     learners: list[list[Any]] = []
     for m in range(M):
         p = place_params(global_params, mesh)
@@ -195,11 +199,11 @@ def sync_diloco(
         for i, frag in enumerate(layout):
             contribs = [
                 Contribution(
-                    roundtrip({n: published[i].tensors[n] - h[n] for n in frag}, scheme),
+                    push(i, {n: published[i].tensors[n] - h[n] for n in frag}),
                     c_steps=cfg.inner_steps,
                     c_tokens=tokens,
                 )
-                for h in hosts
+                for h, push in zip(hosts, pushes, strict=True)
             ]
             merged = merge_fragment(contribs, method=method)  # type: ignore[arg-type]
             new, outer_states[i] = outer.step(
@@ -216,6 +220,25 @@ def sync_diloco(
     curve.append((steps * M * cfg.tokens_per_step, loss))
     label = name or f"synchronous DiLoCo ({method}, {scheme})"
     return Outcome(label, loss, time.perf_counter() - start, curve=curve)
+
+
+class Pusher:
+    """One learner's pushes as the syncer decodes them: quantized with `scheme` at the config's
+    block size, with error feedback when the config asks for it (as `SyncerClient.push`)."""
+
+    def __init__(self, scheme: str, compression: CompressionConfig) -> None:
+        self.scheme, self.block = scheme, compression.block_size
+        lossy = scheme != "none" and compression.error_feedback
+        self.feedback = PushFeedback() if lossy else None
+
+    def __call__(self, fragment: int, delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.scheme == "none":
+            return delta
+        sent = self.feedback.compensated(fragment, delta) if self.feedback else delta
+        applied = {n: dequantize(quantize(v, self.scheme, self.block)) for n, v in sent.items()}  # type: ignore[arg-type]
+        if self.feedback:
+            self.feedback.settle(fragment, sent, applied)
+        return applied
 
 
 def _next_publication(

@@ -231,11 +231,17 @@ def bad_service_account(rng: random.Random, doc: Doc) -> str:
     return "serviceAccountName"
 
 
-def odd_int4_block(rng: random.Random, doc: Doc) -> str:
+def unpackable_block(rng: random.Random, doc: Doc) -> str:
+    """A block that does not fill whole bytes: odd with int4, or 2 mod 4 with int2."""
     compression = _spec(doc)["training"]["compression"]
-    compression["blockSize"] = 2 * rng.randint(4, 512) + 1
+    packed = rng.choice(["int4", "int2"])
+    compression["blockSize"] = 4 * rng.randint(4, 512) + (
+        rng.choice([1, 3]) if packed == "int4" else 2
+    )
     if rng.random() < 0.5:
-        compression.update(scheme="int8", downlink="int4")
+        compression.update(scheme="int8", downlink=packed)
+    else:
+        compression["scheme"] = packed
     return "blockSize"
 
 
@@ -343,7 +349,7 @@ BROKEN: dict[str, Mutation] = {
         bad_storage_class,
         bad_toleration,
         bad_service_account,
-        odd_int4_block,
+        unpackable_block,
         heartbeat_near_offline,
         bad_checkpoint_path,
         backoff_above_cap,

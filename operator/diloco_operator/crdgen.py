@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from diloco_trainer.config import CompressionConfig, TrainingConfig
+from diloco_trainer.config import PER_BYTE, CompressionConfig, TrainingConfig
 
 from diloco_operator import api, pod_template
 from diloco_operator.accelerators import ACCELERATOR_LABEL, SPOT_LABEL, TOPOLOGY_LABEL
@@ -130,12 +130,15 @@ RULES: dict[str, list[dict[str, str]]] = {
     ],
     "CompressionConfig": [
         {
-            "rule": "!((has(self.scheme) && self.scheme == 'int4') || (has(self.downlink) && "
-            "self.downlink == 'int4')) || "
-            f"{_or_default('self.blockSize', CompressionConfig, 'block_size')} % 2 == 0",
-            "message": "blockSize: must be even with int4 (two values per byte)",
+            "rule": f"!((has(self.scheme) && self.scheme == '{scheme}') || (has(self.downlink) && "
+            f"self.downlink == '{scheme}')) || "
+            f"{_or_default('self.blockSize', CompressionConfig, 'block_size')} % {per_byte} == 0",
+            "message": f"blockSize: must be a multiple of {per_byte} with {scheme} "
+            f"({per_byte} values per byte)",
             "fieldPath": ".blockSize",
         }
+        for scheme, per_byte in PER_BYTE.items()
+        if per_byte > 1
     ],
     "TrainingConfig": [
         {

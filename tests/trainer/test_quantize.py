@@ -30,7 +30,7 @@ def test_gaussian_relative_error_within_derived_bound(scheme: str, bound: float)
     assert relative_error(x, y) > bound / 20
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int2"])
 def test_every_element_within_half_a_step(scheme: str) -> None:
     rng = np.random.default_rng(1)
     x = (rng.standard_cauchy(size=1000) * 1e-2).astype(np.float32)  # heavy tails, mixed scales
@@ -59,3 +59,24 @@ def test_zeros_and_odd_block_size() -> None:
         quantize(z, "int4", 7)
     with pytest.raises(ValueError, match="scheme"):
         quantize(z, "none", 8)
+
+
+def test_int2_is_ternary_four_values_per_byte() -> None:
+    x = np.array([-1.0, -0.6, -0.4, 0.0, 0.3, 0.51, 0.9, 1.0], dtype=np.float32)
+    qt = quantize(x, "int2", 8)
+    assert qt.data.nbytes == 2 and qt.scales.tolist() == [1.0]
+    # Round to nearest of -1, 0, +1 times the block's largest magnitude.
+    np.testing.assert_array_equal(dequantize(qt), [-1, -1, 0, 0, 0, 1, 1, 1])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        quantize(x, "int2", 6)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int2"])
+def test_packing_keeps_every_code_in_place(scheme: str) -> None:
+    """Every code of the scheme at every position of a byte decodes to itself."""
+    qmax = {"int4": 7, "int2": 1}[scheme]
+    codes = np.tile(np.arange(-qmax, qmax + 1, dtype=np.float32), 8)
+    codes[-1] = qmax  # the block maximum fixes the scale at 1
+    block = codes.size - codes.size % 4
+    y = dequantize(quantize(codes[:block], scheme, block))  # type: ignore[arg-type]
+    np.testing.assert_array_equal(y, codes[:block])

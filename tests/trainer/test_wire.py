@@ -31,7 +31,7 @@ def header(scheme: str = "none") -> PushHeader:
 
 def test_push_round_trip_unquantized_is_exact() -> None:
     d = delta()
-    payload, err = encode_push(header(), d)
+    payload, err, _ = encode_push(header(), d)
     h, got = decode_push(payload)
     assert err == 0.0
     assert (h.fragment, h.base_version, h.c_steps, h.c_tokens, h.unit, h.attempt) == (
@@ -46,12 +46,13 @@ def test_push_round_trip_unquantized_is_exact() -> None:
         np.testing.assert_array_equal(got[k], d[k])
 
 
-@pytest.mark.parametrize(("scheme", "ratio"), [("int8", 0.30), ("int4", 0.17)])
+@pytest.mark.parametrize(("scheme", "ratio"), [("int8", 0.30), ("int4", 0.17), ("int2", 0.10)])
 def test_push_round_trip_quantized_is_smaller_and_close(scheme: str, ratio: float) -> None:
     big = {"w": np.random.default_rng(1).normal(size=(64, 64)).astype(np.float32)}
-    plain, _ = encode_push(header(), big)
-    payload, err = encode_push(header(scheme), big, block_size=64)
+    plain = encode_push(header(), big).body
+    payload, err, applied = encode_push(header(scheme), big, block_size=64)
     h, got = decode_push(payload)
+    np.testing.assert_array_equal(applied["w"], got["w"])  # what the pusher owes is exact
     assert h.scheme == scheme and h.block_size == 64
     assert got["w"].shape == (64, 64) and got["w"].dtype == np.float32
     assert len(payload) < ratio * len(plain)
@@ -82,7 +83,7 @@ def test_garbage_is_rejected(payload: bytes) -> None:
 
 
 def test_truncated_payload_is_rejected() -> None:
-    payload, _ = encode_push(header(), delta())
+    payload = encode_push(header(), delta()).body
     with pytest.raises(WireError, match="malformed"):
         decode_push(payload[:-10])
 
@@ -123,8 +124,8 @@ def test_wrong_dtype_and_inconsistent_quantized_tensors_are_rejected() -> None:
 
 
 def test_quantized_push_carries_the_measured_error() -> None:
-    payload, err = encode_push(header("int4"), delta(), block_size=16)
+    payload, err, _ = encode_push(header("int4"), delta(), block_size=16)
     h, _ = decode_push(payload)
     assert h.quant_error == pytest.approx(err, rel=1e-5) and 0 < err < 0.2
-    plain, _ = encode_push(header(), delta())
+    plain = encode_push(header(), delta()).body
     assert decode_push(plain)[0].quant_error is None

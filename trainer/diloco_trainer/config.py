@@ -242,8 +242,10 @@ class MergeConfig(Strict):
     )
 
 
-# How a tensor travels: float32 values, or int8 / int4 with one scale per block (quantize.py).
-Scheme = Literal["none", "int8", "int4"]
+# How a tensor travels: float32 values, or int8 / int4 / int2 with one scale per block
+# (quantize.py); PER_BYTE: values packed into one byte, so a block must be a multiple of it.
+Scheme = Literal["none", "int8", "int4", "int2"]
+PER_BYTE: dict[str, int] = {"int8": 1, "int4": 2, "int2": 4}
 SCHEMES: tuple[Scheme, ...] = get_args(Scheme)
 
 
@@ -259,10 +261,23 @@ class CompressionConfig(Strict):
         "(docs/protocol.md, 'Compressed downlink'); none sends float32 values.",
     )
 
+    error_feedback: bool = Field(
+        False,
+        description="Add what quantization left out of a unit's last push of a fragment to its "
+        "next push of that fragment (needed for int2, whose pushes lose up to half of each "
+        "block's largest value). Kept in the learner's memory: a restarted attempt starts with "
+        "none owed.",
+    )
+
     @model_validator(mode="after")
-    def _int4_packs_pairs(self) -> CompressionConfig:
-        if "int4" in (self.scheme, self.downlink) and self.block_size % 2:
-            raise ValueError(f"blockSize: {self.block_size} is odd; int4 packs two values per byte")
+    def _blocks_fill_bytes(self) -> CompressionConfig:
+        for scheme in (self.scheme, self.downlink):
+            per_byte = PER_BYTE.get(scheme, 1)
+            if self.block_size % per_byte:
+                raise ValueError(
+                    f"blockSize: {self.block_size} is not a multiple of {per_byte}; "
+                    f"{scheme} packs {per_byte} values per byte"
+                )
         return self
 
 

@@ -1,10 +1,12 @@
-"""Symmetric per-block quantization of deltas: int8, and int4 packed two values per byte.
+"""Symmetric per-block quantization of deltas: int8, int4 packed two values per byte, and int2
+(ternary: -1, 0, +1) packed four values per byte.
 
 Each block of `block_size` consecutive values (of the flattened tensor) gets one float32 scale
-s = max|x| / qmax (qmax = 127 for int8, 7 for int4) and values q = round(x / s) in [-qmax, qmax].
-Round-to-nearest bounds every element's error by s/2 = max|x_block| / (2*qmax): 0.39% of the block
-maximum for int8, 7.1% for int4. The scheme is symmetric (no zero point) because deltas are
-centred on zero.
+s = max|x| / qmax (qmax = 127 for int8, 7 for int4, 1 for int2) and values q = round(x / s) in
+[-qmax, qmax]. Round-to-nearest bounds every element's error by s/2 = max|x_block| / (2*qmax):
+0.39% of the block maximum for int8, 7.1% for int4, 50% for int2. The scheme is symmetric (no
+zero point) because deltas are centred on zero. int2 loses so much per push that it is meant to
+be sent with error feedback (feedback.py), which carries each push's error into the next.
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diloco_trainer.config import Scheme
+from diloco_trainer.config import PER_BYTE, Scheme
 
-QMAX: dict[str, int] = {"int8": 127, "int4": 7}
+QMAX: dict[str, int] = {"int8": 127, "int4": 7, "int2": 1}
 
 
 @dataclass(frozen=True)
 class Quantized:
-    """One quantized tensor. `data` is int8 values (int8) or packed nibbles (uint8, int4)."""
+    """One quantized tensor. `data` is int8 values (int8) or packed codes (uint8: two 4-bit codes
+    per byte for int4, four 2-bit codes for int2; the lowest bits hold the first value)."""
 
     scheme: Scheme
     shape: tuple[int, ...]
@@ -45,20 +48,18 @@ def _blocks(x: np.ndarray, block_size: int) -> np.ndarray:
 def quantize(x: np.ndarray, scheme: Scheme, block_size: int) -> Quantized:
     if scheme not in QMAX:
         raise ValueError(f"compression.scheme: cannot quantize with {scheme!r}")
-    if block_size < 1 or (scheme == "int4" and block_size % 2):
-        raise ValueError(f"compression.blockSize: {block_size} (int4 needs an even size)")
+    per_byte = PER_BYTE[scheme]
+    if block_size < 1 or block_size % per_byte:
+        raise ValueError(
+            f"compression.blockSize: {block_size} ({scheme} needs a multiple of {per_byte})"
+        )
     qmax = QMAX[scheme]
     blocks = _blocks(x, block_size)
     amax = np.max(np.abs(blocks), axis=1)
     scales = (amax / qmax).astype(np.float32)
     safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
     q = np.clip(np.rint(blocks / safe[:, None]), -qmax, qmax).astype(np.int8)
-    if scheme == "int8":
-        data = q.ravel()
-    else:
-        # Offset to 0..14 and pack: low nibble = even index, high nibble = odd index.
-        u = (q.ravel() + 8).astype(np.uint8)
-        data = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+    data = q.ravel() if scheme == "int8" else _pack(q.ravel(), per_byte)
     return Quantized(scheme, tuple(int(d) for d in np.shape(x)), block_size, data, scales)
 
 
@@ -67,11 +68,8 @@ def dequantize(qt: Quantized) -> np.ndarray:
     nblocks = qt.scales.size
     if qt.scheme == "int8":
         q = qt.data.astype(np.int8).astype(np.float32)
-    elif qt.scheme == "int4":
-        u = qt.data.astype(np.uint8)
-        q = np.empty(u.size * 2, dtype=np.float32)
-        q[0::2] = (u & 0x0F).astype(np.float32) - 8
-        q[1::2] = (u >> 4).astype(np.float32) - 8
+    elif qt.scheme in PER_BYTE:
+        q = _unpack(qt.data.astype(np.uint8), PER_BYTE[qt.scheme])
     else:
         raise ValueError(f"unknown quantization scheme {qt.scheme!r}")
     if q.size != nblocks * qt.block_size or size > q.size:
@@ -81,6 +79,26 @@ def dequantize(qt: Quantized) -> np.ndarray:
         )
     values = q.reshape(nblocks, qt.block_size) * qt.scales.astype(np.float32)[:, None]
     return values.ravel()[:size].reshape(qt.shape).astype(np.float32)
+
+
+def _pack(q: np.ndarray, per_byte: int) -> np.ndarray:
+    """Codes in [-qmax, qmax] offset to unsigned and packed `per_byte` to a byte, first value in
+    the lowest bits."""
+    bits = 8 // per_byte
+    u = (q.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8).reshape(-1, per_byte)
+    packed = np.zeros(u.shape[0], dtype=np.uint8)
+    for i in range(per_byte):
+        packed |= u[:, i] << np.uint8(i * bits)
+    return packed
+
+
+def _unpack(data: np.ndarray, per_byte: int) -> np.ndarray:
+    bits = 8 // per_byte
+    mask, offset = (1 << bits) - 1, 1 << (bits - 1)
+    q = np.empty((data.size, per_byte), dtype=np.float32)
+    for i in range(per_byte):
+        q[:, i] = ((data >> np.uint8(i * bits)) & mask).astype(np.float32) - offset
+    return q.ravel()
 
 
 def relative_error(original: np.ndarray, restored: np.ndarray) -> float:

@@ -17,7 +17,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 from safetensors import SafetensorError
@@ -136,13 +136,16 @@ def _float_field(meta: Mapping[str, str], key: str) -> float | None:
     return value
 
 
+class EncodedPush(NamedTuple):
+    body: bytes
+    quant_error: float  # relative L2 error of the whole fragment; 0 for `none`
+    applied: dict[str, np.ndarray]  # the float32 delta the syncer decodes from `body`
+
+
 def encode_push(
     header: PushHeader, delta: Mapping[str, np.ndarray], block_size: int = 128
-) -> tuple[bytes, float]:
-    """Encode a fragment delta, quantizing per `header.scheme`.
-
-    Returns (bytes, relative quantization error over the whole fragment; 0 for `none`).
-    """
+) -> EncodedPush:
+    """Encode a fragment delta, quantizing per `header.scheme`."""
     meta: dict[str, str] = {
         "kind": "push",
         "fragment": str(header.fragment),
@@ -156,23 +159,24 @@ def encode_push(
     }
     if header.scheme == "none":
         tensors = {k: np.asarray(v, dtype=np.float32) for k, v in delta.items()}
-        return encode_tensors(tensors, meta), 0.0
+        return EncodedPush(encode_tensors(tensors, meta), 0.0, tensors)
     quantized = {
         name: quantize(np.asarray(value, dtype=np.float32), header.scheme, block_size)
         for name, value in delta.items()
     }
+    applied = {name: dequantize(qt) for name, qt in quantized.items()}
     err_sq = 0.0
     ref_sq = 0.0
-    for name, qt in quantized.items():
+    for name, restored in applied.items():
         arr = np.asarray(delta[name], dtype=np.float32)
-        diff = dequantize(qt).astype(np.float64) - arr
+        diff = restored.astype(np.float64) - arr
         err_sq += float(np.sum(diff * diff))
         ref_sq += float(np.sum(np.square(arr, dtype=np.float64)))
     tensors = _quantized_tensors(quantized, meta)
     meta["blockSize"] = str(block_size)
     rel = (err_sq**0.5) / (ref_sq**0.5) if ref_sq > 0 else 0.0
     meta["quantError"] = f"{rel:.6g}"
-    return encode_tensors(tensors, meta), rel
+    return EncodedPush(encode_tensors(tensors, meta), rel, applied)
 
 
 def decode_push(payload: bytes) -> tuple[PushHeader, dict[str, np.ndarray]]:

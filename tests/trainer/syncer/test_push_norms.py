@@ -28,7 +28,7 @@ def test_decoded_push_carries_each_leafs_norm_and_the_whole_norm() -> None:
         "b": np.zeros(5, np.float32),
         "c": np.full(3, 1e30, np.float32),  # its float32 sum of squares would overflow
     }
-    body, _ = encode_push(PushHeader(0, 0, 4, 64, "none", "unit-0", 0), delta)
+    body = encode_push(PushHeader(0, 0, 4, 64, "none", "unit-0", 0), delta).body
     measured = decode_measured(body)
     assert sorted(measured.norms) == ["a", "b", "c"]
     for name, value in delta.items():

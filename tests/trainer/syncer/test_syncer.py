@@ -989,3 +989,25 @@ def test_pushes_are_encoded_as_the_learners_own_config_says(live: LiveSyncer) ->
     assert first.accepted and first.quant_error > 0  # int4 with 64 values per scale
     second = plain.push(1, 0, fragment_delta(live, 1), c_steps=1, c_tokens=64)
     assert second.accepted and second.quant_error == 0.0  # no config given: float32
+
+
+@pytest.mark.parametrize(
+    "live", [{"compression": {"scheme": "int2", "errorFeedback": True}}], indirect=True
+)
+def test_error_feedback_owes_what_accepted_pushes_dropped_and_nothing_for_a_refused_one(
+    live: LiveSyncer,
+) -> None:
+    c = live.client()
+    c.join()
+    assert c.feedback is not None
+    for base in (0, 1):  # two merges of fragment 0: version 2; maxStaleness 1 -> base 0 too old
+        reply = c.push(0, base, fragment_delta(live, 0, seed=base), 2, 64)
+        assert reply.accepted and reply.quant_error > 0.1  # ternary drops a lot
+        assert c.poll(0, base, wait=5) is not None
+    owed = c.feedback.owed_norm(0)
+    assert owed > 0 and c.feedback.owed_norm(1) == 0.0
+    with pytest.raises(SyncerRejected):
+        c.push(0, 0, fragment_delta(live, 0, seed=9), 3, 96)
+    assert c.feedback.owed_norm(0) == owed  # the refused push's error is not owed
+    plain = SyncerClient(live.url, unit_token(TOKEN, "unit-1"), "unit-1", 0)
+    assert plain.feedback is None  # a client without the config: float32, nothing owed

@@ -21,6 +21,7 @@ import numpy as np
 from diloco_trainer.auth import UNIT_HEADER
 from diloco_trainer.config import CompressionConfig
 from diloco_trainer.downlink import apply_step, checksum
+from diloco_trainer.feedback import PushFeedback
 from diloco_trainer.status import SyncerStatus
 from diloco_trainer.wire import (
     DATA_POSITION_HEADER,
@@ -106,6 +107,8 @@ class SyncerClient:
         )
         # How pushes are encoded: the run's config, which the learner and the syncer share.
         self.compression = compression or CompressionConfig()
+        lossy = self.compression.scheme != "none" and self.compression.error_feedback
+        self.feedback = PushFeedback() if lossy else None
         self.bytes_sent = 0
         self.bytes_received = 0
         self._lock = threading.Lock()
@@ -250,7 +253,8 @@ class SyncerClient:
             self.attempt,
             step=step,
         )
-        body, quant_error = encode_push(header, delta, self.compression.block_size)
+        sent = self.feedback.compensated(fragment, delta) if self.feedback else delta
+        body, quant_error, applied = encode_push(header, sent, self.compression.block_size)
         path = f"/v1/fragments/{fragment}/push"
         at = self.data_position  # one read: the feed replaces it from the training thread
         extra = {DATA_POSITION_HEADER: at.header()} if at is not None else None
@@ -264,6 +268,8 @@ class SyncerClient:
             self.join()
             _, _, data = self._request("POST", path, body, "application/octet-stream", None, extra)
         r = json.loads(data)
+        if self.feedback and r["accepted"]:
+            self.feedback.settle(fragment, sent, applied)
         return PushReply(
             bool(r["accepted"]),
             bool(r.get("duplicate", False)),
