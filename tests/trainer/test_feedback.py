@@ -15,7 +15,7 @@ def _applied(sent: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def test_what_reaches_the_syncer_sums_to_the_updates_minus_the_debt() -> None:
     rng = np.random.default_rng(0)
     fb = PushFeedback()
-    updates = [{"w": rng.normal(size=(16, 8)).astype(np.float32)} for _ in range(20)]
+    updates = [{"w": rng.normal(size=(16, 8)).astype(np.float32)} for _ in range(50)]
     received = np.zeros((16, 8))
     for delta in updates:
         sent = fb.compensated(3, delta)
@@ -25,14 +25,14 @@ def test_what_reaches_the_syncer_sums_to_the_updates_minus_the_debt() -> None:
     total = sum(u["w"].astype(np.float64) for u in updates)
     debt = fb.compensated(3, {"w": np.zeros((16, 8), np.float32)})["w"]
     np.testing.assert_allclose(received + debt, total, atol=1e-4)
-    # The debt stays bounded by one push's error, not the sum of twenty of them.
-    assert fb.owed_norm(3) < 1.2 * np.linalg.norm(updates[-1]["w"])
+    # The debt stays bounded by one push's error, not the sum of fifty of them.
+    assert fb.owed_norm(3) < 0.6 * np.linalg.norm(updates[-1]["w"])
     assert fb.owed_norm(3) == np.linalg.norm(debt)
 
 
 def test_without_feedback_the_errors_add_up() -> None:
     rng = np.random.default_rng(0)
-    updates = [{"w": rng.normal(size=(16, 8)).astype(np.float32)} for _ in range(20)]
+    updates = [{"w": rng.normal(size=(16, 8)).astype(np.float32)} for _ in range(50)]
     received = sum(_applied(u)["w"].astype(np.float64) for u in updates)
     total = sum(u["w"].astype(np.float64) for u in updates)
     # What error feedback bounds by one push's error, dropping it lets grow with the pushes.

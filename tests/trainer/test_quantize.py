@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from diloco_trainer.quantize import (
+    _pack,
+    _unpack,
     dequantize,
     max_block_error_bound,
     quantize,
@@ -30,7 +32,7 @@ def test_gaussian_relative_error_within_derived_bound(scheme: str, bound: float)
     assert relative_error(x, y) > bound / 20
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_every_element_within_half_a_step(scheme: str) -> None:
     rng = np.random.default_rng(1)
     x = (rng.standard_cauchy(size=1000) * 1e-2).astype(np.float32)  # heavy tails, mixed scales
@@ -61,22 +63,31 @@ def test_zeros_and_odd_block_size() -> None:
         quantize(z, "none", 8)
 
 
-def test_int2_is_ternary_four_values_per_byte() -> None:
-    x = np.array([-1.0, -0.6, -0.4, 0.0, 0.3, 0.51, 0.9, 1.0], dtype=np.float32)
+def test_int2_spends_its_four_levels_around_the_blocks_rms() -> None:
+    x = np.array([-3.0, -1.2, -0.7, -0.1, 0.0, 0.4, 1.1, 2.0], dtype=np.float32)
     qt = quantize(x, "int2", 8)
-    assert qt.data.nbytes == 2 and qt.scales.tolist() == [1.0]
-    # Round to nearest of -1, 0, +1 times the block's largest magnitude.
-    np.testing.assert_array_equal(dequantize(qt), [-1, -1, 0, 0, 0, 1, 1, 1])
+    rms = float(np.sqrt(np.mean(x.astype(np.float64) ** 2)))
+    assert qt.data.nbytes == 2 and qt.scales[0] == pytest.approx(rms, rel=1e-6)
+    # Level below x / rms (clipped to -2..1), plus a half: +-rms/2 and +-3 rms/2.
+    levels = np.clip(np.floor(x / rms), -2, 1) + 0.5
+    np.testing.assert_allclose(dequantize(qt), levels * rms, rtol=1e-6)
     with pytest.raises(ValueError, match="multiple of 4"):
         quantize(x, "int2", 6)
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int2"])
-def test_packing_keeps_every_code_in_place(scheme: str) -> None:
+def test_int2_error_on_normal_values_is_the_four_level_optimum() -> None:
+    """About 35% relative L2 error on normal values (the optimum uniform four-level quantizer's
+    mean squared error is 0.119 sigma^2); int4 about 12%."""
+    x = np.random.default_rng(2).normal(0, 1e-3, size=(200, 128)).astype(np.float32)
+    err = relative_error(x, dequantize(quantize(x, "int2", 128)))
+    assert 0.30 < err < 0.40
+    zeros = np.zeros(256, np.float32)  # an all-zero block has scale 0 and restores exactly
+    np.testing.assert_array_equal(dequantize(quantize(zeros, "int2", 128)), zeros)
+
+
+@pytest.mark.parametrize(("scheme", "codes"), [("int4", range(-7, 8)), ("int2", range(-2, 2))])
+def test_packing_keeps_every_code_in_place(scheme: str, codes: range) -> None:
     """Every code of the scheme at every position of a byte decodes to itself."""
-    qmax = {"int4": 7, "int2": 1}[scheme]
-    codes = np.tile(np.arange(-qmax, qmax + 1, dtype=np.float32), 8)
-    codes[-1] = qmax  # the block maximum fixes the scale at 1
-    block = codes.size - codes.size % 4
-    y = dequantize(quantize(codes[:block], scheme, block))  # type: ignore[arg-type]
-    np.testing.assert_array_equal(y, codes[:block])
+    q = np.tile(np.array(codes, dtype=np.int8), 8)
+    per_byte = {"int4": 2, "int2": 4}[scheme]
+    assert np.array_equal(_unpack(_pack(q, per_byte), per_byte), q.astype(np.float32))

@@ -264,8 +264,8 @@ class CompressionConfig(Strict):
     error_feedback: bool = Field(
         False,
         description="Add what quantization left out of a unit's last push of a fragment to its "
-        "next push of that fragment (needed for int2, whose pushes lose up to half of each "
-        "block's largest value). Kept in the learner's memory: a restarted attempt starts with "
+        "next push of that fragment (meant for int2, which loses about a third of each push's "
+        "norm). Kept in the learner's memory: a restarted attempt starts with "
         "none owed.",
     )
 
