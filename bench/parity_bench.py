@@ -165,6 +165,7 @@ def sync_diloco(
     scheme: str = "none",
     name: str = "",
     downlink: str = "none",
+    learners: int = M,
 ) -> Outcome:
     """Synchronous DiLoCo in this process: pushes quantized with `scheme` (with the config's
     error feedback, `feedback.py`); with a `downlink` scheme the learners install the syncer's
@@ -181,21 +182,23 @@ def sync_diloco(
     published = [Publication(0, {n: global_params[n] for n in frag}) for frag in layout]
     outer = OuterOptimizer(cfg.outer_optimizer.lr, cfg.outer_optimizer.momentum, True)
     outer_states = [outer.init({n: global_params[n] for n in frag}) for frag in layout]
-    pushes = [Pusher(scheme, cfg.compression) for _ in range(M)]
-    learners: list[list[Any]] = []
-    for m in range(M):
+    pushes = [Pusher(scheme, cfg.compression) for _ in range(learners)]
+    units: list[list[Any]] = []
+    for m in range(learners):
         p = place_params(global_params, mesh)
-        learners.append([p, init_opt_state(opt, p, mesh), leased_batches(cfg, m, M)])
+        units.append([p, init_opt_state(opt, p, mesh), leased_batches(cfg, m, learners)])
     tokens = cfg.tokens_per_step * cfg.inner_steps
     curve = []
     for s in range(1, steps + 1):
-        for lr in learners:
+        for lr in units:
             lr[0], lr[1], _, _ = step(lr[0], lr[1], shard_batch(next(lr[2]), mesh), KEY)
         if _curve_due(s, steps):
-            curve.append((s * M * cfg.tokens_per_step, eval_loss(global_params, cfg, EVAL_BATCHES)))
+            curve.append(
+                (s * learners * cfg.tokens_per_step, eval_loss(global_params, cfg, EVAL_BATCHES))
+            )
         if s % cfg.inner_steps and s != steps:
             continue
-        hosts = [{k: np.asarray(v) for k, v in lr[0].items()} for lr in learners]
+        hosts = [{k: np.asarray(v) for k, v in lr[0].items()} for lr in units]
         for i, frag in enumerate(layout):
             contribs = [
                 Contribution(
@@ -214,10 +217,10 @@ def sync_diloco(
                 published[i], new, downlink, cfg.compression.block_size
             )
         held = {n: v for pub in published for n, v in pub.tensors.items()}
-        for lr in learners:  # overwrite local parameters, keep the inner optimizer state
+        for lr in units:  # overwrite local parameters, keep the inner optimizer state
             lr[0] = place_params(held, mesh)
     loss = eval_loss(global_params, cfg, EVAL_BATCHES)
-    curve.append((steps * M * cfg.tokens_per_step, loss))
+    curve.append((steps * learners * cfg.tokens_per_step, loss))
     label = name or f"synchronous DiLoCo ({method}, {scheme})"
     return Outcome(label, loss, time.perf_counter() - start, curve=curve)
 
