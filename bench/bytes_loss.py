@@ -1,12 +1,13 @@
 """Bytes per token against loss (issue 21, item 3): the parity section's decoupled run with a
-longer period H and int4 both ways, its traffic counted by the learners themselves.
+longer period H and int4 both ways, or a shorter one with int2 both ways and error feedback on
+the pushes, its traffic counted by the learners themselves.
 
 Each row is a real phase-locked run (a `diloco-syncer` and M `diloco-learner` processes, 4,000
 steps per learner) that changes only H and the compression of the parity section's run; its loss
 is read against data-parallel at the same seed and tokens, and its bytes from the learners' exit
 lines (every request body sent; every response body received after each attempt's join).
-Synchronous DiLoCo at the longest H runs beside it, so a loss that moves can be split into
-DiLoCo's own cost of a long H and what decoupling adds.
+Synchronous DiLoCo with the same H and compression runs beside each, so a loss that moves can
+be split into DiLoCo's own cost of the setting and what decoupling adds.
 """
 
 from __future__ import annotations
