@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+
+from diloco_trainer.config import ConfigError
 
 # Versioned domain label: a token minted for a unit is never also valid as some other HMAC of
 # the same secret.
@@ -56,3 +60,30 @@ def identify(secret: str, authorization: str, unit_header: str | None) -> Caller
     if hmac.compare_digest(given.encode(), unit_token(secret, unit_header).encode()):
         return Caller(unit_header)
     return None
+
+
+def resolve_token(flag: str | None, env: Mapping[str, str], file_flag: str | None = None) -> str:
+    """A bearer token: the flag, else the file named by --token-file, else DILOCO_TOKEN, else
+    the file named by DILOCO_TOKEN_FILE (a mounted Secret). For the syncer it is the run secret;
+    for a learner, its unit's token (auth.unit_token). Both resolve it the same way."""
+    if flag:
+        return flag
+    if file_flag:
+        return _read_token_file(file_flag, "--token-file")
+    if env.get("DILOCO_TOKEN"):
+        return env["DILOCO_TOKEN"]
+    token_file = env.get("DILOCO_TOKEN_FILE")
+    if token_file:
+        return _read_token_file(token_file, "DILOCO_TOKEN_FILE")
+    raise ConfigError("--token (or DILOCO_TOKEN / DILOCO_TOKEN_FILE) is required")
+
+
+def _read_token_file(path: str, source: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"{source}: cannot read {path}: {reason}") from exc
+    if not token:
+        raise ConfigError(f"{source}: {path} is empty")
+    return token

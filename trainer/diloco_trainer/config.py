@@ -11,7 +11,6 @@ back to a default.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -426,33 +425,6 @@ def training_block(doc: dict[str, Any]) -> tuple[dict[str, Any], str]:
             raise ConfigError("spec.training: required (a mapping) in a DilocoRun manifest")
         return training, "spec.training"
     return doc, ""
-
-
-def resolve_token(flag: str | None, env: Mapping[str, str], file_flag: str | None = None) -> str:
-    """A bearer token: the flag, else the file named by --token-file, else DILOCO_TOKEN, else
-    the file named by DILOCO_TOKEN_FILE (a mounted Secret). For the syncer it is the run secret;
-    for a learner, its unit's token (auth.unit_token). Both resolve it the same way."""
-    if flag:
-        return flag
-    if file_flag:
-        return _read_token_file(file_flag, "--token-file")
-    if env.get("DILOCO_TOKEN"):
-        return env["DILOCO_TOKEN"]
-    token_file = env.get("DILOCO_TOKEN_FILE")
-    if token_file:
-        return _read_token_file(token_file, "DILOCO_TOKEN_FILE")
-    raise ConfigError("--token (or DILOCO_TOKEN / DILOCO_TOKEN_FILE) is required")
-
-
-def _read_token_file(path: str, source: str) -> str:
-    try:
-        token = Path(path).read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"{source}: cannot read {path}: {reason}") from exc
-    if not token:
-        raise ConfigError(f"{source}: {path} is empty")
-    return token
 
 
 def load_training_config(path: str | Path) -> TrainingConfig:

@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from diloco_trainer.config import ConfigError, TrainingConfig, load_training_config, resolve_token
+from diloco_trainer.auth import resolve_token
+from diloco_trainer.config import ConfigError, TrainingConfig, load_training_config
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 
 if TYPE_CHECKING:

@@ -31,11 +31,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from diloco_trainer.auth import resolve_token
 from diloco_trainer.config import (
     ConfigError,
     load_training_config,
     read_document,
-    resolve_token,
 )
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 from diloco_trainer.syncer.checkpoint import (
