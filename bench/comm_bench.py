@@ -11,7 +11,7 @@ its client actually sent (pushes, heartbeats, joins, polls).
 from __future__ import annotations
 
 from diloco_trainer.auth import unit_token
-from diloco_trainer.config import SCHEMES, ModelConfig, TrainingConfig
+from diloco_trainer.config import PER_BYTE, SCHEMES, ModelConfig, TrainingConfig
 from diloco_trainer.learner.loop import LearnerOptions, run_learner
 from diloco_trainer.models.gpt import param_shapes
 
@@ -21,8 +21,9 @@ from bench.overhead_bench import bench_config
 
 
 def bytes_per_param(scheme: str, block: int) -> float:
-    per_value = {"none": 4.0, "int8": 1.0, "int4": 0.5, "int2": 0.25}[scheme]
-    return per_value + (4.0 / block if scheme != "none" else 0.0)
+    if scheme == "none":
+        return 4.0
+    return 1.0 / PER_BYTE[scheme] + 4.0 / block  # packed values and one float32 scale per block
 
 
 def n_params(model: ModelConfig) -> int:

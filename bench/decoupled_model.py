@@ -105,11 +105,11 @@ def leased_batches(cfg: TrainingConfig, unit: int, units: int) -> Iterator[np.nd
             )  # fmt: skip
 
 
-def roundtrip(delta: Host, scheme: str) -> Host:
-    """The delta as the syncer sees it after quantization (block 128) and dequantization."""
+def roundtrip(delta: Host, scheme: str, block_size: int = 128) -> Host:
+    """The delta as the syncer sees it after quantization and dequantization."""
     if scheme == "none":
         return delta
-    return {k: dequantize(quantize(v, scheme, 128)) for k, v in delta.items()}  # type: ignore[arg-type]
+    return {k: dequantize(quantize(v, scheme, block_size)) for k, v in delta.items()}  # type: ignore[arg-type]
 
 
 def _speed_gate(speed: float, tick: int) -> bool:

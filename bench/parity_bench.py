@@ -43,11 +43,10 @@ from diloco_trainer.learner.train import (
 from diloco_trainer.merge import Contribution, merge_fragment
 from diloco_trainer.models.gpt import init_params, param_shapes
 from diloco_trainer.outer import OuterOptimizer
-from diloco_trainer.quantize import dequantize, quantize
 from diloco_trainer.workload.evaluate import eval_loss
 
 from bench.common import BenchContext, Section, log, md_table, mean_interval
-from bench.decoupled_model import leased_batches
+from bench.decoupled_model import leased_batches, roundtrip
 from bench.live import TOKEN, syncer
 from bench.soak_logs import fields
 
@@ -235,10 +234,8 @@ class Pusher:
         self.feedback = PushFeedback() if lossy else None
 
     def __call__(self, fragment: int, delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if self.scheme == "none":
-            return delta
         sent = self.feedback.compensated(fragment, delta) if self.feedback else delta
-        applied = {n: dequantize(quantize(v, self.scheme, self.block)) for n, v in sent.items()}  # type: ignore[arg-type]
+        applied = roundtrip(sent, self.scheme, self.block)
         if self.feedback:
             self.feedback.settle(fragment, sent, applied)
         return applied

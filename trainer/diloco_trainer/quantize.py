@@ -24,7 +24,8 @@ import numpy as np
 
 from diloco_trainer.config import PER_BYTE, Scheme
 
-QMAX: dict[str, int] = {"int8": 127, "int4": 7, "int2": 1}
+# The max-scaled schemes' largest code; int2 has codes -2..1 around its RMS scale instead.
+QMAX: dict[str, int] = {"int8": 127, "int4": 7}
 
 
 @dataclass(frozen=True)
@@ -52,26 +53,29 @@ def _blocks(x: np.ndarray, block_size: int) -> np.ndarray:
 
 
 def quantize(x: np.ndarray, scheme: Scheme, block_size: int) -> Quantized:
-    if scheme not in QMAX:
+    if scheme not in PER_BYTE:
         raise ValueError(f"compression.scheme: cannot quantize with {scheme!r}")
     per_byte = PER_BYTE[scheme]
     if block_size < 1 or block_size % per_byte:
         raise ValueError(
             f"compression.blockSize: {block_size} ({scheme} needs a multiple of {per_byte})"
         )
-    qmax = QMAX[scheme]
     blocks = _blocks(x, block_size)
-    if scheme == "int2":
-        scales = np.sqrt(np.mean(np.square(blocks, dtype=np.float64), axis=1)).astype(np.float32)
-    else:
-        scales = (np.max(np.abs(blocks), axis=1) / qmax).astype(np.float32)
-    safe = np.where(scales > 0, scales, 1.0).astype(np.float32)
     if scheme == "int2":  # mid-rise: the level below x / s, four of them
-        q = np.clip(np.floor(blocks / safe[:, None]), -2, 1).astype(np.int8)
+        scales = np.sqrt(np.mean(np.square(blocks, dtype=np.float64), axis=1)).astype(np.float32)
+        q = np.clip(np.floor(blocks / _nonzero(scales)[:, None]), -2, 1).astype(np.int8)
     else:
-        q = np.clip(np.rint(blocks / safe[:, None]), -qmax, qmax).astype(np.int8)
+        qmax = QMAX[scheme]
+        scales = (np.max(np.abs(blocks), axis=1) / qmax).astype(np.float32)
+        q = np.clip(np.rint(blocks / _nonzero(scales)[:, None]), -qmax, qmax).astype(np.int8)
     data = q.ravel() if scheme == "int8" else _pack(q.ravel(), per_byte)
     return Quantized(scheme, tuple(int(d) for d in np.shape(x)), block_size, data, scales)
+
+
+def _nonzero(scales: np.ndarray) -> np.ndarray:
+    """Scales safe to divide by: an all-zero block (scale 0) is divided by 1 instead, and its
+    codes dequantize to 0 through its zero scale."""
+    return np.where(scales > 0, scales, 1.0).astype(np.float32)
 
 
 def dequantize(qt: Quantized) -> np.ndarray:
@@ -95,8 +99,8 @@ def dequantize(qt: Quantized) -> np.ndarray:
 
 
 def _pack(q: np.ndarray, per_byte: int) -> np.ndarray:
-    """Codes in [-qmax, qmax] offset to unsigned and packed `per_byte` to a byte, first value in
-    the lowest bits."""
+    """Signed codes offset by half their range (8 for int4, 2 for int2) to unsigned and packed
+    `per_byte` to a byte, first value in the lowest bits."""
     bits = 8 // per_byte
     u = (q.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8).reshape(-1, per_byte)
     packed = np.zeros(u.shape[0], dtype=np.uint8)
@@ -128,7 +132,7 @@ def relative_error(original: np.ndarray, restored: np.ndarray) -> float:
 def max_block_error_bound(x: np.ndarray, scheme: Scheme, block_size: int) -> np.ndarray:
     """Per-block bound on any element's absolute error: max|x_block| / (2*qmax) (int8, int4;
     int2 clips, so it has no such bound)."""
-    if scheme not in ("int8", "int4"):
+    if scheme not in QMAX:
         raise ValueError(f"{scheme} has no per-element error bound")
     blocks = _blocks(x, block_size)
     return np.asarray(np.max(np.abs(blocks), axis=1) / (2 * QMAX[scheme]))

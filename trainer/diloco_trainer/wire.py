@@ -24,8 +24,8 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from diloco_trainer.config import SCHEMES, Scheme
-from diloco_trainer.quantize import QMAX, Quantized, dequantize, quantize
+from diloco_trainer.config import PER_BYTE, SCHEMES, Scheme
+from diloco_trainer.quantize import Quantized, dequantize, quantize
 
 FORMAT = "diloco/1"
 # The largest counter (step, token count, version, attempt) accepted anywhere on the wire: every
@@ -331,8 +331,8 @@ def decode_download(payload: bytes) -> Download:
     if kind == "params":
         return Download(tensors, versions, fragment, epoch)
     scheme = meta.get("scheme", "")
-    if scheme not in QMAX:
-        raise WireError(f"payload metadata.scheme: {scheme!r} not one of {', '.join(QMAX)}")
+    if scheme not in PER_BYTE:
+        raise WireError(f"payload metadata.scheme: {scheme!r} not one of {', '.join(PER_BYTE)}")
     if fragment is None or len(versions) != 1:
         raise WireError("step payload: needs metadata.fragment and one version")
     block_size = _int_field(meta, "blockSize", 1)
