@@ -64,6 +64,7 @@ def parity_config(
     outer_momentum: float = 0.8,
     phase_lock: bool = True,
     seed: int = 0,
+    learners: int = M,
 ) -> TrainingConfig:
     # Short sequences and small batches keep 4,000 steps x 4 learners within ~10 CPU-minutes per
     # run on 2 cores; the comparison is between schedules, so the absolute size matters less.
@@ -79,7 +80,7 @@ def parity_config(
             "phaseLock": phase_lock,
             "innerOptimizer": {"lr": 2e-3, "warmupSteps": 50},
             "outerOptimizer": {"lr": 0.7, "momentum": outer_momentum, "nesterov": True},
-            "totalSteps": steps * M,
+            "totalSteps": steps * learners,
             "eval": {"everySeconds": None, "batches": EVAL_BATCHES},
             "checkpoint": {"everySeconds": 600},
             "heartbeatSeconds": 1.0,
@@ -252,7 +253,10 @@ def _next_publication(
 
 
 def decoupled(
-    cfg: TrainingConfig, steps: int, name: str = "decoupled DiLoCo (processes, async)"
+    cfg: TrainingConfig,
+    steps: int,
+    name: str = "decoupled DiLoCo (processes, async)",
+    learners: int = M,
 ) -> Outcome:
     start = time.perf_counter()
     with syncer(cfg) as sy:
@@ -273,7 +277,7 @@ def decoupled(
                     "--unit",
                     str(m),
                     "--num-units",
-                    str(M),
+                    str(learners),
                     "--max-steps",
                     str(steps),
                     "--log-level",
@@ -283,12 +287,12 @@ def decoupled(
                 stdout=subprocess.DEVNULL,
                 stderr=(sy.workdir / f"learner-{m}.log").open("wb"),
             )
-            for m in range(M)
+            for m in range(learners)
         ]
-        curve = _follow(sy, procs, steps * M * cfg.tokens_per_step, cfg)
+        curve = _follow(sy, procs, steps * learners * cfg.tokens_per_step, cfg)
         codes = [p.wait() for p in procs]
         if any(codes):
-            tails = [(sy.workdir / f"learner-{m}.log").read_text()[-500:] for m in range(M)]
+            tails = [(sy.workdir / f"learner-{m}.log").read_text()[-500:] for m in range(learners)]
             raise RuntimeError(f"learners exited {codes}: {tails}")
         time.sleep(2.0)  # let the last pushes merge
         client = SyncerClient(sy.url, TOKEN, "bench-eval", 0, "bench")
@@ -297,7 +301,7 @@ def decoupled(
         finally:
             client.close()
         status = sy.status()
-        exits = [_exit_line((sy.workdir / f"learner-{m}.log").read_text()) for m in range(M)]
+        exits = [_exit_line((sy.workdir / f"learner-{m}.log").read_text()) for m in range(learners)]
     loss = eval_loss(params, cfg, EVAL_BATCHES)
     curve.append((status.tokens or 0, loss))
     # The share of each learner's fragment-steps that installs replaced before a push.
