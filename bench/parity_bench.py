@@ -28,7 +28,7 @@ from diloco_trainer.auth import unit_token
 from diloco_trainer.config import CompressionConfig, TrainingConfig
 from diloco_trainer.data.corpus import train_batches
 from diloco_trainer.downlink import Publication
-from diloco_trainer.feedback import PushFeedback
+from diloco_trainer.feedback import push_feedback
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.learner.train import (
@@ -231,8 +231,7 @@ class Pusher:
 
     def __init__(self, scheme: str, compression: CompressionConfig) -> None:
         self.scheme, self.block = scheme, compression.block_size
-        lossy = scheme != "none" and compression.error_feedback
-        self.feedback = PushFeedback() if lossy else None
+        self.feedback = push_feedback(scheme, compression.error_feedback)
 
     def __call__(self, fragment: int, delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         sent = self.feedback.compensated(fragment, delta) if self.feedback else delta

@@ -4,7 +4,7 @@ learner's whole update, short only of what is owed at the end."""
 from __future__ import annotations
 
 import numpy as np
-from diloco_trainer.feedback import PushFeedback
+from diloco_trainer.feedback import PushFeedback, push_feedback
 from diloco_trainer.quantize import dequantize, quantize
 
 
@@ -49,3 +49,9 @@ def test_fragments_owe_separately_and_a_refused_push_changes_nothing() -> None:
     before = fb.compensated(0, delta)["a"]
     fb.compensated(0, {"a": np.ones(4, np.float32)})  # computed, never settled: refused
     np.testing.assert_array_equal(fb.compensated(0, delta)["a"], before)
+
+
+def test_feedback_only_where_asked_for_and_something_is_lost() -> None:
+    assert isinstance(push_feedback("int2", True), PushFeedback)
+    assert push_feedback("int2", False) is None
+    assert push_feedback("none", True) is None  # float32 pushes lose nothing to owe

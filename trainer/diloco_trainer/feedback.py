@@ -48,3 +48,8 @@ class PushFeedback:
         return float(
             np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in owed.values()))
         )
+
+
+def push_feedback(scheme: str, enabled: bool) -> PushFeedback | None:
+    """A unit's error feedback, where it is asked for and the scheme loses something."""
+    return PushFeedback() if enabled and scheme != "none" else None

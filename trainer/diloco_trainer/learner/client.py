@@ -21,7 +21,7 @@ import numpy as np
 from diloco_trainer.auth import UNIT_HEADER
 from diloco_trainer.config import CompressionConfig
 from diloco_trainer.downlink import apply_step, checksum
-from diloco_trainer.feedback import PushFeedback
+from diloco_trainer.feedback import push_feedback
 from diloco_trainer.status import SyncerStatus
 from diloco_trainer.wire import (
     DATA_POSITION_HEADER,
@@ -107,8 +107,7 @@ class SyncerClient:
         )
         # How pushes are encoded: the run's config, which the learner and the syncer share.
         self.compression = compression or CompressionConfig()
-        lossy = self.compression.scheme != "none" and self.compression.error_feedback
-        self.feedback = PushFeedback() if lossy else None
+        self.feedback = push_feedback(self.compression.scheme, self.compression.error_feedback)
         self.bytes_sent = 0
         self.bytes_received = 0
         self._lock = threading.Lock()
