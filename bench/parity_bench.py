@@ -54,6 +54,7 @@ KEY = step_key(0, 0)  # the built-in model's loss draws nothing from its rng
 
 M = 4
 EVAL_BATCHES = 16
+PARITY_SLICE_BYTES = 8_000_000  # of the corpus: about one pass at 4,000 steps x M learners
 
 
 def parity_config(
@@ -73,7 +74,7 @@ def parity_config(
     return TrainingConfig.model_validate(
         {
             "model": {"preset": "tiny", "seqLen": seq_len},
-            "data": {"batchSize": batch, "maxBytes": 8_000_000},
+            "data": {"batchSize": batch, "maxBytes": PARITY_SLICE_BYTES},
             "innerSteps": inner_steps,
             "fragments": 4,
             "quorum": 1,

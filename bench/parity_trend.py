@@ -17,11 +17,19 @@ from dataclasses import dataclass
 from diloco_trainer.config import TrainingConfig
 
 from bench.common import BenchContext, Section, log, md_table
-from bench.parity_bench import M, Outcome, data_parallel, decoupled, parity_config, sync_diloco
+from bench.parity_bench import (
+    PARITY_SLICE_BYTES,
+    M,
+    Outcome,
+    data_parallel,
+    decoupled,
+    parity_config,
+    sync_diloco,
+)
 
 SEED = 0
 BASE_STEPS = 4000
-BYTES_PER_LEARNER_STEP = 8_000_000 // (BASE_STEPS * M)  # the parity slice, read about once
+BYTES_PER_LEARNER_STEP = PARITY_SLICE_BYTES // (BASE_STEPS * M)  # the parity slice, read once
 
 
 @dataclass(frozen=True)
