@@ -261,6 +261,7 @@ def decoupled(
     start = time.perf_counter()
     with syncer(cfg) as sy:
         config = sy.workdir / "run.yaml"
+        logs = [sy.workdir / f"learner-{m}.log" for m in range(learners)]
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         procs = [
             subprocess.Popen(
@@ -285,14 +286,14 @@ def decoupled(
                 ],
                 env=env,
                 stdout=subprocess.DEVNULL,
-                stderr=(sy.workdir / f"learner-{m}.log").open("wb"),
+                stderr=path.open("wb"),
             )
-            for m in range(learners)
+            for m, path in enumerate(logs)
         ]
         curve = _follow(sy, procs, steps * learners * cfg.tokens_per_step, cfg)
         codes = [p.wait() for p in procs]
         if any(codes):
-            tails = [(sy.workdir / f"learner-{m}.log").read_text()[-500:] for m in range(learners)]
+            tails = [path.read_text()[-500:] for path in logs]
             raise RuntimeError(f"learners exited {codes}: {tails}")
         time.sleep(2.0)  # let the last pushes merge
         client = SyncerClient(sy.url, TOKEN, "bench-eval", 0, "bench")
@@ -301,7 +302,7 @@ def decoupled(
         finally:
             client.close()
         status = sy.status()
-        exits = [_exit_line((sy.workdir / f"learner-{m}.log").read_text()) for m in range(learners)]
+        exits = [_exit_line(path.read_text()) for path in logs]
     loss = eval_loss(params, cfg, EVAL_BATCHES)
     curve.append((status.tokens or 0, loss))
     # The share of each learner's fragment-steps that installs replaced before a push.
