@@ -137,6 +137,14 @@ def mean_interval(xs: Sequence[float], level: float = 0.95) -> tuple[float, floa
     return float(mean - half), float(mean + half)
 
 
+def interval_text(xs: Sequence[float]) -> str:
+    """The 95% interval of `mean_interval` as a table prints it, or "one value"."""
+    if len(xs) < 2:
+        return "one value"
+    low, high = mean_interval(xs)
+    return f"{low:.3f} to {high:.3f}"
+
+
 def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

@@ -45,7 +45,7 @@ from diloco_trainer.models.gpt import init_params, param_shapes
 from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.workload.evaluate import eval_loss
 
-from bench.common import BenchContext, Section, log, md_table, mean_interval
+from bench.common import BenchContext, Section, interval_text, log, md_table
 from bench.decoupled_model import leased_batches, roundtrip
 from bench.live import TOKEN, syncer
 from bench.soak_logs import fields
@@ -401,13 +401,6 @@ def runs_at_seed(cfg: TrainingConfig, steps: int, repeats: int) -> SeedRuns:
     return SeedRuns(cfg.seed, dp, sync, locked)
 
 
-def _interval_text(xs: list[float]) -> str:
-    if len(xs) < 2:
-        return "one value"
-    low, high = mean_interval(xs)
-    return f"{low:.3f} to {high:.3f}"
-
-
 def _joined(xs: list[float]) -> str:
     return ", ".join(f"{x:.3f}" for x in xs)
 
@@ -456,7 +449,7 @@ def run(ctx: BenchContext) -> Section:
     summary = md_table(
         ["ratio", f"mean over {len(seeds)} seeds", "95% interval (seeds)", "per seed"],
         [
-            (name, f"**{statistics.fmean(xs):.3f}**", _interval_text(xs), _joined(xs))
+            (name, f"**{statistics.fmean(xs):.3f}**", interval_text(xs), _joined(xs))
             for name, xs in ratios.items()
         ],
     )
@@ -489,7 +482,7 @@ weighting, int8/int4, chaos, mixed speeds, M=8) are the next section, under a co
 ![loss curves, seed {first.seed}]({png.relative_to(ctx.out_dir.parent).as_posix()})
 
 Target: decoupled M=4 loss / data-parallel <= 1.02: **{verdict}** ({dec:.3f}, the mean over
-{len(seeds)} seeds of each seed's mean; 95% interval over the seeds {_interval_text(locked_means)})
+{len(seeds)} seeds of each seed's mean; 95% interval over the seeds {interval_text(locked_means)})
 over {horizon} ({steps} inner steps per learner; short horizons favour data-parallel: the same
 settings at 2,000 steps gave synchronous DiLoCo 1.034, docs/design.md). Issue 21 asks for <= 1.00.
 Data: an 8 MB slice of the corpus, about one pass of it at 4,000 steps. Data-parallel draws its
