@@ -1,24 +1,31 @@
 """Issue 21, item 2: where synchronous DiLoCo's gap to data-parallel goes as the run changes.
 
-From the parity section's setting at seed 0 (tiny, M=4, H=30, P=4, 4,000 steps per learner, an
-8 MB slice of the corpus), one thing is changed at a time: the number of learners (M=8), the
-model's width (dModel 64 against 128), and the budget (2,000 and 8,000 steps, the data slice
-grown with the tokens so that every run reads it about once). Each change runs data-parallel
-and synchronous DiLoCo at equal tokens; both are deterministic in-process runs, so they run two
-at a time on the two cores. The decoupled product runs once at M=8, alone, with real processes.
+From the parity section's setting (tiny, M=4, H=30, P=4, 4,000 steps per learner, an 8 MB slice
+of the corpus), the model's width moves over three sizes at the parity section's three seeds,
+since a seed alone moves the ratio by about 1%; then, at seed 0, one other thing at a time:
+the number of learners (M=8) and the budget (2,000 and 8,000 steps). The slice stays 8 MB in
+every run (read twice at 8,000 steps and at M=8), so every row is scored on the same held-out
+text. Each variant runs data-parallel and synchronous DiLoCo at equal tokens; both are
+deterministic in-process runs, so they run two at a time on the two cores. The decoupled product
+runs once at M=8, alone, with real processes.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
+import statistics
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from diloco_trainer.config import TrainingConfig
+from diloco_trainer.models.gpt import init_params
 
-from bench.common import BenchContext, Section, log, md_table
+from bench.common import BenchContext, Section, interval_text, log, md_table
 from bench.parity_bench import (
     PARITY_SLICE_BYTES,
+    SEEDS,
     M,
     Outcome,
     data_parallel,
@@ -27,9 +34,8 @@ from bench.parity_bench import (
     sync_diloco,
 )
 
-SEED = 0
 BASE_STEPS = 4000
-BYTES_PER_LEARNER_STEP = PARITY_SLICE_BYTES // (BASE_STEPS * M)  # the parity slice, read once
+WIDTHS = (32, 64, 128)  # dModel; 128 is the tiny preset's, the parity section's model
 
 
 @dataclass(frozen=True)
@@ -38,23 +44,31 @@ class Variant:
     learners: int = M
     steps: int = BASE_STEPS
     d_model: int | None = None  # None: the preset's width
+    seed: int = 0
 
     def config(self, h: int) -> TrainingConfig:
-        base = parity_config(self.steps, h, seed=SEED, learners=self.learners)
+        base = parity_config(self.steps, h, seed=self.seed, learners=self.learners)
+        if self.d_model is None:
+            return base
         raw = base.model_dump(by_alias=True)
-        raw["data"]["maxBytes"] = BYTES_PER_LEARNER_STEP * self.steps * self.learners
-        if self.d_model is not None:
-            raw["model"]["dModel"] = self.d_model
+        raw["model"]["dModel"] = self.d_model
         return TrainingConfig.model_validate(raw)
 
 
-def variants(quick: bool) -> list[Variant]:
+def width_variants(widths: tuple[int, ...], seeds: tuple[int, ...], steps: int) -> list[Variant]:
+    return [Variant(f"dModel {d}", steps=steps, d_model=d, seed=s) for d in widths for s in seeds]
+
+
+def variants(quick: bool) -> tuple[list[Variant], list[Variant]]:
+    """The width grid, and the one-change-at-a-time rows at seed 0 (the first is the base)."""
     if quick:
-        return [Variant("the parity setting", steps=200), Variant("M=8", learners=8, steps=200)]
-    return [
-        Variant("the parity setting (M=4, dModel 128, 4,000 steps)"),
+        grid = width_variants((32, 128), (0, 1), 200)
+        return grid, [grid[2], Variant("M=8", learners=8, steps=200)]
+    grid = width_variants(WIDTHS, SEEDS, BASE_STEPS)
+    base = next(v for v in grid if v.d_model == 128 and v.seed == 0)
+    return grid, [
+        base,
         Variant("M=8", learners=8),
-        Variant("dModel 64", d_model=64),
         Variant("2,000 steps", steps=2000),
         Variant("8,000 steps", steps=8000),
     ]
@@ -71,7 +85,7 @@ def _synchronous(v: Variant, h: int) -> Outcome:
 def in_process_runs(vs: list[Variant], h: int) -> dict[tuple[Variant, str], Outcome]:
     """Both runs of every variant, two at a time, the longest first."""
     jobs = sorted(
-        [(v, kind) for v in vs for kind in ("dp", "sync")],
+        [(v, kind) for v in dict.fromkeys(vs) for kind in ("dp", "sync")],
         key=lambda j: -j[0].steps * j[0].learners * (2 if j[1] == "dp" else 1),
     )
     spawn = multiprocessing.get_context("spawn")  # a forked JAX runtime is not safe to use
@@ -83,39 +97,116 @@ def in_process_runs(vs: list[Variant], h: int) -> dict[tuple[Variant, str], Outc
         results = {}
         for (v, kind), future in futures.items():
             results[v, kind] = out = future.result()
-            log(f"parity_trend {v.label} {kind}: {out.loss:.4f} ({out.seconds:.0f}s)")
+            log(f"parity_trend {v.label} seed {v.seed} {kind}: {out.loss:.4f} ({out.seconds:.0f}s)")
     return results
+
+
+def parameter_count(v: Variant, h: int) -> int:
+    cfg = v.config(h)
+    return sum(math.prod(p.shape) for p in init_params(cfg.model, cfg.seed).values())
+
+
+@dataclass(frozen=True)
+class WidthRow:
+    d_model: int
+    params: int
+    ratios: list[float]  # synchronous DiLoCo / data-parallel, one per seed
+
+
+def width_rows(
+    grid: list[Variant], runs: dict[tuple[Variant, str], Outcome], h: int
+) -> list[WidthRow]:
+    rows = []
+    for d in sorted({v.d_model or 128 for v in grid}):
+        at_d = [v for v in grid if (v.d_model or 128) == d]
+        ratios = [runs[v, "sync"].loss / runs[v, "dp"].loss for v in at_d]
+        rows.append(WidthRow(d, parameter_count(at_d[0], h), ratios))
+    return rows
+
+
+def plot_widths(rows: list[WidthRow], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.scatter([r.params] * len(r.ratios), r.ratios, color="tab:blue", alpha=0.5, s=18)
+    ax.plot(
+        [r.params for r in rows],
+        [statistics.fmean(r.ratios) for r in rows],
+        marker="o",
+        color="tab:blue",
+        label="synchronous DiLoCo, M=4 (mean over seeds; dots: seeds)",
+    )
+    ax.axhline(1.0, color="gray", linestyle="--", label="data-parallel")
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("eval loss / data-parallel at equal tokens")
+    ax.set_title("The DiLoCo gap over model width")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def run(ctx: BenchContext) -> Section:
     h = 25 if ctx.quick else 30
-    vs = variants(ctx.quick)
-    runs = in_process_runs(vs, h)
-    m8 = next(v for v in vs if v.learners == 8)
+    grid, changes = variants(ctx.quick)
+    runs = in_process_runs(grid + changes, h)
+    m8 = next(v for v in changes if v.learners == 8)
     product = decoupled(m8.config(h), m8.steps, "decoupled DiLoCo, M=8", learners=8)
     log(f"parity_trend decoupled M=8: {product.loss:.4f} ({product.seconds:.0f}s) {product.note}")
+    widths = width_rows(grid, runs, h)
+    png = plot_widths(widths, ctx.plot_path("parity_trend_width.png"))
+    width_table = md_table(
+        ["dModel", "parameters", "synchronous DiLoCo / data-parallel, per seed", "mean",
+         "95% interval (seeds)"],
+        [
+            (r.d_model, f"{r.params:,}", ", ".join(f"{x:.3f}" for x in r.ratios),
+             f"**{statistics.fmean(r.ratios):.3f}**", interval_text(r.ratios))
+            for r in widths
+        ],
+    )  # fmt: skip
     rows = []
-    for v in vs:
+    for v in changes:
         dp, sync = runs[v, "dp"], runs[v, "sync"]
+        label = (
+            f"none (the parity setting: dModel 128, M={M}, {v.steps:,} steps)"
+            if v is changes[0]
+            else v.label
+        )
         rows.append(
-            (v.label, f"{dp.loss:.4f}", f"{sync.loss:.4f}", f"**{sync.loss / dp.loss:.3f}**",
+            (label, f"{dp.loss:.4f}", f"{sync.loss:.4f}", f"**{sync.loss / dp.loss:.3f}**",
              f"{dp.seconds:.0f}s / {sync.seconds:.0f}s")
         )  # fmt: skip
     table = md_table(
-        ["run", "data-parallel", "synchronous DiLoCo", "/ data-parallel", "wall (dp / sync)"],
+        ["run (seed 0)", "data-parallel", "synchronous DiLoCo", "/ data-parallel",
+         "wall (dp / sync)"],
         rows,
-    )
+    )  # fmt: skip
     dp8, sync8 = runs[m8, "dp"], runs[m8, "sync"]
-    base = vs[0].config(h)
+    base = changes[0].config(h)
     body = f"""
-One change at a time from the parity section's setting at seed {SEED} (tiny preset, M={M},
-batch {base.data.batch_size} x seqLen {base.model.context} per learner, H={h},
-P={base.fragments}, outer {base.outer_optimizer.lr}/{base.outer_optimizer.momentum}; data-parallel
-with batch M x {base.data.batch_size}, equal tokens). The data slice grows with the tokens
-a run reads (8 MB at M=4 and 4,000 steps), so each run reads it about once; the
-held-out batches come from the slice, so losses compare only within a row. Data-parallel and
-synchronous DiLoCo are deterministic in-process runs (two at a time on the two cores; wall
-times are context only).
+From the parity section's setting (tiny preset, M={M}, batch {base.data.batch_size} x seqLen
+{base.model.context} per learner, H={h}, P={base.fragments}, outer
+{base.outer_optimizer.lr}/{base.outer_optimizer.momentum}; data-parallel with batch M x
+{base.data.batch_size}, equal tokens). Every run reads the same
+{PARITY_SLICE_BYTES / 1e6:g} MB slice of the corpus and is scored on the same held-out
+batches. Data-parallel and synchronous DiLoCo are deterministic in-process runs (two at a time
+on the two cores; wall times are context only).
+
+Width, at each of seeds {", ".join(str(s) for s in sorted({v.seed for v in grid}))} (a seed
+sets the initial parameters and the data order, and alone moves the ratio by about 1%):
+
+{width_table}
+
+![DiLoCo gap over width]({png.relative_to(ctx.out_dir.parent).as_posix()})
+
+One change at a time, at seed {changes[0].seed}:
 
 {table}
 
@@ -126,10 +217,14 @@ machine): **{product.loss:.4f}**, {product.loss / dp8.loss:.3f} of data-parallel
 """
     return Section(
         name="parity_trend",
-        title="Parity trend: learners, width, budget",
+        title="Parity trend: width, learners, budget",
         body=body,
         command=ctx.command,
-        config=f"tiny preset, seed {SEED}, H={h}, P={base.fragments}, variants: "
-        + "; ".join(v.label for v in vs),
+        config=f"tiny preset, H={h}, P={base.fragments}, dModel "
+        + ", ".join(str(r.d_model) for r in widths)
+        + " at seeds "
+        + ", ".join(str(s) for s in sorted({v.seed for v in grid}))
+        + "; at seed 0: "
+        + "; ".join(v.label for v in changes[1:]),
         quick=ctx.quick,
     )
