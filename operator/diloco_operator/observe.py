@@ -161,8 +161,11 @@ def _deleted_at(meta: Mapping[str, Any]) -> float:
 def _suspension_leftover(deleted_at: float, job: JobView) -> bool:
     """Whether a pod's deletion was requested before the Job last resumed: the Job controller
     deleting the pods of a suspended Job, not a failure. (Not the pod's creation time: after a
-    resume the controller may create the new pods before it stamps the resume, seen here.)"""
-    return bool(deleted_at and job.resumed and deleted_at < job.resumed)
+    resume the controller may create the new pods before it stamps the resume, seen here.) Both
+    times are whole seconds (the API's timestamps), so a deletion in the second of the resume
+    counts as the suspension's: a suspend and resume within one second were otherwise read as a
+    pod deleted after the resume, and the unit recreated (seen in e2e)."""
+    return bool(deleted_at and job.resumed and deleted_at <= job.resumed)
 
 
 def observe_unit(

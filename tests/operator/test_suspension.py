@@ -335,6 +335,17 @@ def test_pods_deleted_by_the_suspension_are_not_failures_after_the_resume() -> N
     assert observe_unit(j, [fresh], {"n1": True}, gone).failure == "PodDeleted"
 
 
+def test_a_resume_in_the_second_of_the_suspension_keeps_the_job() -> None:
+    # Timestamps are whole seconds: suspended and resumed within one (an e2e run did, and its
+    # units were recreated), the suspension's deletions carry the resume's second.
+    leftover = pod_view(pod("r-default-0-0-a", "2026-01-01T00:00:30Z", RESUMED_AT))
+    j = job_view(job(resumed=RESUMED_AT))
+    o = observe_unit(j, [leftover], {"n1": True}, {"r-default-0-0-a": leftover.deleted_at})
+    assert (o.phase, o.failure) == ("Pending", None)
+    later = pod_view(pod("r-default-0-0-b", "2026-01-01T00:00:59Z", "2026-01-01T00:01:01Z"))
+    assert observe_unit(j, [later], {"n1": True}, {}).failure == "PodDeleted"
+
+
 def test_unit_jobs_carry_the_runs_kueue_labels_and_start_suspended() -> None:
     spec = make_spec()
     labels = {
