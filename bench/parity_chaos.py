@@ -63,9 +63,9 @@ class SeedChaos:
 
 
 def chaos_run(steps: int, h: int, seed: int, kill_every: float, repeat: int) -> ChaosRun:
-    reference = parity_config(steps, h, seed=seed)
-    cfg = reference.model_copy(
-        update={"checkpoint": reference.checkpoint.model_copy(update={"every_seconds": 30.0})}
+    parity = parity_config(steps, h, seed=seed)
+    cfg = parity.model_copy(
+        update={"checkpoint": parity.checkpoint.model_copy(update={"every_seconds": 30.0})}
     )
     training = cfg.model_dump(by_alias=True, mode="json")
     # The repeat moves the kill times; the seed alone keeps init and data as in the parity section.

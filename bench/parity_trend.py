@@ -116,12 +116,14 @@ class WidthRow:
 def width_rows(
     grid: list[Variant], runs: dict[tuple[Variant, str], Outcome], h: int
 ) -> list[WidthRow]:
-    rows = []
-    for d in sorted({v.d_model or 128 for v in grid}):
-        at_d = [v for v in grid if (v.d_model or 128) == d]
-        ratios = [runs[v, "sync"].loss / runs[v, "dp"].loss for v in at_d]
-        rows.append(WidthRow(d, parameter_count(at_d[0], h), ratios))
-    return rows
+    by_width: dict[int, list[Variant]] = {}
+    for v in grid:
+        by_width.setdefault(v.config(h).model.width, []).append(v)
+    return [
+        WidthRow(d, parameter_count(at_d[0], h),
+                 [runs[v, "sync"].loss / runs[v, "dp"].loss for v in at_d])
+        for d, at_d in sorted(by_width.items())
+    ]  # fmt: skip
 
 
 def plot_widths(rows: list[WidthRow], path: Path) -> Path:
@@ -190,6 +192,7 @@ def run(ctx: BenchContext) -> Section:
     )  # fmt: skip
     dp8, sync8 = runs[m8, "dp"], runs[m8, "sync"]
     base = changes[0].config(h)
+    grid_seeds = ", ".join(str(s) for s in sorted({v.seed for v in grid}))
     body = f"""
 From the parity section's setting (tiny preset, M={M}, batch {base.data.batch_size} x seqLen
 {base.model.context} per learner, H={h}, P={base.fragments}, outer
@@ -199,7 +202,7 @@ From the parity section's setting (tiny preset, M={M}, batch {base.data.batch_si
 batches. Data-parallel and synchronous DiLoCo are deterministic in-process runs (two at a time
 on the two cores; wall times are context only).
 
-Width, at each of seeds {", ".join(str(s) for s in sorted({v.seed for v in grid}))} (a seed
+Width, at each of seeds {grid_seeds} (a seed
 sets the initial parameters and the data order, and alone moves the ratio by about 1%):
 
 {width_table}
@@ -222,9 +225,7 @@ machine): **{product.loss:.4f}**, {product.loss / dp8.loss:.3f} of data-parallel
         command=ctx.command,
         config=f"tiny preset, H={h}, P={base.fragments}, dModel "
         + ", ".join(str(r.d_model) for r in widths)
-        + " at seeds "
-        + ", ".join(str(s) for s in sorted({v.seed for v in grid}))
-        + "; at seed 0: "
+        + f" at seeds {grid_seeds}; at seed 0: "
         + "; ".join(v.label for v in changes[1:]),
         quick=ctx.quick,
     )
