@@ -257,7 +257,9 @@ def test_queued_admitted_preempted_and_admitted_again(
     assert queued is not None and queued["status"] == "True"
     found = condition(status(cluster, namespace, run), "QueueFound")
     assert found is not None and found["status"] == "True"
-    assert len(workloads(cluster, namespace)) == 2
+    # Kueue makes a Workload per Job on its own schedule: the units are Queued (their Jobs are
+    # created suspended, with the queue label) possibly before Kueue has caught up.
+    wait_for("Kueue's 2 Workloads", lambda: len(workloads(cluster, namespace)) == 2, timeout=30)
     before = job_facts(cluster, namespace, run)
     nothing_counted(cluster, namespace, run)
 
