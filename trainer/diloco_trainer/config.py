@@ -341,6 +341,12 @@ class TrainingConfig(Strict):
         "installed, so learners push it together and merges hold several deltas; false: each "
         "fragment every H steps at its own fixed offset.",
     )
+    install: Literal["replace", "rebase"] = Field(
+        "replace",
+        description="How a learner installs a new global version of a fragment. replace: the "
+        "steps it made on the fragment since its last push are lost; rebase: they are kept, "
+        "added on top of the new version, and sent with its next push.",
+    )
     quorum: int = Field(1, ge=1, le=100_000, description="K: minimum contributions before a merge.")
     max_staleness: int = Field(
         8, ge=1, le=1_000_000, description="Reject pushes whose base is this many versions old."

@@ -26,7 +26,12 @@ from diloco_trainer.learner.train import Params
 class FragmentBook:
     """The learner's bookkeeping per fragment: the global version it holds, where the next push's
     delta is measured from (the fragment at the last push (device) or install (host), whichever
-    came later), the steps and tokens since, and when a push is due."""
+    came later), the steps and tokens since, and when a push is due.
+
+    An install replaces the fragment with the new global version, and with it the steps made on
+    it since the last push (its merge arrives while the learner trains on). With `rebase` those
+    steps are kept: the learner's fragment becomes the new version plus its own progress since
+    `base`, and since `base` becomes the new version, the next push carries them, counted."""
 
     layout: list[list[str]]
     shapes: dict[str, tuple[int, ...]]
@@ -34,6 +39,7 @@ class FragmentBook:
     base: dict[int, Mapping[str, np.ndarray | jax.Array]]
     counters: FragmentCounters
     clock: PushClock
+    rebase: bool = False  # `install: rebase`: an install keeps the steps since the last push
 
     @classmethod
     def starting(
@@ -51,7 +57,8 @@ class FragmentBook:
             if versions[p] > 0:
                 clock.joined_running(p)
         base: dict[int, Mapping[str, np.ndarray | jax.Array]] = dict(fragments)
-        return cls(layout, shapes, versions, base, FragmentCounters(len(layout)), clock)
+        counters = FragmentCounters(len(layout))
+        return cls(layout, shapes, versions, base, counters, clock, cfg.install == "rebase")
 
     def push_due(
         self, step: int, params: Params, link: SyncLink | None, tokens_per_step: int
@@ -93,8 +100,13 @@ class FragmentBook:
             if version == self.versions[p]:
                 continue  # an older one is installed too: the syncer restored from a checkpoint
             for name, value in tensors.items():
-                params[name] = scatter_leaf(value, params[name].sharding)
+                sharding = params[name].sharding
+                fresh = scatter_leaf(value, sharding)
+                if self.rebase:  # the steps since the last push or install, replayed on top
+                    fresh = fresh + (params[name] - scatter_leaf(self.base[p][name], sharding))
+                params[name] = fresh
             self.base[p], self.versions[p] = tensors, version
-            self.counters.overwrite(p)
+            if not self.rebase:
+                self.counters.overwrite(p)
             self.clock.installed(step, p)
         return signal
