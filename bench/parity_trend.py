@@ -82,10 +82,13 @@ def _synchronous(v: Variant, h: int) -> Outcome:
     return sync_diloco(v.config(h), v.steps, name="synchronous DiLoCo", learners=v.learners)
 
 
-def in_process_runs(vs: list[Variant], h: int) -> dict[tuple[Variant, str], Outcome]:
-    """Both runs of every variant, two at a time, the longest first."""
+def in_process_runs(
+    vs: list[Variant], h: int, kinds: tuple[str, ...] = ("dp", "sync")
+) -> dict[tuple[Variant, str], Outcome]:
+    """The in-process runs of every variant (data-parallel, synchronous DiLoCo), two at a time,
+    the longest first."""
     jobs = sorted(
-        [(v, kind) for v in dict.fromkeys(vs) for kind in ("dp", "sync")],
+        [(v, kind) for v in dict.fromkeys(vs) for kind in kinds],
         key=lambda j: -j[0].steps * j[0].learners * (2 if j[1] == "dp" else 1),
     )
     spawn = multiprocessing.get_context("spawn")  # a forked JAX runtime is not safe to use

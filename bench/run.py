@@ -24,6 +24,7 @@ BENCHES: list[tuple[str, str]] = [
     ("parity", "bench.parity_bench"),
     ("parity_chaos", "bench.parity_chaos"),
     ("parity_trend", "bench.parity_trend"),
+    ("install", "bench.install_bench"),
     ("bytes_loss", "bench.bytes_loss"),
     ("ablations", "bench.ablation_bench"),
     ("goodput_real", "bench.goodput_real"),
@@ -47,6 +48,7 @@ the same machine; absolute times are context only. Sections: {names}.
 |---|---|
 | decoupled M=4 loss / data-parallel loss at equal tokens <= 1.02 (<= 1.03 under chaos) | parity, parity_chaos, ablations |
 | parity <= 1.00 (issue 21): how the gap moves with M=8, model width and budget | parity_trend |
+| parity <= 1.00 (issue 21): does keeping the steps made during a merge (`install: rebase`) close the decoupled runs' gap | install |
 | bytes per token >= 400x below data-parallel with int4 | communication |
 | >= 1000x fewer bytes per token than data-parallel, sent and received, at loss <= 1.02 of it (issue 21) | bytes_loss |
 | goodput >= 90% at one kill per unit per minute | goodput_real |
