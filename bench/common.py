@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -174,3 +175,20 @@ def syncer_log_events(logs: Path) -> list[tuple[float, str, str, str]]:
                 when = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
                 found.append((when, m.group(2), m.group(3), path.name))
     return sorted(found)
+
+
+def save_ratio_plot(fig: Any, ax: Any, path: Path, xlabel: str, title: str) -> Path:
+    """Finish a plot of eval loss / data-parallel at equal tokens: the parity line at 1, the
+    labels, a small legend; write it as PNG."""
+    import matplotlib.pyplot as plt
+
+    ax.axhline(1.0, color="gray", linestyle="--", label="data-parallel")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("eval loss / data-parallel at equal tokens")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

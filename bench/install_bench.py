@@ -17,7 +17,14 @@ from pathlib import Path
 
 from diloco_trainer.config import TrainingConfig
 
-from bench.common import BenchContext, Section, interval_text, log, md_table
+from bench.common import (
+    BenchContext,
+    Section,
+    interval_text,
+    log,
+    md_table,
+    save_ratio_plot,
+)
 from bench.parity_bench import SEEDS, M, Outcome, decoupled
 from bench.parity_trend import BASE_STEPS, WIDTHS, Variant, in_process_runs, width_variants
 
@@ -75,17 +82,10 @@ def plot(pairs: list[Pair], path: Path) -> Path:
                        s=16)  # fmt: skip
         ax.plot(list(groups), [statistics.fmean(p.ratio(mode) for p in g) for g in groups.values()],
                 marker="o", color=color, label=f"install: {mode} (mean; dots: seeds)")  # fmt: skip
-    ax.axhline(1.0, color="gray", linestyle="--", label="data-parallel")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("dModel")
-    ax.set_ylabel("eval loss / data-parallel at equal tokens")
-    ax.set_title(f"Decoupled DiLoCo, M={M}: what an install keeps")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_ratio_plot(
+        fig, ax, path, "dModel", f"Decoupled DiLoCo, M={M}: what an install keeps"
+    )
 
 
 def overwritten(out: Outcome) -> str:

@@ -22,7 +22,14 @@ from pathlib import Path
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.models.gpt import init_params
 
-from bench.common import BenchContext, Section, interval_text, log, md_table
+from bench.common import (
+    BenchContext,
+    Section,
+    interval_text,
+    log,
+    md_table,
+    save_ratio_plot,
+)
 from bench.parity_bench import (
     PARITY_SLICE_BYTES,
     SEEDS,
@@ -145,17 +152,8 @@ def plot_widths(rows: list[WidthRow], path: Path) -> Path:
         color="tab:blue",
         label="synchronous DiLoCo, M=4 (mean over seeds; dots: seeds)",
     )
-    ax.axhline(1.0, color="gray", linestyle="--", label="data-parallel")
     ax.set_xscale("log")
-    ax.set_xlabel("parameters")
-    ax.set_ylabel("eval loss / data-parallel at equal tokens")
-    ax.set_title("The DiLoCo gap over model width")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_ratio_plot(fig, ax, path, "parameters", "The DiLoCo gap over model width")
 
 
 def run(ctx: BenchContext) -> Section:
