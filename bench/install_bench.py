@@ -17,14 +17,7 @@ from pathlib import Path
 
 from diloco_trainer.config import TrainingConfig
 
-from bench.common import (
-    BenchContext,
-    Section,
-    interval_text,
-    log,
-    md_table,
-    save_ratio_plot,
-)
+from bench.common import BenchContext, Section, interval_text, log, md_table, save_ratio_plot
 from bench.parity_bench import SEEDS, M, Outcome, decoupled
 from bench.parity_trend import BASE_STEPS, WIDTHS, Variant, in_process_runs, width_variants
 

@@ -22,14 +22,7 @@ from pathlib import Path
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.models.gpt import init_params
 
-from bench.common import (
-    BenchContext,
-    Section,
-    interval_text,
-    log,
-    md_table,
-    save_ratio_plot,
-)
+from bench.common import BenchContext, Section, interval_text, log, md_table, save_ratio_plot
 from bench.parity_bench import (
     PARITY_SLICE_BYTES,
     SEEDS,
