@@ -57,7 +57,7 @@ def run_pairs(grid: list[Variant], h: int) -> list[Pair]:
 def by_width(pairs: list[Pair]) -> dict[int, list[Pair]]:
     widths: dict[int, list[Pair]] = {}
     for pair in pairs:
-        widths.setdefault(pair.variant.d_model or 0, []).append(pair)
+        widths.setdefault(pair.variant.width, []).append(pair)
     return dict(sorted(widths.items()))
 
 
@@ -82,7 +82,7 @@ def plot(pairs: list[Pair], path: Path) -> Path:
 
 
 def overwritten(out: Outcome) -> str:
-    return out.note.rsplit("steps overwritten ", 1)[-1] if "overwritten" in out.note else "?"
+    return "?" if out.overwritten is None else f"{out.overwritten:.1%}"
 
 
 def run(ctx: BenchContext) -> Section:

@@ -101,6 +101,8 @@ class Outcome:
     note: str = ""
     curve: list[tuple[int, float]] = field(default_factory=list)  # (tokens, eval loss)
     traffic: Traffic | None = None  # the learners' bytes, for runs with real processes
+    # Runs with real processes: the learners' mean share of fragment-steps an install replaced.
+    overwritten: float | None = None
 
 
 @dataclass(frozen=True)
@@ -312,7 +314,7 @@ def decoupled(
         f"steps overwritten {overwritten:.1%}"
     )
     seconds = time.perf_counter() - start
-    return Outcome(name, loss, seconds, note, curve, Traffic.of_logs(exits))
+    return Outcome(name, loss, seconds, note, curve, Traffic.of_logs(exits), overwritten)
 
 
 def _exit_line(learner_log: str) -> dict[str, str]:

@@ -46,6 +46,11 @@ class Variant:
     d_model: int | None = None  # None: the preset's width
     seed: int = 0
 
+    @property
+    def width(self) -> int:
+        """dModel as the model resolves it (the preset's where `d_model` is None)."""
+        return self.config(1).model.width  # any H: the period does not touch the model
+
     def config(self, h: int) -> TrainingConfig:
         base = parity_config(self.steps, h, seed=self.seed, learners=self.learners)
         if self.d_model is None:
@@ -121,7 +126,7 @@ def width_rows(
 ) -> list[WidthRow]:
     by_width: dict[int, list[Variant]] = {}
     for v in grid:
-        by_width.setdefault(v.config(h).model.width, []).append(v)
+        by_width.setdefault(v.width, []).append(v)
     return [
         WidthRow(d, parameter_count(at_d[0], h),
                  [runs[v, "sync"].loss / runs[v, "dp"].loss for v in at_d])
