@@ -133,7 +133,7 @@ class ProgressRecorder(logging.Handler):
 @contextmanager
 def recording() -> Iterator[ProgressRecorder]:
     rec = ProgressRecorder()
-    logger = logging.getLogger("diloco_trainer.learner.loop")
+    logger = logging.getLogger("diloco_trainer.learner.report")
     old_level = logger.level
     logger.setLevel(logging.INFO)
     logger.addHandler(rec)

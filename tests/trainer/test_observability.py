@@ -71,8 +71,8 @@ def test_peak_flops_from_the_table_or_the_environment() -> None:
 
 def test_learner_counters_add_only_what_the_running_totals_grew() -> None:
     metrics = LearnerMetrics("u", "g", flops_per_token=100.0, peak_flops=1000.0)
-    metrics.progress(2.5, 4.0, {"pushes": 3, "rejected": 1}, 100, 50)
-    metrics.progress(2.0, 5.0, {"pushes": 5, "rejected": 1, "push_failures": 2}, 160, 50)
+    metrics.progress(2.5, 4.0, {"pushes": 3, "rejected": 1}, 100, 50, 0.25)
+    metrics.progress(2.0, 5.0, {"pushes": 5, "rejected": 1, "push_failures": 2}, 160, 50, 0.2)
     labels = {"unit": "u", "group": "g"}
     value = metrics.registry.get_sample_value
     assert value("diloco_learner_pushes_total", {**labels, "result": "accepted"}) == 5
@@ -81,6 +81,7 @@ def test_learner_counters_add_only_what_the_running_totals_grew() -> None:
     assert value("diloco_learner_bytes_sent_total", labels) == 160
     assert value("diloco_learner_loss", labels) == 2.0
     assert value("diloco_learner_mfu_ratio", labels) == 5.0 * 100.0 / 1000.0
+    assert value("diloco_learner_overwritten_ratio", labels) == 0.2  # the last log's share
 
 
 def test_syncer_tokens_is_a_counter_from_what_the_process_restored() -> None:
@@ -153,6 +154,7 @@ def test_a_learner_serves_its_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
     tps = got[("diloco_learner_tokens_per_second", unit)]
     assert mfu == pytest.approx(tps * flops_per_token(cfg.model) / 1e9)
     assert math.isfinite(got[("diloco_learner_loss", unit)])
+    assert 0.0 <= got[("diloco_learner_overwritten_ratio", unit)] <= 1.0
 
 
 def test_json_lines_carry_what_cloud_logging_reads() -> None:

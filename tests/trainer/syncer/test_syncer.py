@@ -813,7 +813,7 @@ def test_a_restarted_learner_continues_its_lr_schedule_and_counts_its_own_steps(
         syncer=live.url, token=unit_token(TOKEN, "unit-0"), unit=0, num_units=1, unit_name="unit-0", attempt=1,
         log_every=2, max_steps=40, slowdown=3.0,
     )  # fmt: skip
-    with caplog.at_level(logging.INFO, logger="diloco_trainer.learner.loop"):
+    with caplog.at_level(logging.INFO, logger="diloco_trainer.learner"):
         result = run_learner(cfg, opts)
     assert result.steps == 40 and result.tokens == 40 * cfg.tokens_per_step
     text = caplog.text

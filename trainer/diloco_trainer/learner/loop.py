@@ -5,9 +5,9 @@
     loop:
         one train step (async dispatch; at most one step in flight)
         for each fragment due now: hand (base_p, theta_p, counters_p) to the sender thread
-        install new global fragments the pollers received: overwrite theta_p (AdamW state kept),
-            base_p = new global, reset counters_p
-        heartbeat thread reports progress; stop when the syncer says the run is complete
+        install new global fragments the pollers received: overwrite theta_p (`install: rebase`:
+            plus the steps since the push; AdamW state kept), base_p = new global
+        report progress (report.py); the heartbeat thread too; stop when the run is complete
 
 Once running, the loop never waits on the syncer: an unreachable syncer only means pushes are
 retried (newest per fragment kept) and nothing new arrives; training goes on.
@@ -16,7 +16,6 @@ retried (newest per fragment kept) and nothing new arrives; training goes on.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,9 +38,9 @@ from diloco_trainer.learner.distributed import (
     is_leader,
 )
 from diloco_trainer.learner.fragment_sync import FragmentBook
-from diloco_trainer.learner.metrics import LearnerMetrics, start_learner_metrics
+from diloco_trainer.learner.report import Reporter
 from diloco_trainer.learner.sharding import abstract_params
-from diloco_trainer.learner.sync_link import Progress, SyncLink, retry_until
+from diloco_trainer.learner.sync_link import SyncLink, retry_until
 from diloco_trainer.learner.train import (
     Params,
     ScheduleClock,
@@ -200,7 +199,7 @@ def run_learner(
     clock = schedule_clock(cfg, opts.num_units, start.resume_step, mesh)
     batches = unit_feed(cfg, program.workload.source, start.data_lease, client, stop)
     frags = FragmentBook.starting(cfg, start.layout, start.shapes, start.versions, start.fragments)
-    report = _Report.starting(cfg, opts, client, start, leader, program.workload, clock)
+    report = Reporter.starting(cfg, opts, client, start.versions, leader, program.workload, clock)
     link, tokens_per_step = report.link, cfg.tokens_per_step
 
     step, prev_loss, last_done = 0, None, time.monotonic()
@@ -327,72 +326,6 @@ def _training_state(program: StepProgram, start: _Start) -> tuple[Params, Any]:
     return params, opt_state
 
 
-@dataclass
-class _Report:
-    """What the learner tells the outside: the sync link's heartbeats (leader only), the
-    progress log every `log_every` steps, and the leader's Prometheus metrics."""
-
-    opts: LearnerOptions
-    client: SyncerClient
-    link: SyncLink | None
-    metrics: LearnerMetrics | None
-    progress: Progress
-    clock: ScheduleClock
-    tokens_per_step: int
-    window_start: float = field(default_factory=time.monotonic)
-    window_steps: int = 0
-
-    @classmethod
-    def starting(
-        cls,
-        cfg: TrainingConfig,
-        opts: LearnerOptions,
-        client: SyncerClient,
-        start: _Start,
-        leader: bool,
-        workload: Workload,
-        clock: ScheduleClock,
-    ) -> _Report:
-        progress = Progress()
-        link = SyncLink(client, start.versions, cfg.heartbeat_seconds, progress) if leader else None
-        if link is not None:
-            link.start()
-        metrics = None
-        if link is not None and opts.metrics_port > 0:
-            metrics = start_learner_metrics(
-                workload.flops_per_token, opts.name, opts.group, opts.metrics_port,
-                jax.devices()[0].device_kind, jax.device_count(), os.environ,
-            )  # fmt: skip
-        return cls(opts, client, link, metrics, progress, clock, cfg.tokens_per_step)
-
-    def step(
-        self, step: int, loss: jax.Array, metrics: Any, done: bool, frags: FragmentBook
-    ) -> None:
-        self.window_steps += 1
-        progress, tokens_per_step = self.progress, self.tokens_per_step
-        progress.step, progress.tokens, progress.loss = step, step * tokens_per_step, loss
-        if step % self.opts.log_every != 0 and not done:
-            return
-        elapsed = time.monotonic() - self.window_start
-        progress.tokens_per_sec = self.window_steps * tokens_per_step / max(elapsed, 1e-9)
-        self.window_start, self.window_steps = time.monotonic(), 0
-        clock, overwritten = self.clock, frags.counters.overwritten_share(step)
-        _log_progress(
-            self.opts, step, progress, frags.versions, self.link, clock.position(step),
-            clock.learning_rate(step), overwritten,
-        )  # fmt: skip
-        if metrics:  # the model's own (float() waits for the step: only on logged steps)
-            log.info(
-                "event=model_metrics unit=%s step=%d %s", self.opts.name, step,
-                " ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items())),
-            )  # fmt: skip
-        if self.metrics is not None and self.link is not None:
-            self.metrics.progress(
-                float(loss), progress.tokens_per_sec, self.link.stats,
-                self.client.bytes_sent, self.client.bytes_received,
-            )  # fmt: skip
-
-
 def _result(
     step: int,
     last_loss: jax.Array | None,
@@ -417,34 +350,4 @@ def _result(
         bytes_joined=start.bytes_joined,
         loop_seconds=loop_seconds,
         overwritten_share=frags.counters.overwritten_share(step),
-    )
-
-
-def _log_progress(
-    opts: LearnerOptions,
-    step: int,
-    progress: Progress,
-    versions: list[int],
-    link: Any,
-    schedule_step: int,
-    lr: float,
-    overwritten: float,
-) -> None:
-    """step/tokens: this attempt's (what heartbeats report); schedule_step: the unit's step in
-    its LR schedule (earlier attempts included, never behind the run: `ScheduleClock`); lr: the LR of the last step; overwritten: the
-    share of its fragment-steps so far that installs replaced before a push carried them."""
-    loss = float(progress.loss) if progress.loss is not None else float("nan")
-    log.info(
-        "event=progress unit=%s step=%d schedule_step=%d lr=%.3g tokens=%d loss=%.4f "
-        "tokens_per_sec=%.0f versions=%s pending_pushes=%d overwritten_share=%.3f",
-        opts.name,
-        step,
-        schedule_step,
-        lr,
-        progress.tokens,
-        loss,
-        progress.tokens_per_sec,
-        ",".join(map(str, versions)),
-        link.pending_pushes() if link is not None else 0,
-        overwritten,
     )

@@ -85,6 +85,13 @@ class LearnerMetrics:
             names,
             registry=r,
         )
+        self.overwritten = Gauge(
+            "diloco_learner_overwritten_ratio",
+            "Share of this attempt's fragment-steps that installs replaced before a push sent "
+            "them (install: replace; rebase keeps them)",
+            names,
+            registry=r,
+        )
         self.pushes = Counter(
             "diloco_learner_pushes_total",
             "Fragment pushes by result (accepted, rejected, failed: retried later)",
@@ -121,11 +128,14 @@ class LearnerMetrics:
         pushes: Mapping[str, int],
         bytes_sent: int,
         bytes_received: int,
+        overwritten_share: float,
     ) -> None:
-        """At each progress log: the loss, throughput (and MFU), and the link's running totals
-        (`pushes`: SyncLink.stats; bytes: the client's), of which the counters add the growth."""
+        """At each progress log: the loss, throughput (and MFU), the share of steps installs
+        dropped, and the link's running totals (`pushes`: SyncLink.stats; bytes: the client's),
+        of which the counters add the growth."""
         if math.isfinite(loss):
             self.loss.labels(*self._labels).set(loss)
+        self.overwritten.labels(*self._labels).set(overwritten_share)
         self.tokens_per_second.labels(*self._labels).set(tokens_per_second)
         if self._peak:
             achieved = tokens_per_second * self._flops_per_token

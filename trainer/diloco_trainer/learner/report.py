@@ -1,0 +1,142 @@
+"""What a learner tells the outside while it trains: heartbeats through its sync link (leader
+only), a progress line every `log_every` steps, the leader's Prometheus metrics, and one hint
+when installs drop a large share of its steps."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from diloco_trainer.config import TrainingConfig
+from diloco_trainer.learner.client import SyncerClient
+from diloco_trainer.learner.fragment_sync import FragmentBook
+from diloco_trainer.learner.metrics import LearnerMetrics, start_learner_metrics
+from diloco_trainer.learner.sync_link import Progress, SyncLink
+from diloco_trainer.learner.train import ScheduleClock
+from diloco_trainer.workload.check import Workload
+
+if TYPE_CHECKING:
+    from diloco_trainer.learner.loop import LearnerOptions
+
+log = logging.getLogger(__name__)
+
+# Above this share of fragment-steps dropped by installs, `install: rebase` trained measurably
+# better (17% and more: 1-2.5% lower loss); at 12% it made no difference (docs/design.md,
+# "Installs: replace or rebase").
+REBASE_HINT_SHARE = 0.15
+HINT_AFTER_PERIODS = 4  # the share is noisy until each fragment has gone out a few times
+
+
+@dataclass
+class Reporter:
+    opts: LearnerOptions
+    client: SyncerClient
+    link: SyncLink | None
+    metrics: LearnerMetrics | None
+    progress: Progress
+    clock: ScheduleClock
+    tokens_per_step: int
+    hint_after: int  # steps
+    window_start: float = field(default_factory=time.monotonic)
+    window_steps: int = 0
+    hinted: bool = False
+
+    @classmethod
+    def starting(
+        cls,
+        cfg: TrainingConfig,
+        opts: LearnerOptions,
+        client: SyncerClient,
+        versions: list[int],
+        leader: bool,
+        workload: Workload,
+        clock: ScheduleClock,
+    ) -> Reporter:
+        progress = Progress()
+        link = SyncLink(client, versions, cfg.heartbeat_seconds, progress) if leader else None
+        if link is not None:
+            link.start()
+        metrics = None
+        if link is not None and opts.metrics_port > 0:
+            metrics = start_learner_metrics(
+                workload.flops_per_token, opts.name, opts.group, opts.metrics_port,
+                jax.devices()[0].device_kind, jax.device_count(), os.environ,
+            )  # fmt: skip
+        hint_after = HINT_AFTER_PERIODS * cfg.inner_steps
+        return cls(opts, client, link, metrics, progress, clock, cfg.tokens_per_step, hint_after)
+
+    def step(
+        self, step: int, loss: jax.Array, metrics: Any, done: bool, frags: FragmentBook
+    ) -> None:
+        self.window_steps += 1
+        progress, tokens_per_step = self.progress, self.tokens_per_step
+        progress.step, progress.tokens, progress.loss = step, step * tokens_per_step, loss
+        if step % self.opts.log_every != 0 and not done:
+            return
+        elapsed = time.monotonic() - self.window_start
+        progress.tokens_per_sec = self.window_steps * tokens_per_step / max(elapsed, 1e-9)
+        self.window_start, self.window_steps = time.monotonic(), 0
+        clock, overwritten = self.clock, frags.counters.overwritten_share(step)
+        log_progress(
+            self.opts, step, progress, frags.versions, self.link, clock.position(step),
+            clock.learning_rate(step), overwritten,
+        )  # fmt: skip
+        if not self.hinted and step >= self.hint_after and rebase_would_help(overwritten, frags):
+            self.hinted = True
+            log.warning(
+                "event=install_hint unit=%s step=%d overwritten_share=%.3f: installs dropped "
+                "this share of the unit's steps before a push sent them; `install: rebase` keeps "
+                "them (docs/design.md, Installs: replace or rebase)",
+                self.opts.name, step, overwritten,
+            )  # fmt: skip
+        if metrics:  # the model's own (float() waits for the step: only on logged steps)
+            log.info(
+                "event=model_metrics unit=%s step=%d %s", self.opts.name, step,
+                " ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items())),
+            )  # fmt: skip
+        if self.metrics is not None and self.link is not None:
+            self.metrics.progress(
+                float(loss), progress.tokens_per_sec, self.link.stats,
+                self.client.bytes_sent, self.client.bytes_received, overwritten,
+            )  # fmt: skip
+
+
+def rebase_would_help(overwritten: float, frags: FragmentBook) -> bool:
+    """Whether this learner drops enough steps at installs for `install: rebase` to pay."""
+    return not frags.rebase and overwritten > REBASE_HINT_SHARE
+
+
+def log_progress(
+    opts: LearnerOptions,
+    step: int,
+    progress: Progress,
+    versions: list[int],
+    link: Any,
+    schedule_step: int,
+    lr: float,
+    overwritten: float,
+) -> None:
+    """step/tokens: this attempt's (what heartbeats report); schedule_step: the unit's step in
+    its LR schedule (earlier attempts included, never behind the run: `ScheduleClock`); lr: the
+    LR of the last step; overwritten: the share of its fragment-steps so far that installs
+    replaced before a push carried them."""
+    loss = float(progress.loss) if progress.loss is not None else float("nan")
+    log.info(
+        "event=progress unit=%s step=%d schedule_step=%d lr=%.3g tokens=%d loss=%.4f "
+        "tokens_per_sec=%.0f versions=%s pending_pushes=%d overwritten_share=%.3f",
+        opts.name,
+        step,
+        schedule_step,
+        lr,
+        progress.tokens,
+        loss,
+        progress.tokens_per_sec,
+        ",".join(map(str, versions)),
+        link.pending_pushes() if link is not None else 0,
+        overwritten,
+    )
