@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Above this share of fragment-steps dropped by installs, `install: rebase` trained measurably
-# better (17% and more: 1-2.5% lower loss); at 12% it made no difference (docs/design.md,
-# "Installs: replace or rebase").
+# Between the shares where `install: rebase` made no difference (12%; the demo at 12-18%) and
+# where it trained 1-2.5% better (17% and more, narrow models): past it, rebase is worth trying,
+# not a sure win (docs/design.md, "Installs: replace or rebase").
 REBASE_HINT_SHARE = 0.15
 HINT_AFTER_PERIODS = 4  # the share is noisy until each fragment has gone out a few times
 
@@ -86,7 +86,7 @@ class Reporter:
             self.opts, step, progress, frags.versions, self.link, clock.position(step),
             clock.learning_rate(step), overwritten,
         )  # fmt: skip
-        if not self.hinted and step >= self.hint_after and rebase_would_help(overwritten, frags):
+        if not self.hinted and step >= self.hint_after and rebase_worth_trying(overwritten, frags):
             self.hinted = True
             log.warning(
                 "event=install_hint unit=%s step=%d overwritten_share=%.3f: installs dropped "
@@ -106,8 +106,9 @@ class Reporter:
             )  # fmt: skip
 
 
-def rebase_would_help(overwritten: float, frags: FragmentBook) -> bool:
-    """Whether this learner drops enough steps at installs for `install: rebase` to pay."""
+def rebase_worth_trying(overwritten: float, frags: FragmentBook) -> bool:
+    """Whether this learner, under replace, drops enough steps at installs for `install: rebase`
+    to be worth a try."""
     return not frags.rebase and overwritten > REBASE_HINT_SHARE
 
 
