@@ -21,6 +21,7 @@ from diloco_operator.planner import (
     fault_targets,
     plan,
 )
+from diloco_operator.planner.failure import CACHE_LAG_SECONDS
 from diloco_operator.planner.model import (
     DISRUPTION_TARGET,
     JOB_FAILED,
@@ -134,6 +135,21 @@ def test_every_failure_signal_takes_only_that_unit_offline(
     assert p.status.phase == "Degraded"
     degraded = next(c for c in p.status.conditions if c.type == "Degraded")
     assert degraded.status == "True" and victim in degraded.message
+
+
+def test_unit_just_created_but_not_yet_in_the_watch_cache_is_waited_for_not_recreated() -> None:
+    spec = make_spec(2)
+    first = plan("r", spec, [], None, T0, syncer=SYNCER_UP)
+    seen = [running("r-default-0")]  # r-default-1's Job is not in the cache yet
+    soon = plan("r", spec, seen, first.status, T0 + 0.05, syncer=SYNCER_UP)
+    assert not soon.of_type(DeleteUnit) and not soon.of_type(CreateUnit)
+    assert not events(soon, "UnitOffline")
+    assert (unit(soon, "r-default-1").state, unit(soon, "r-default-1").attempt) == ("Pending", 0)
+    assert soon.requeue_after is not None and soon.requeue_after <= 1.0
+    # Past the cache's grace it really is gone: deleted by someone, so the unit goes Offline.
+    late = plan("r", spec, seen, soon.status, T0 + CACHE_LAG_SECONDS + 1, syncer=SYNCER_UP)
+    assert unit(late, "r-default-1").state == "Offline"
+    assert unit(late, "r-default-1").last_failure.reason == "UnitDeleted"
 
 
 def test_stale_heartbeat_is_a_failure_but_only_for_the_current_attempt() -> None:

@@ -54,6 +54,20 @@ def heartbeats_trusted(report: SyncerStatus | None, policy: FailurePolicy) -> bo
     return len(ages) < 2 or min(ages) <= policy.offline_after_seconds
 
 
+# Seconds a just-created unit may be absent from the operator's watch cache before it counts as
+# deleted: the create returns before the watch delivers the new Job (CI once saw a pass 32 ms
+# after the create miss it, delete the unit and recreate it as attempt 1).
+CACHE_LAG_SECONDS = 15.0
+
+
+def not_yet_seen(unit: UnitStatus, obs: ObservedUnit | None, now: float) -> bool:
+    """Whether a unit missing from the observation was only just created (Pending, Queued or
+    Recreating for under CACHE_LAG_SECONDS): wait for the cache instead of calling it gone."""
+    missing = obs is None or obs.phase == "Missing"
+    created = unit.state in ("Pending", "Queued", "Recreating")
+    return missing and created and seconds_since(unit.since, now) < CACHE_LAG_SECONDS
+
+
 def failure_signal(
     obs: ObservedUnit | None,
     unit: UnitStatus,

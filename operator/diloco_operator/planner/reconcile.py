@@ -26,6 +26,7 @@ from diloco_operator.planner.conditions import queue_conditions, set_condition
 from diloco_operator.planner.failure import (
     Signal,
     failure_signal,
+    not_yet_seen,
     offline_delay,
     recover,
     take_offline,
@@ -110,6 +111,8 @@ def _step_unit(
         return held(unit, obs, now)
     if unit.state == QUEUED and obs is not None and obs.phase in ("Pending", "Running"):
         return admitted(unit, obs, now)
+    if not_yet_seen(unit, obs, now):
+        return unit, [], 1.0
     signal = failure_signal(obs, unit, report, policy, now)
     if signal is None and obs is not None and obs.attempt < unit.attempt:
         signal = Signal("StaleAttempt", f"found attempt {obs.attempt}, expected {unit.attempt}")
