@@ -1,7 +1,7 @@
 """One learner unit's SPMD training, run as a script by test_sharding.py (XLA_FLAGS set by the
 test fakes several CPU devices; with a process count > 1 it joins the others by jax.distributed).
 
-    python sharding_worker.py OUT MODE STEPS [PROCESS PROCESSES PORT]
+    python sharding_worker.py OUT MODE[+INSTALL] STEPS [PROCESS PROCESSES PORT]
 
 Trains the built-in GPT from seed 3 through the learner's own step program (`build_step_program`,
 `StepProgram.place`, `init_opt_state`), pushes and installs fragments through `FragmentBook`, and
@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-OUT, MODE, STEPS = sys.argv[1], sys.argv[2], int(sys.argv[3])
+OUT, STEPS = sys.argv[1], int(sys.argv[3])
+MODE, _, INSTALL = sys.argv[2].partition("+")  # e.g. fsdp+rebase; the install defaults to replace
 PROCESS, PROCESSES, PORT = (int(a) for a in sys.argv[4:7]) if len(sys.argv) > 4 else (0, 1, 0)
 if PROCESSES > 1:
     jax.distributed.initialize(f"127.0.0.1:{PORT}", PROCESSES, PROCESS)
@@ -75,6 +76,7 @@ def main() -> None:
             "model": {"dModel": 64, "nLayers": 2, "nHeads": 4, "seqLen": 32},
             "innerOptimizer": {"lr": 3e-3, "warmupSteps": 2},
             "sharding": {"mode": MODE, "minShardBytes": MIN_SHARD_BYTES},
+            "install": INSTALL or "replace",
         }
     )  # fmt: skip
     program = build_step_program(cfg, 1)
@@ -102,6 +104,13 @@ def main() -> None:
     name = layout[1][0]
     before = params[name].sharding
     arrived = {n: np.full(shapes[n], 0.5, np.float32) for n in layout[1]}
+    # What the install must leave: the arrived value, plus under rebase the steps made since
+    # the fragment's last push (the whole value now minus the pushed base, on the host).
+    expected = arrived[name]
+    if book.rebase:
+        now = fragment_to_host(params, [name])[name]  # a collective: on every host
+        base = book.base[1][name]  # the leader's is what it pushed; only its file is kept
+        expected = expected + (now - (base if isinstance(base, np.ndarray) else host_copy(base)))
     if link is not None:
         link.arrivals.append(Arrival(1, 7, arrived))
     # The leader's step signal reaches every process, and every process moves its LR schedule
@@ -143,7 +152,8 @@ def main() -> None:
         pushed_step=link.pushes[0].step,
         pushed_replicated=pushed_replicated,
         install_ok=install_ok,
-        installed_value_ok=bool(np.array_equal(installed_value, arrived[name])),
+        installed_value_ok=bool(np.allclose(installed_value, expected, atol=1e-6)),
+        rebased_moved=bool(not np.array_equal(expected, arrived[name])),
         installed_version=book.versions[1],
         after_install=float(after_install),
         schedule_state=np.array(schedule),

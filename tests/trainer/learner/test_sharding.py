@@ -127,7 +127,7 @@ def one_host_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     independent processes, so the suite's second core trains one while the first trains the
     other (each is mostly single-threaded import, trace and compile)."""
     folder = tmp_path_factory.mktemp("one_host")
-    outs = {mode: folder / f"{mode}.npz" for mode in ("fsdp", "replicated")}
+    outs = {mode: folder / f"{mode}.npz" for mode in ("fsdp", "replicated", "fsdp+rebase")}
     workers = {mode: _worker(out, mode, 8) for mode, out in outs.items()}
     try:
         codes = {mode: w.wait(timeout=300) for mode, w in workers.items()}
@@ -135,7 +135,7 @@ def one_host_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
         for w in workers.values():
             if w.poll() is None:
                 w.kill()
-    assert codes == {"fsdp": 0, "replicated": 0}
+    assert codes == {"fsdp": 0, "replicated": 0, "fsdp+rebase": 0}
     return {mode: _load(out) for mode, out in outs.items()}
 
 
@@ -195,11 +195,27 @@ def _free_port() -> int:
         return port
 
 
-def test_two_processes_of_four_devices_train_like_one_of_eight(
-    fsdp_run: dict[str, np.ndarray], tmp_path: Path
+def test_rebase_install_keeps_the_unpushed_steps_in_the_leaf_sharding(
+    one_host_runs: dict[str, dict[str, np.ndarray]],
 ) -> None:
+    rebased, replaced = one_host_runs["fsdp+rebase"], one_host_runs["fsdp"]
+    np.testing.assert_allclose(rebased["losses"], replaced["losses"], rtol=1e-5)  # until then
+    # The installed leaf is the arrived value plus the steps since the fragment's push, which
+    # are not nothing here (the worker checks the value against its host arithmetic).
+    assert bool(rebased["install_ok"]) and bool(rebased["installed_value_ok"])
+    assert bool(rebased["rebased_moved"]) and not bool(replaced["rebased_moved"])
+    assert float(rebased["after_install"]) != pytest.approx(float(replaced["after_install"]))
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "fsdp+rebase"])
+def test_two_processes_of_four_devices_train_like_one_of_eight(
+    one_host_runs: dict[str, dict[str, np.ndarray]], mode: str, tmp_path: Path
+) -> None:
+    """With rebase every host replays its shards of a fragment from the same base: the pushed
+    value, which only the leader sends."""
+    fsdp_run = one_host_runs[mode]
     out, port = tmp_path / "multihost.npz", _free_port()
-    workers = [_worker(out, "fsdp", 4, p, 2, port) for p in range(2)]
+    workers = [_worker(out, mode, 4, p, 2, port) for p in range(2)]
     try:
         codes = [w.wait(timeout=300) for w in workers]
     finally:

@@ -18,7 +18,7 @@ from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import FragmentCounters, PushClock
 from diloco_trainer.learner.distributed import StepSignal, exchange_arrivals
 from diloco_trainer.learner.sharding import gather_fragment, scatter_leaf
-from diloco_trainer.learner.sync_link import PendingPush, SyncLink
+from diloco_trainer.learner.sync_link import PendingPush, SyncLink, host_copy
 from diloco_trainer.learner.train import Params
 
 
@@ -78,6 +78,10 @@ class FragmentBook:
                 )
                 # The next push of p carries only what comes after this one.
                 self.base[p] = theta
+            elif self.rebase:
+                # A rebase replays each host's shards of p from its own base, so every host
+                # keeps what the leader pushed (on the host: no replicated copy on devices).
+                self.base[p] = {name: host_copy(leaf) for name, leaf in theta.items()}
             self.counters.reset(p)
 
     def install_arrivals(
