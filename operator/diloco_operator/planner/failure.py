@@ -27,6 +27,7 @@ from diloco_operator.planner.model import (
     DeleteUnit,
     EmitEvent,
     ObservedUnit,
+    gone,
 )
 from diloco_operator.planner.placement import UnitSlot
 from diloco_operator.planner.preemption import (
@@ -63,9 +64,8 @@ CACHE_LAG_SECONDS = 15.0
 def not_yet_seen(unit: UnitStatus, obs: ObservedUnit | None, now: float) -> bool:
     """Whether a unit missing from the observation was only just created (Pending, Queued or
     Recreating for under CACHE_LAG_SECONDS): wait for the cache instead of calling it gone."""
-    missing = obs is None or obs.phase == "Missing"
     created = unit.state in ("Pending", "Queued", "Recreating")
-    return missing and created and seconds_since(unit.since, now) < CACHE_LAG_SECONDS
+    return gone(obs) and created and seconds_since(unit.since, now) < CACHE_LAG_SECONDS
 
 
 def failure_signal(

@@ -52,6 +52,11 @@ class ObservedUnit:
     queue: str = ""
 
 
+def gone(obs: ObservedUnit | None) -> bool:
+    """Whether a unit has nothing left to observe: absent from the list, or seen Missing."""
+    return obs is None or obs.phase == "Missing"
+
+
 @dataclass(frozen=True)
 class ObservedSyncer:
     """present: its Deployment exists; replicas: the Deployment's desired count (None: unknown)."""

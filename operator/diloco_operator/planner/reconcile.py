@@ -41,6 +41,7 @@ from diloco_operator.planner.model import (
     ObservedSyncer,
     ObservedUnit,
     Plan,
+    gone,
 )
 from diloco_operator.planner.placement import UnitSlot, desired_units
 from diloco_operator.planner.scaling import remove, surplus
@@ -83,10 +84,10 @@ def _step_unit(
     if unit.state == "Completed":
         return unit, [], None
     if unit.state == "Failed":
-        gone = obs is None or obs.phase in ("Missing", "Terminating")
-        return unit, [] if gone else [DeleteUnit(unit.name, "RestartBudgetSpent")], None
+        leaving = obs is None or obs.phase in ("Missing", "Terminating")
+        return unit, [] if leaving else [DeleteUnit(unit.name, "RestartBudgetSpent")], None
     if unit.state == "Offline":
-        if spec.suspend and (obs is None or obs.phase == "Missing"):
+        if spec.suspend and gone(obs):
             return unit, [], None  # recreated (and counted) once the run resumes
         return recover(unit, obs, slot, spec.total_units, policy, now)
     if spec.suspend and unit.state != "Removing":
@@ -96,7 +97,7 @@ def _step_unit(
     if unit.state == "Removing":
         # Scaled down, then up again before it was gone: wait for it to go, then start afresh
         # (not a failure, so no restart is counted).
-        if obs is not None and obs.phase != "Missing":
+        if not gone(obs):
             return unit, [], 1.0
         attempt = unit.attempt + 1
         return (

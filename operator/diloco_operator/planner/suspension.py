@@ -27,6 +27,7 @@ from diloco_operator.planner.model import (
     ObservedUnit,
     ScaleSyncer,
     SuspendUnit,
+    gone,
 )
 from diloco_operator.planner.placement import UnitSlot
 from diloco_operator.planner.timefmt import at
@@ -36,10 +37,6 @@ SUSPENDED = "Suspended"
 RUN_SUSPENDED = "RunSuspended"
 
 Step = tuple[UnitStatus, list[Action], float | None]
-
-
-def _gone(obs: ObservedUnit | None) -> bool:
-    return obs is None or obs.phase == "Missing"
 
 
 def _enter(unit: UnitStatus, state: str, now: float) -> UnitStatus:
@@ -57,7 +54,7 @@ def suspend(unit: UnitStatus, obs: ObservedUnit | None, now: float) -> Step:
     wait = None
     if obs is not None and obs.phase == "Terminating":
         wait = 1.0
-    elif not _gone(obs):
+    elif not gone(obs):
         assert obs is not None
         if obs.queue:
             actions.append(DeleteUnit(unit.name, RUN_SUSPENDED))
@@ -72,7 +69,7 @@ def resume(unit: UnitStatus, obs: ObservedUnit | None, create: CreateUnit, now: 
     if obs is not None and obs.phase == "Terminating":
         return unit, [], 1.0
     event = EmitEvent("Normal", "UnitResumed", f"{unit.name}: the run resumed", unit.name)
-    if _gone(obs):
+    if gone(obs):
         update = {"state": "Pending", "attempt": create.attempt, "since": at(now)}
         return unit.model_copy(update=update), [create, event], None
     assert obs is not None
