@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -122,6 +122,29 @@ def interleaved(fns: Sequence[Callable[[], object]], rounds: int) -> list[list[f
             fn()
             times[i].append(time.perf_counter() - start)
     return times
+
+
+K = TypeVar("K")
+T = TypeVar("T")
+
+
+def two_at_a_time(
+    jobs: dict[K, Callable[[], T]], done: Callable[[K, T], None] | None = None
+) -> dict[K, T]:
+    """Run picklable jobs (module-level functions, or partials of them) in spawned processes, two
+    at a time on the two cores, in the order given; `done` sees each result as it is collected."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    spawn = multiprocessing.get_context("spawn")  # a forked JAX runtime is not safe to use
+    with ProcessPoolExecutor(max_workers=2, mp_context=spawn) as pool:
+        futures = {key: pool.submit(job) for key, job in jobs.items()}
+        results = {}
+        for key, future in futures.items():
+            results[key] = future.result()
+            if done is not None:
+                done(key, results[key])
+    return results
 
 
 def median(xs: Sequence[float]) -> float:

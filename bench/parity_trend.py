@@ -13,16 +13,23 @@ runs once at M=8, alone, with real processes.
 from __future__ import annotations
 
 import math
-import multiprocessing
 import statistics
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.models.gpt import init_params
 
-from bench.common import BenchContext, Section, interval_text, log, md_table, save_ratio_plot
+from bench.common import (
+    BenchContext,
+    Section,
+    interval_text,
+    log,
+    md_table,
+    save_ratio_plot,
+    two_at_a_time,
+)
 from bench.parity_bench import (
     PARITY_SLICE_BYTES,
     SEEDS,
@@ -96,17 +103,18 @@ def in_process_runs(
         [(v, kind) for v in dict.fromkeys(vs) for kind in kinds],
         key=lambda j: -j[0].steps * j[0].learners * (2 if j[1] == "dp" else 1),
     )
-    spawn = multiprocessing.get_context("spawn")  # a forked JAX runtime is not safe to use
-    with ProcessPoolExecutor(max_workers=2, mp_context=spawn) as pool:
-        futures = {
-            (v, kind): pool.submit(_reference if kind == "dp" else _synchronous, v, h)
+
+    def done(key: tuple[Variant, str], out: Outcome) -> None:
+        v, kind = key
+        log(f"parity_trend {v.label} seed {v.seed} {kind}: {out.loss:.4f} ({out.seconds:.0f}s)")
+
+    return two_at_a_time(
+        {
+            (v, kind): partial(_reference if kind == "dp" else _synchronous, v, h)
             for v, kind in jobs
-        }
-        results = {}
-        for (v, kind), future in futures.items():
-            results[v, kind] = out = future.result()
-            log(f"parity_trend {v.label} seed {v.seed} {kind}: {out.loss:.4f} ({out.seconds:.0f}s)")
-    return results
+        },
+        done,
+    )
 
 
 def parameter_count(v: Variant, h: int) -> int:
