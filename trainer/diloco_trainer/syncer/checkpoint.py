@@ -50,6 +50,7 @@ from diloco_trainer.syncer.storage import (
     Location,
     StorageAccessError,
     StorageUnavailable,
+    Superseded,
     is_bucket_url,
 )
 
@@ -59,6 +60,7 @@ __all__ = [
     "Snapshot",
     "StorageAccessError",
     "StorageUnavailable",
+    "Superseded",
 ]
 
 log = logging.getLogger("diloco.checkpoint")
@@ -193,6 +195,11 @@ class CheckpointStore:
             if old != good:
                 self.location.remove(old)
                 self._verified.discard(old)
+
+    def claim(self) -> list[str]:
+        """Become the one writer of this location before serving (storage.Location.claim):
+        the journal files changed since this process read them, to read again."""
+        return self.location.claim()
 
     def record_versions(self, versions: list[int]) -> None:
         """Journal the published versions (atomic replace; survives a process kill)."""

@@ -27,7 +27,7 @@ from diloco_trainer.merge import Contribution
 from diloco_trainer.outer import OuterOptimizer, merge_and_step
 from diloco_trainer.status import CheckpointStatus, FinalEval, FragmentStatus, SyncerStatus
 from diloco_trainer.syncer import evaluation, persist, push
-from diloco_trainer.syncer.checkpoint import CheckpointStore, Snapshot
+from diloco_trainer.syncer.checkpoint import CheckpointStore, Snapshot, Superseded
 from diloco_trainer.syncer.data_leases import LeaseBook
 from diloco_trainer.syncer.fragment import (
     EvalFn,
@@ -126,10 +126,16 @@ class Syncer:
         self.standby = standby
         self._published: list[int] = []
         self.epoch = ""
+        # Set once another syncer has written the checkpoint location since this one claimed
+        # it (storage.Superseded): from then on this one writes nothing and stops serving.
+        self.superseded: Superseded | None = None
+        self.on_superseded: Callable[[], None] | None = None  # serve() stops the server
         if not standby:
             self._begin_serving()
 
     def _begin_serving(self) -> None:
+        if self.store is not None:
+            persist.catch_up(self, self.store.claim())
         self._published = persist.resume_numbering(self)
         # Names this process's downlink steps: a learner's copy from another process (before a
         # restart) never gets a step, only values.
@@ -181,8 +187,18 @@ class Syncer:
         joins = sum(len(r.joined) for r in self.learners.records.values())
         return self.outer_step, steps, tokens, joins, self.leases.revision
 
+    def failed(self, what: str, error: BaseException) -> None:
+        """A component failed (health.py). Superseded: another syncer writes the checkpoint
+        location now, so this one stands down (serve() stops, no final checkpoint)."""
+        self.health.failed(what, error)
+        if isinstance(error, Superseded) and self.superseded is None:
+            self.superseded = error
+            log.error("event=superseded what=%s action=stop_serving error=%r", what, str(error))
+            if self.on_superseded is not None:
+                self.on_superseded()
+
     async def save_checkpoint(self, force: bool = False) -> None:
-        if self.store is None:
+        if self.store is None or self.superseded is not None:
             return
         async with self._save_lock:
             mark = self._mark()
@@ -195,7 +211,7 @@ class Syncer:
                     self._ckpt_pool, self.store.save, snap
                 )
             except Exception as exc:
-                self.health.failed("checkpoint", exc)
+                self.failed("checkpoint", exc)
                 raise
             self.health.recovered("checkpoint")
             self._saved_mark = mark

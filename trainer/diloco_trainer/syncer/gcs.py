@@ -9,11 +9,19 @@ Every object of a checkpoint is created with `ifGenerationMatch=0` (create only)
 never overwrite each other's objects, and the library may retry an upload safely. Uploads carry
 a CRC32C the server checks, and downloads are checked the same way, on top of the manifest's
 SHA-256 that the store verifies on load.
+
+The small objects (the version, fragment and lease journals) are rewritten in place, so they are
+the fence between two syncers on one path (a pod left running on a partitioned node beside its
+replacement): once a syncer claims the path (`claim`, before it serves), each of its rewrites is
+conditional on the generation it last saw (`ifGenerationMatch`), and a checkpoint is committed
+only while no small object has moved under it. Another syncer's write in between makes the next
+one fail as `Superseded`, and that syncer stands down. The syncer that claimed last wins.
 """
 
 from __future__ import annotations
 
 import contextlib
+import secrets
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +35,7 @@ from diloco_trainer.syncer.storage import (
     CheckpointError,
     StorageAccessError,
     StorageUnavailable,
+    Superseded,
 )
 
 T = TypeVar("T")
@@ -34,6 +43,11 @@ T = TypeVar("T")
 # resends from the last chunk the server holds, not from the start.
 CHUNK_BYTES = 32 * 1024 * 1024
 LIST = "list objects"
+# Custom metadata of each small object: the process that wrote it and its how-manieth write, so
+# that a conditional write refused after a retry can tell its own first attempt (which landed)
+# from another syncer's write.
+WRITER_KEY = "diloco-writer"
+WRITE_KEY = "diloco-write"
 EXTRA_HINT = "install the gcs extra: pip install 'elastic-diloco[gcs]'"
 CREDENTIAL_HINT = (
     "on GKE, run the syncer under a Kubernetes ServiceAccount that Workload Identity maps to a "
@@ -77,6 +91,14 @@ class BucketPrefix:
         self.url = f"{GCS_SCHEME}{self.bucket_name}/{self.prefix}".rstrip("/")
         self.field = field
         self._local = threading.local()  # one client per thread: the HTTP session is not shared
+        self.writer = secrets.token_hex(8)
+        self._writes = 0
+        # Each small object's generation as this process last read or wrote it (0: absent).
+        self._generations: dict[str, int] = {}
+        self._claimed = False
+        # Held over a small write and its bookkeeping, and over the commit check, which runs in
+        # another thread: the check must never see this process's own write half recorded.
+        self._fence = threading.Lock()
 
     # ------------------------------------------------------------------ access and errors
     def _bucket(self) -> Any:
@@ -200,6 +222,7 @@ class BucketPrefix:
         files = sorted(p for p in staged.iterdir() if p.name != MANIFEST)
         for path in files:
             self._upload(path, f"{name}/{path.name}")
+        self._check_fence()  # a syncer that was superseded meanwhile commits nothing
         self._upload(staged / MANIFEST, f"{name}/{MANIFEST}")  # the commit
         return f"{self.url}/{name}"
 
@@ -221,22 +244,99 @@ class BucketPrefix:
     def read_small(self, name: str) -> bytes | None:
         api = _client_library(self.url)[1]
 
-        def read() -> bytes | None:
+        def read() -> tuple[bytes | None, int]:
+            blob = self._bucket().blob(self._key(name))
             try:
-                return bytes(self._bucket().blob(self._key(name)).download_as_bytes())
+                data = bytes(blob.download_as_bytes())
             except api.NotFound:
-                return None
+                return None, 0
+            if blob.generation is None:  # the download's x-goog-generation header
+                raise StorageUnavailable(f"{self.url}: read {name}: no object generation sent")
+            return data, int(blob.generation)
 
-        return self._call(f"read {name}", read)
+        data, generation = self._call(f"read {name}", read)
+        if "/" not in name:  # a top-level small object (not a checkpoint's manifest)
+            with self._fence:
+                self._generations[name] = generation
+        return data
 
     def replace_small(self, name: str, data: bytes) -> None:
         from google.cloud.storage.retry import DEFAULT_RETRY
 
-        # One object write is atomic; one writer (the syncer's journal thread) writes it in
-        # order, so retrying an unconditional write cannot put an older value back.
-        blob = self._bucket().blob(self._key(name))
+        api = _client_library(self.url)[1]
         kind = "application/json" if name.endswith(".json") else "application/octet-stream"
-        self._call(
-            f"write {name}",
-            lambda: blob.upload_from_string(data, content_type=kind, retry=DEFAULT_RETRY),
+        with self._fence:
+            # Claimed: nothing is written once any small object moved under this process (the
+            # fragment journal goes before the version journal, so its own generation alone
+            # would let a stale syncer overwrite one fragment's entry before it finds out),
+            # and each write is on the generation last seen; an object never seen must still
+            # be absent. Unclaimed (a tool, a test): unconditional unless this process read it.
+            if self._claimed:
+                self._raise_if_moved(f"write {name}")
+            expected = self._generations.get(name, 0 if self._claimed else None)
+            self._writes += 1
+            tag = {WRITER_KEY: self.writer, WRITE_KEY: str(self._writes)}
+
+            def write() -> int:
+                blob = self._bucket().blob(self._key(name))
+                blob.metadata = tag
+                try:
+                    # One object write is atomic, and conditional on the generation it replaces,
+                    # so the library's retry of it can never put an older value back.
+                    blob.upload_from_string(
+                        data, content_type=kind, if_generation_match=expected, retry=DEFAULT_RETRY
+                    )
+                except api.PreconditionFailed:
+                    return self._landed_anyway(name, tag)
+                return int(blob.generation)
+
+            self._generations[name] = self._call(f"write {name}", write)
+
+    def _landed_anyway(self, name: str, tag: dict[str, str]) -> int:
+        """A conditional write was refused: the generation of this very write when a retry of
+        it was refused because its first attempt had landed; otherwise Superseded."""
+        current = self._bucket().get_blob(self._key(name))
+        meta = dict((current.metadata or {}) if current is not None else {})
+        if current is not None and all(meta.get(k) == v for k, v in tag.items()):
+            return int(current.generation)
+        who = meta.get(WRITER_KEY, "unknown") if current is not None else "a delete"
+        raise Superseded(
+            f"{self.field} {self.url}: {name} was changed by another writer ({who}) since this "
+            f"syncer (writer {self.writer}) last read or wrote it: two syncers on one checkpoint "
+            "path; this one stands down"
         )
+
+    # ------------------------------------------------------------------ the fence
+    def _small_generations(self) -> dict[str, int]:
+        """Generation of every top-level object under the prefix."""
+        start = len(self.prefix)
+
+        def run() -> dict[str, int]:
+            pages = self._bucket().list_blobs(prefix=self.prefix, delimiter="/")
+            return {blob.name[start:]: int(blob.generation) for blob in pages}
+
+        return self._call(LIST, run)
+
+    def claim(self) -> list[str]:
+        listed = self._small_generations()
+        with self._fence:
+            changed = sorted(n for n, g in self._generations.items() if listed.get(n, 0) != g)
+            self._generations, self._claimed = listed, True
+        return changed
+
+    def _raise_if_moved(self, action: str) -> None:
+        """Superseded unless every small object is where this process last saw it (the caller
+        holds the fence lock)."""
+        listed = self._small_generations()
+        moved = sorted(n for n, g in self._generations.items() if listed.get(n, 0) != g)
+        if moved:
+            raise Superseded(
+                f"{self.field} {self.url}: {action}: {', '.join(moved)} changed by another "
+                f"writer since this syncer (writer {self.writer}) last read or wrote it: two "
+                "syncers on one checkpoint path; this one writes nothing more and stands down"
+            )
+
+    def _check_fence(self) -> None:
+        if self._claimed:
+            with self._fence:
+                self._raise_if_moved("commit a checkpoint")

@@ -212,7 +212,7 @@ async def _journal_leases(s: Syncer, moves_before: int) -> None:
     except (OSError, CheckpointError) as exc:
         # A full or failing disk: the unit asks again (5xx is retried) and is given the same
         # lease, already in the book; readiness says what fails meanwhile.
-        s.health.failed("lease_journal", exc)
+        s.failed("lease_journal", exc)
         raise Reject(
             503, "not_persisted", f"the data lease book cannot be journaled: {exc}"
         ) from exc

@@ -34,6 +34,12 @@ def fragment_file(index: int) -> str:
     return f"fragment-{index:03d}.safetensors"
 
 
+def fragment_index(name: str) -> int | None:
+    """The fragment a journal file name is of, None for any other name."""
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
 def is_journal_entry(name: str) -> bool:
     """A journal file or its in-flight temporary (`.<name>.tmp`)."""
     return _NAME.match(name.removeprefix(".").removesuffix(".tmp")) is not None

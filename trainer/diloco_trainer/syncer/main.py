@@ -11,7 +11,9 @@ config error (the message names the field), `training.model.initFrom` weights th
 read or do not fit the model and a checkpoint bucket this process cannot use (no credential,
 access denied, no such bucket) included; exit 1 when the checkpoints cannot be read.
 SIGTERM/SIGINT stop serving, write a final checkpoint and exit 0; a standby told to stop exits 0
-without serving, even when the lock it waited for comes free at that moment.
+without serving, even when the lock it waited for comes free at that moment. Exit 3: another
+syncer wrote the checkpoint path after this one claimed it (two syncers on one `gs://` path, gcs.py):
+this one stopped serving without a final checkpoint.
 
 `--lock PATH` (DILOCO_SYNCER_LOCK): a second syncer with the same lock, port and checkpoint
 path is a warm standby (standby.py) that serves within a second of the first one's death.
@@ -43,6 +45,7 @@ from diloco_trainer.syncer.checkpoint import (
     CheckpointStore,
     Snapshot,
     StorageAccessError,
+    Superseded,
 )
 from diloco_trainer.syncer.fragment import InitFn, default_init
 from diloco_trainer.syncer.standby import ServingLock, wait_as_standby
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("diloco.syncer")
 DEFAULT_PORT = 8470
+EXIT_SUPERSEDED = 3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -155,10 +159,11 @@ async def serve(syncer: object, host: str, port: int, terminated: threading.Even
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if terminated.is_set():  # a signal while the server started
+    syncer.on_superseded = stop.set
+    if terminated.is_set() or syncer.superseded is not None:  # while the server started
         stop.set()
     await stop.wait()
-    log.info("event=stopping reason=signal")
+    log.info("event=stopping reason=%s", "superseded" if syncer.superseded else "signal")
     await runner.cleanup()  # stops background tasks and writes the final checkpoint
     await syncer.save_checkpoint(force=False)
 
@@ -252,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # a checkpoint or initFrom weights that do not fit this config
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 2
+    except Superseded as exc:  # another syncer wrote the path while this one claimed it
+        print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
+        return EXIT_SUPERSEDED
     except CheckpointError as exc:  # the version journal could not be read or written
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, StorageAccessError) else 1
@@ -259,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(syncer, args.host, port, terminated))
     finally:
         syncer.close()
-    return 0
+    return EXIT_SUPERSEDED if syncer.superseded is not None else 0
 
 
 if __name__ == "__main__":

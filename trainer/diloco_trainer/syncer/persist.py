@@ -12,11 +12,11 @@ import numpy as np
 
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.outer import OuterOptimizer
-from diloco_trainer.syncer.checkpoint import Snapshot
+from diloco_trainer.syncer.checkpoint import LEASE_JOURNAL, Snapshot
 from diloco_trainer.syncer.data_leases import LeaseBook
 from diloco_trainer.syncer.fragment import l2_norm
 from diloco_trainer.syncer.health import retry_delay
-from diloco_trainer.syncer.journal import fits
+from diloco_trainer.syncer.journal import fits, fragment_index
 
 if TYPE_CHECKING:
     from diloco_trainer.syncer.core import Syncer
@@ -78,13 +78,30 @@ def take_over_run_state(s: Syncer) -> None:
         s.leases = s.leases.newest(LeaseBook.from_json(journal, s.cfg.data.shards))
 
 
-def replay_journal(s: Syncer, level: int = logging.INFO) -> list[int]:
-    """Install each fragment's journaled version where it is newer than what `s` holds (the
-    checkpoint's, or a standby's earlier catch-up). Returns the fragments installed."""
+def catch_up(s: Syncer, changed: list[str]) -> None:
+    """Read again the journal files that changed between this process's reading them and its
+    claim of the checkpoint location (the syncer it takes over from wrote them meanwhile)."""
+    if changed:
+        log.info("event=claimed_after_changes files=%s", ",".join(changed))
+    indices = {i for i in map(fragment_index, changed) if i is not None}
+    if indices:
+        replay_journal(s, only=indices)
+    if LEASE_JOURNAL in changed and s.store is not None:
+        journal = s.store.recorded_leases()
+        if journal is not None:
+            s.leases = s.leases.newest(LeaseBook.from_json(journal, s.cfg.data.shards))
+
+
+def replay_journal(s: Syncer, level: int = logging.INFO, only: set[int] | None = None) -> list[int]:
+    """Install each fragment's journaled version (of the fragments `only` names, if given)
+    where it is newer than what `s` holds (the checkpoint's, or a standby's earlier catch-up).
+    Returns the fragments installed."""
     if s.store is None:
         return []
     installed = []
     for f in s.frags:
+        if only is not None and f.index not in only:
+            continue
         entry = s.store.recorded_fragment(f.index)
         if entry is None or entry.version <= f.version:
             continue

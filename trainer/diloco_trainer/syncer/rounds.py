@@ -103,7 +103,7 @@ async def _merge_after(s: Syncer, f: FragmentState, grace: float) -> None:
             s.health.recovered("merge")
     except Exception as exc:
         f.merge_failures += 1
-        s.health.failed("merge", exc)
+        s.failed("merge", exc)
         delay = retry_delay(f.merge_failures)
         log.exception(
             "event=merge_failed fragment=%d failures=%d retry_in=%.1f pending=%d",

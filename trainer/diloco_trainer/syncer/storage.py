@@ -39,6 +39,11 @@ class StorageAccessError(StorageUnavailable):
     no client library): a setting to fix, not damaged data."""
 
 
+class Superseded(CheckpointError):
+    """Another syncer has written this checkpoint location since this one claimed it: two
+    syncers on one path. The one that finds out stops serving and writes nothing more."""
+
+
 class Location(Protocol):
     """One checkpoint root. Names are the root's top-level entries (`ckpt-<seq>`, the journal)."""
 
@@ -77,7 +82,12 @@ class Location(Protocol):
         """A small top-level file (the version journal), None if absent."""
 
     def replace_small(self, name: str, data: bytes) -> None:
-        """Replace a small top-level file at once (a reader sees old or new, never a mix)."""
+        """Replace a small top-level file at once (a reader sees old or new, never a mix).
+        Raises Superseded when the location is claimed and another writer got there first."""
+
+    def claim(self) -> list[str]:
+        """Make this process the location's one writer, from now on; returns the small files
+        changed since this process read them (the caller reads them again)."""
 
 
 def is_bucket_url(root: str | Path) -> bool:
@@ -155,6 +165,11 @@ class LocalDir:
     def read_small(self, name: str) -> bytes | None:
         path = self.root / name
         return path.read_bytes() if path.exists() else None
+
+    def claim(self) -> list[str]:
+        # The serving lock fences a directory (`.serving.lock` on a claim, standby.py); an
+        # emptyDir is one pod's own, so no second writer can reach it.
+        return []
 
     def replace_small(self, name: str, data: bytes) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
