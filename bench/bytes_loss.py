@@ -115,7 +115,8 @@ def in_process(section: str, jobs: dict[tuple[str, object], partial[Outcome]]) -
     """The deterministic in-process runs, two at a time; keys are (kind, what it is of)."""
 
     def done(key: tuple[str, object], out: Outcome) -> None:
-        log(f"{section} {key[0]} {key[1]}: {out.loss:.4f} ({out.seconds:.0f}s)")
+        of = f"H={key[1].h} {key[1].label}" if isinstance(key[1], Setting) else key[1]
+        log(f"{section} {key[0]} {of}: {out.loss:.4f} ({out.seconds:.0f}s)")
 
     return two_at_a_time(jobs, done)  # type: ignore[arg-type]
 
@@ -173,7 +174,10 @@ def run(ctx: BenchContext) -> Section:
         rows += [_row(runs[s], dp, s, dp_bytes), _row(done["synchronous", s], dp, s, dp_bytes)]
     meeting = [f"H={s.h} {s.label}" for s in SETTINGS if meets(*point(runs[s], dp, dp_bytes))]
     png = plot(
-        [([point(runs[s], dp, dp_bytes)], "tab:blue", "s", f"H={s.h} {s.label}") for s in SETTINGS],
+        [
+            ([point(runs[s], dp, dp_bytes)], color, marker, f"H={s.h} {s.label}")
+            for s, color, marker in zip(SETTINGS, ("tab:blue", "tab:orange"), "s^", strict=True)
+        ],
         ctx.plot_path("bytes_loss.png"),
         f"Decoupled DiLoCo, M={M}, dModel 128: bytes against loss",
     )
