@@ -317,18 +317,21 @@ class BucketPrefix:
 
         return self._call(LIST, run)
 
+    def _moved(self, listed: dict[str, int]) -> list[str]:
+        """The small objects whose listed generation is not the one this process last saw."""
+        return sorted(n for n, g in self._generations.items() if listed.get(n, 0) != g)
+
     def claim(self) -> list[str]:
         listed = self._small_generations()
         with self._fence:
-            changed = sorted(n for n, g in self._generations.items() if listed.get(n, 0) != g)
+            changed = self._moved(listed)
             self._generations, self._claimed = listed, True
         return changed
 
     def _raise_if_moved(self, action: str) -> None:
         """Superseded unless every small object is where this process last saw it (the caller
         holds the fence lock)."""
-        listed = self._small_generations()
-        moved = sorted(n for n, g in self._generations.items() if listed.get(n, 0) != g)
+        moved = self._moved(self._small_generations())
         if moved:
             raise Superseded(
                 f"{self.field} {self.url}: {action}: {', '.join(moved)} changed by another "

@@ -54,12 +54,9 @@ def restore_run_state(s: Syncer, learners: dict[str, Any], extra: dict[str, Any]
     """What a checkpoint holds besides the fragments: learner counters, data leases (the
     journal's when newer), evaluations."""
     s.learners.load_json(learners, now=time.time())
-    # Absent from checkpoints older than data leases: a fresh book. The journal holds the
-    # assignments made since the checkpoint.
+    # Absent from checkpoints older than data leases: a fresh book.
     s.leases = LeaseBook.from_json(extra.get("dataLeases"), s.cfg.data.shards)
-    journal = s.store.recorded_leases() if s.store is not None else None
-    if journal is not None:
-        s.leases = s.leases.newest(LeaseBook.from_json(journal, s.cfg.data.shards))
+    adopt_journaled_leases(s)
     s.eval_loss = extra.get("evalLoss")
     s.final_loss = extra.get("finalLoss")
 
@@ -74,7 +71,15 @@ def take_over_run_state(s: Syncer) -> None:
         )
         s.restored_seq = int(manifest["seq"])
         log.info("event=run_state_taken_over seq=%d", s.restored_seq)
-    elif s.store is not None and (journal := s.store.recorded_leases()) is not None:
+    else:
+        adopt_journaled_leases(s)
+
+
+def adopt_journaled_leases(s: Syncer) -> None:
+    """The lease journal's book where it is newer than `s`'s (it holds the assignments made
+    since the checkpoint)."""
+    journal = s.store.recorded_leases() if s.store is not None else None
+    if journal is not None:
         s.leases = s.leases.newest(LeaseBook.from_json(journal, s.cfg.data.shards))
 
 
@@ -86,10 +91,8 @@ def catch_up(s: Syncer, changed: list[str]) -> None:
     indices = {i for i in map(fragment_index, changed) if i is not None}
     if indices:
         replay_journal(s, only=indices)
-    if LEASE_JOURNAL in changed and s.store is not None:
-        journal = s.store.recorded_leases()
-        if journal is not None:
-            s.leases = s.leases.newest(LeaseBook.from_json(journal, s.cfg.data.shards))
+    if LEASE_JOURNAL in changed:
+        adopt_journaled_leases(s)
 
 
 def replay_journal(s: Syncer, level: int = logging.INFO, only: set[int] | None = None) -> list[int]:
