@@ -54,6 +54,10 @@ class Setting:
     def label(self) -> str:
         return f"{self.push}{'+EF' if self.feedback else ''} / {self.downlink}"
 
+    @property
+    def name(self) -> str:
+        return f"H={self.h} {self.label}"
+
 
 # int4 crosses 1000x at H >= 67 (8H / b >= 1000, b = 0.5 + 4/128 bytes per parameter); int2 at
 # H >= 36 (b = 0.25 + 4/128), which it can only afford with error feedback on the pushes. int4
@@ -115,7 +119,7 @@ def in_process(section: str, jobs: dict[tuple[str, object], partial[Outcome]]) -
     """The deterministic in-process runs, two at a time; keys are (kind, what it is of)."""
 
     def done(key: tuple[str, object], out: Outcome) -> None:
-        of = f"H={key[1].h} {key[1].label}" if isinstance(key[1], Setting) else key[1]
+        of = key[1].name if isinstance(key[1], Setting) else key[1]
         log(f"{section} {key[0]} {of}: {out.loss:.4f} ({out.seconds:.0f}s)")
 
     return two_at_a_time(jobs, done)  # type: ignore[arg-type]
@@ -158,7 +162,7 @@ def run(ctx: BenchContext) -> Section:
     wide = {s: compressed(parity_config(steps, s.h), s) for s in SETTINGS}
     # The decoupled runs first, alone on the machine.
     runs = {
-        s: decoupled_run(cfg, steps, f"decoupled DiLoCo, H={s.h}", f"bytes_loss H={s.h} {s.label}")
+        s: decoupled_run(cfg, steps, f"decoupled DiLoCo, H={s.h}", f"bytes_loss {s.name}")
         for s, cfg in wide.items()
     }
     jobs: dict[tuple[str, object], partial[Outcome]] = {
@@ -172,10 +176,10 @@ def run(ctx: BenchContext) -> Section:
     rows = []
     for s in SETTINGS:
         rows += [_row(runs[s], dp, s, dp_bytes), _row(done["synchronous", s], dp, s, dp_bytes)]
-    meeting = [f"H={s.h} {s.label}" for s in SETTINGS if meets(*point(runs[s], dp, dp_bytes))]
+    meeting = [s.name for s in SETTINGS if meets(*point(runs[s], dp, dp_bytes))]
     png = plot(
         [
-            ([point(runs[s], dp, dp_bytes)], color, marker, f"H={s.h} {s.label}")
+            ([point(runs[s], dp, dp_bytes)], color, marker, s.name)
             for s, color, marker in zip(SETTINGS, ("tab:blue", "tab:orange"), "s^", strict=True)
         ],
         ctx.plot_path("bytes_loss.png"),
@@ -187,7 +191,7 @@ def run(ctx: BenchContext) -> Section:
         body=_body(ctx, base, steps, dp, dp_bytes, rows, meeting, png),
         command=ctx.command,
         config=f"tiny preset, M={M}, S={steps}, settings "
-        + ", ".join(f"H={s.h} {s.label}" for s in SETTINGS)
+        + ", ".join(s.name for s in SETTINGS)
         + f", seed {base.seed}",
         quick=ctx.quick,
     )

@@ -21,6 +21,7 @@ from diloco_trainer.config import TrainingConfig
 from bench.bytes_loss import (
     SETTINGS,
     TARGET,
+    compressed,
     decoupled_run,
     in_process,
     meets,
@@ -29,7 +30,6 @@ from bench.bytes_loss import (
     sync_job,
     times_fewer,
 )
-from bench.bytes_loss import compressed as with_compression
 from bench.comm_bench import dp_bytes_per_token, n_params
 from bench.common import BenchContext, Section, interval_text, md_table
 from bench.install_bench import with_install
@@ -43,7 +43,7 @@ REPEATS = 2  # decoupled runs per seed
 
 def narrow_config(seed: int, steps: int) -> TrainingConfig:
     variant = Variant(f"dModel {WIDTH}", steps=steps, d_model=WIDTH, seed=seed)
-    return with_install(with_compression(variant.config(SETTING.h), SETTING), "rebase")
+    return with_install(compressed(variant.config(SETTING.h), SETTING), "rebase")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def run(ctx: BenchContext) -> Section:
                  dp_bytes_per_token(n_params(cfg.model), cfg.tokens_per_step))
         for seed, cfg in configs.items()
     ]  # fmt: skip
-    label = f"dModel {WIDTH}, rebase, H={SETTING.h} {SETTING.label} (each run)"
+    label = f"dModel {WIDTH}, rebase, {SETTING.name} (each run)"
     png = plot(
         [([point(r, s.dp, s.dp_bytes) for s in per_seed for r in s.runs], "tab:green", "o", label)],
         ctx.plot_path("bytes_loss_narrow.png"),
@@ -114,7 +114,7 @@ def run(ctx: BenchContext) -> Section:
         ),
         command=ctx.command,
         config=f"tiny preset at dModel {WIDTH}, M={M}, S={steps}, install: rebase, "
-        f"H={SETTING.h} {SETTING.label}, seeds {', '.join(str(s) for s in seeds)}, "
+        f"{SETTING.name}, seeds {', '.join(str(s) for s in seeds)}, "
         f"{repeats} decoupled run(s) each",
         quick=ctx.quick,
     )
@@ -131,7 +131,7 @@ def _body(steps: int, params: int, per_seed: list[SeedRuns], png: str) -> str:
     sync_mean = statistics.fmean(s.sync.loss / s.dp.loss for s in per_seed)
     verdict = "met" if meets(lowest, mean) else "NOT met"
     return f"""
-The bytes_loss section's H={SETTING.h} {SETTING.label} setting (block 128 both ways) on the
+The bytes_loss section's {SETTING.name} setting (block 128 both ways) on the
 parity section's run narrowed to dModel {WIDTH} ({params:,} parameters; M={M}, {steps}
 steps per learner, phase-locked, outer 0.7/0.8) with `install: rebase`, the width where the
 product reaches data-parallel in float32 (docs/design.md, "Installs: replace or rebase"). Each
