@@ -5,8 +5,9 @@ test fakes several CPU devices; with a process count > 1 it joins the others by 
 
 Trains the built-in GPT from seed 3 through the learner's own step program (`build_step_program`,
 `StepProgram.place`, `init_opt_state`), pushes and installs fragments through `FragmentBook`, and
-writes (process 0) an .npz with the losses, the final parameters, the bytes each local device
-holds, the pushed fragment and what the install did.
+writes (process 0) an .npz with the losses, the final parameters and where each started (its
+initial value, or the value installed into it), the bytes each local device holds, the pushed
+fragment and what the install did.
 """
 
 from __future__ import annotations
@@ -160,6 +161,8 @@ def main() -> None:
         sharded_leaves=sum(not a.sharding.is_fully_replicated for a in params.values()),
         **pushed,
         **{f"param.{n}": v for n, v in final.items()},
+        **{f"init.{n}": v for n, v in host.items()},
+        **{f"origin.{n}": arrived.get(n, host[n]) for n in final},
     )
 
 

@@ -5,6 +5,7 @@ processes of 4 joined by jax.distributed."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -107,13 +108,27 @@ def test_optimizer_moments_share_their_parameters_sharding() -> None:
 
 
 def _worker(
-    out: Path, mode: str, devices: int, process: int = 0, processes: int = 1, port: int = 0
+    out: Path,
+    mode: str,
+    devices: int,
+    process: int = 0,
+    processes: int = 1,
+    port: int = 0,
+    log: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # DILOCO_TEST_XLA_MAX_ISA=SSE4_2 (or AVX, AVX2) runs the workers on another CPU's reduction
+    # order: under SSE4_2 the old element-wise atol failed here as it did on Intel Xeon CI.
+    isa = os.environ.get("DILOCO_TEST_XLA_MAX_ISA")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}" + (
+        f" --xla_cpu_max_isa={isa}" if isa else ""
+    )
     args = [str(process), str(processes), str(port)] if processes > 1 else []
     command = [sys.executable, str(WORKER), str(out), mode, str(STEPS), *args]
-    return subprocess.Popen(command, env=env)
+    if log is None:
+        return subprocess.Popen(command, env=env)
+    with log.open("wb") as sink:  # the child holds its own descriptor
+        return subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
 
 
 def _load(out: Path) -> dict[str, np.ndarray]:
@@ -144,8 +159,32 @@ def fsdp_run(one_host_runs: dict[str, dict[str, np.ndarray]]) -> dict[str, np.nd
     return one_host_runs["fsdp"]
 
 
-def _params(run: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {k: v for k, v in run.items() if k.startswith("param.")}
+# Two layouts of one unit sum gradients in different orders, and AdamW divides every gradient
+# element by its own running RMS: where an element's gradient nearly cancels (a query weight at
+# init, while attention is still uniform), float32 rounding becomes a parameter difference of up
+# to ~lr x that element's relative error, whatever the parameter's size. That is 1.1e-5 on one
+# query weight under SSE4.2 reductions and 7e-6 under AVX-512 (docs/experiments/
+# 2026-12-04-sharding-tolerance.md), so no element-wise atol is safe on every CPU. What must agree
+# is what training did: per leaf, the difference between the layouts against how far the leaf
+# moved from where it started. Measured: at most 4.0e-5 (that query leaf, SSE4.2) over native,
+# AVX, AVX2 and SSE4.2 code; a rebase from the wrong base (non-leaders keeping the previous install)
+# gives 4e-3.
+TRAINED_ALIKE = 3e-4
+
+
+def assert_trained_alike(
+    actual: dict[str, np.ndarray], expected: dict[str, np.ndarray], start: str = "origin"
+) -> None:
+    """Every `param.` leaf (or `pushed.`, with start="init") of `actual` equals `expected`'s
+    up to TRAINED_ALIKE of the distance `expected` travelled from its `start.` value."""
+    prefix = "param." if start == "origin" else "pushed."
+    names = [k.removeprefix(prefix) for k in expected if k.startswith(prefix)]
+    assert names and {k for k in actual if k.startswith(prefix)} == {prefix + n for n in names}
+    for name in names:
+        value, begun = expected[prefix + name], expected[f"{start}.{name}"]
+        differs = float(np.linalg.norm(actual[prefix + name] - value))
+        moved = float(np.linalg.norm(value - begun))
+        assert moved > 0 and differs <= TRAINED_ALIKE * moved, (name, differs, moved)
 
 
 def test_fsdp_unit_trains_like_the_replicated_one_on_an_eighth_of_the_bytes(
@@ -157,9 +196,7 @@ def test_fsdp_unit_trains_like_the_replicated_one_on_an_eighth_of_the_bytes(
     losses = replicated["losses"]
     assert losses[-5:].mean() < losses[:5].mean() - 0.5, losses  # it does learn
     np.testing.assert_allclose(sharded["losses"], losses, rtol=1e-5)
-    assert _params(sharded).keys() == _params(replicated).keys()
-    for name, value in _params(replicated).items():
-        np.testing.assert_allclose(sharded[name], value, atol=1e-5, err_msg=name)
+    assert_trained_alike(sharded, replicated)
 
     # Bytes per device: params + AdamW mu and nu (3x the parameter bytes) + scalar counters.
     # Replicated, every device holds all of it; FSDP, an eighth of the split leaves plus all of
@@ -174,10 +211,7 @@ def test_fsdp_unit_trains_like_the_replicated_one_on_an_eighth_of_the_bytes(
     # The first push: gathered to whole (replicated) tensors, equal to the replicated unit's.
     assert int(sharded["pushed_step"]) == int(replicated["pushed_step"])
     assert bool(sharded["pushed_replicated"])
-    pushed = [k for k in replicated if k.startswith("pushed.")]
-    assert pushed
-    for name in pushed:
-        np.testing.assert_allclose(sharded[name], replicated[name], atol=1e-5, err_msg=name)
+    assert_trained_alike(sharded, replicated, start="init")
 
     # The install: the arrived values, in the leaf's own sharding, and the next step takes them.
     for run in (sharded, replicated):
@@ -188,23 +222,22 @@ def test_fsdp_unit_trains_like_the_replicated_one_on_an_eighth_of_the_bytes(
     assert float(sharded["after_install"]) == pytest.approx(float(replicated["after_install"]))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def test_rebase_install_keeps_the_unpushed_steps_in_the_leaf_sharding(
-    one_host_runs: dict[str, dict[str, np.ndarray]],
-) -> None:
-    rebased, replaced = one_host_runs["fsdp+rebase"], one_host_runs["fsdp"]
-    np.testing.assert_allclose(rebased["losses"], replaced["losses"], rtol=1e-5)  # until then
-    # The installed leaf is the arrived value plus the steps since the fragment's push, which
-    # are not nothing here (the worker checks the value against its host arithmetic).
-    assert bool(rebased["install_ok"]) and bool(rebased["installed_value_ok"])
-    assert bool(rebased["rebased_moved"]) and not bool(replaced["rebased_moved"])
-    assert float(rebased["after_install"]) != pytest.approx(float(replaced["after_install"]))
+def _coordinator_port() -> int:
+    """A free port below the kernel's ephemeral range. The workers bind it seconds after this
+    check (JAX is imported first), and a port of the ephemeral range can be taken meanwhile by
+    any outgoing connection on the machine (a Go build downloading modules makes thousands)."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, max(20001, low))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in 20000..{low}")
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "fsdp+rebase"])
@@ -214,22 +247,22 @@ def test_two_processes_of_four_devices_train_like_one_of_eight(
     """With rebase every host replays its shards of a fragment from the same base: the pushed
     value, which only the leader sends."""
     fsdp_run = one_host_runs[mode]
-    out, port = tmp_path / "multihost.npz", _free_port()
-    workers = [_worker(out, mode, 4, p, 2, port) for p in range(2)]
+    out, port = tmp_path / "multihost.npz", _coordinator_port()
+    logs = [tmp_path / f"worker{p}.log" for p in range(2)]
+    workers = [_worker(out, mode, 4, p, 2, port, logs[p]) for p in range(2)]
     try:
         codes = [w.wait(timeout=300) for w in workers]
     finally:
         for w in workers:
             if w.poll() is None:
                 w.kill()
-    assert codes == [0, 0]
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     with np.load(out) as saved:
         multi = dict(saved)
     assert int(multi["devices"]) == 8 and len(multi["held"]) == 4  # 4 local of 8 in the unit
     np.testing.assert_array_equal(multi["held"], fsdp_run["held"][:4])
     np.testing.assert_allclose(multi["losses"], fsdp_run["losses"], rtol=1e-5)
-    for name, value in _params(fsdp_run).items():
-        np.testing.assert_allclose(multi[name], value, atol=1e-5, err_msg=name)
+    assert_trained_alike(multi, fsdp_run)
     assert bool(multi["pushed_replicated"]) and bool(multi["install_ok"])
     assert bool(multi["installed_value_ok"])
     assert multi["schedule_state"].tolist() == [501, 500 - STEPS]  # the leader's floor, on both
