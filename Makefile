@@ -40,10 +40,10 @@ unit: venv validators
 # validation code), cached like the e2e binaries; rebuilt only when their sources change.
 VALIDATE_BIN := $(or $(DILOCO_E2E_CACHE),$(HOME)/.cache/diloco-e2e)/bin
 VALIDATE_SRC := crds/validate/build.sh $(wildcard crds/validate/*.go crds/validate/go.* \
-	crds/validate/objcheck/*.go crds/validate/objcheck/go.*)
-validators: $(VALIDATE_BIN)/crdcheck $(VALIDATE_BIN)/objcheck
+	crds/validate/objcheck/*.go crds/validate/objcheck/go.* crds/validate/vapcheck/*.go)
+validators: $(VALIDATE_BIN)/crdcheck $(VALIDATE_BIN)/objcheck $(VALIDATE_BIN)/vapcheck
 
-$(VALIDATE_BIN)/crdcheck $(VALIDATE_BIN)/objcheck &: $(VALIDATE_SRC)
+$(VALIDATE_BIN)/crdcheck $(VALIDATE_BIN)/objcheck $(VALIDATE_BIN)/vapcheck &: $(VALIDATE_SRC)
 	bash crds/validate/build.sh
 
 crds: venv

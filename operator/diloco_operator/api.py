@@ -4,6 +4,9 @@ Replica counts: the scale subresource needs ONE replicas path, so `spec.replicas
 units of the FIRST unit group (the elastic group that `kubectl scale dlr/NAME --replicas=N`
 resizes); every further group states its own fixed `replicas`, and the first group must not.
 A single-group run therefore reads naturally: `replicas: 4` plus one group describing the hardware.
+
+A unit group's model is in unit_group.py, the status models in status.py; the parsers of a
+manifest (`parse_spec`, `parse_manifest`) are here.
 """
 
 from __future__ import annotations
@@ -12,16 +15,8 @@ import re
 from typing import Any, Literal
 
 from diloco_trainer.config import Strict, TrainingConfig, format_validation_error
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, model_validator
 
-from diloco_operator.accelerators import (
-    ACCELERATOR_LABEL,
-    ACCELERATORS,
-    SPOT_LABEL,
-    TOPOLOGY_LABEL,
-    check_tpu,
-    hosts,
-)
 from diloco_operator.chaos_spec import ChaosEvent, ChaosSpec
 from diloco_operator.kubesyntax import (
     CHECKPOINT_PATH,
@@ -38,7 +33,9 @@ from diloco_operator.kubetypes import (
     ResourceRequirements,
     Toleration,
 )
+from diloco_operator.pod_security import RUN_TOKEN_WHY, run_token_pattern, secret_references
 from diloco_operator.pod_template import PodTemplate
+from diloco_operator.unit_group import UnitGroup
 
 GROUP = "diloco.dev"
 VERSION = "v1alpha1"
@@ -60,102 +57,6 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 # Run names become prefixes of Job/Service/Pod names (63-char DNS labels): run (40) + "-" +
 # group (12) + "-" + index (<= 4 digits) stays below the limit with room for pod suffixes.
 MAX_RUN_NAME = 40
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-
-Accelerator = Literal[
-    "tpu-v6e-slice", "tpu-v5p-slice", "tpu-v5-lite-podslice", "tpu-v4-podslice", "tpu7x"
-]
-assert set(Accelerator.__args__) == set(ACCELERATORS)  # type: ignore[attr-defined]
-
-
-class TpuSpec(Strict):
-    """One TPU slice per learner unit (GKE node pool labels select it)."""
-
-    accelerator: Accelerator = Field(
-        description="GKE TPU accelerator (cloud.google.com/gke-tpu-accelerator)."
-    )
-    topology: str = Field(
-        pattern=r"^[0-9]+x[0-9]+(x[0-9]+)?$",
-        max_length=16,
-        description="Slice topology (cloud.google.com/gke-tpu-topology), e.g. 2x4 or 2x2x1.",
-    )
-    chips_per_host: int | None = Field(
-        None,
-        ge=1,
-        le=8,
-        description="Chips on one host; default 4 for multi-host slices (1 for 1x1).",
-    )
-
-    @model_validator(mode="after")
-    def _known_combination(self) -> TpuSpec:
-        problem = check_tpu(self.accelerator, self.topology, self.chips_per_host)
-        if problem:
-            raise ValueError(problem)
-        return self
-
-    @property
-    def hosts(self) -> int:
-        return hosts(self.accelerator, self.topology, self.chips_per_host)
-
-    @property
-    def chips_on_each_host(self) -> int:
-        from diloco_operator.accelerators import topology_chips
-
-        return topology_chips(self.topology) // self.hosts
-
-
-class UnitGroup(Strict):
-    """A set of identical learner units (one kind of hardware). Several groups = mixed hardware."""
-
-    name: str = Field(
-        pattern=DNS_LABEL, min_length=1, max_length=12, description="Group name (DNS label)."
-    )
-    replicas: int | None = Field(
-        None,
-        ge=1,
-        le=MAX_UNITS,
-        description="Units in this group. Not allowed on the first group: spec.replicas sizes it.",
-    )
-    tpu: TpuSpec | None = Field(None, description="TPU slice per unit; omit for CPU/GPU units.")
-    resources: ResourceRequirements | None = Field(
-        None, description="Learner container resources (GPU via limits, e.g. nvidia.com/gpu)."
-    )
-    node_selector: NodeSelector | None = Field(
-        None, description="Extra node selector for this group's pods."
-    )
-    tolerations: list[Toleration] | None = Field(
-        None, max_length=16, description="Extra taints this group's pods tolerate."
-    )
-    exclusive_topology: bool = Field(
-        False, description="One unit per node pool: pods of other units are kept off it."
-    )
-    spot: bool = Field(
-        False,
-        description="Run on Spot VMs: adds the cloud.google.com/gke-spot=true node selector and "
-        "toleration. Preemptions are counted in status.units[].preemptions, not as restarts.",
-    )
-    template: PodTemplate | None = Field(
-        None,
-        description="Pod customisation merged into this group's pods (labels, annotations, "
-        "volumes, env, sidecars, ...); operator-owned fields are refused.",
-    )
-
-    @model_validator(mode="after")
-    def _selector_not_owned(self) -> UnitGroup:
-        owned = [
-            *((ACCELERATOR_LABEL, TOPOLOGY_LABEL) if self.tpu else ()),
-            *((SPOT_LABEL,) if self.spot else ()),
-        ]
-        taken = [key for key in owned if key in (self.node_selector or {})]
-        if taken:
-            raise ValueError(
-                f"nodeSelector: {', '.join(taken)} is set by the operator from tpu and spot"
-            )
-        return self
-
-    @property
-    def hosts(self) -> int:
-        return self.tpu.hosts if self.tpu else 1
 
 
 class CheckpointStorage(Strict):
@@ -307,6 +208,22 @@ class DilocoRunSpec(Strict):
     )
 
     @model_validator(mode="after")
+    def _no_run_token_in_templates(self, info: ValidationInfo) -> DilocoRunSpec:
+        # Only the manifest knows the run's name, hence the validation context (parse_spec).
+        run = (info.context or {}).get("run")
+        if not run:
+            return self
+        token = re.compile(run_token_pattern(run))
+        templates = [("syncer.template", self.syncer.template)] + [
+            (f"unitGroups[{i}].template", g.template) for i, g in enumerate(self.unit_groups)
+        ]
+        for where, template in templates:
+            for field, name in secret_references(template.to_wire() if template else {}):
+                if token.match(name):
+                    raise ValueError(f"{where}.{field}: {name} is {RUN_TOKEN_WHY}")
+        return self
+
+    @model_validator(mode="after")
     def _consistent(self) -> DilocoRunSpec:
         first, *rest = self.unit_groups
         if first.replicas is not None:
@@ -401,12 +318,15 @@ def _integral_floats_as_ints(value: Any) -> Any:
     return value
 
 
-def parse_spec(spec: dict[str, Any], prefix: str = "spec") -> DilocoRunSpec:
-    """Validate a manifest's spec; raises ValueError whose lines name each bad field.
+def parse_spec(spec: dict[str, Any], prefix: str = "spec", run: str | None = None) -> DilocoRunSpec:
+    """Validate a manifest's spec; raises ValueError whose lines name each bad field. With the
+    run's name, pod templates that name its token Secrets are refused too.
 
     Strict types, as the API server's schema: "5" is not a number, 1 is not a boolean."""
     try:
-        return DilocoRunSpec.model_validate(_integral_floats_as_ints(spec), strict=True)
+        return DilocoRunSpec.model_validate(
+            _integral_floats_as_ints(spec), strict=True, context={"run": run}
+        )
     except ValidationError as exc:
         text = format_validation_error(exc, prefix).replace("Value error, ", "")
         # A model-level rule names its field first ("spec: chaos.schedule.0.unit: ..."): one path.
@@ -434,4 +354,4 @@ def parse_manifest(doc: dict[str, Any]) -> DilocoRunSpec:
         )
     if not isinstance(doc.get("spec"), dict):
         raise ValueError("spec: required (a mapping)")
-    return parse_spec(doc["spec"])
+    return parse_spec(doc["spec"], run=name)

@@ -19,6 +19,13 @@ _QUALIFIED = f"({_SUBDOMAIN}/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?"
 QUALIFIED_NAME = f"^{_QUALIFIED}$"
 OPTIONAL_QUALIFIED_NAME = f"^({_QUALIFIED})?$"
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+# Container, volume and unit group names (RFC 1123 labels).
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Environment variable names as the API server accepts them in a container spec.
+ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# An absolute path with no empty, "." or ".." segment and no trailing slash, so that comparing
+# strings is comparing paths (the pod template's mount overlap rule relies on it).
+NORMAL_PATH = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
 # Resource names: the standard ones, or an extended resource with a domain (nvidia.com/gpu).
 RESOURCE_NAME = f"^(cpu|memory|ephemeral-storage|hugepages-[A-Za-z0-9.]+|{_SUBDOMAIN}/[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?)$"
 # A non-negative Kubernetes quantity in its canonical spellings (500m, 2Gi, 1.5, 1e3).

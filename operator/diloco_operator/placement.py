@@ -12,7 +12,8 @@ from diloco_operator.accelerators import (
     TOPOLOGY_LABEL,
     TPU_TAINT_KEY,
 )
-from diloco_operator.api import LABEL_UNIT, UnitGroup
+from diloco_operator.api import LABEL_UNIT
+from diloco_operator.unit_group import UnitGroup
 
 NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
 

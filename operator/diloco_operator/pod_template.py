@@ -14,6 +14,14 @@ Precedence (docs/design.md, "Pod template overrides"):
   env (so user values may refer to $(DILOCO_UNIT)), imagePullSecrets, extra containers (after the
   main one, which stays first) and initContainers. Extra and init containers without a
   securityContext get the operator's restricted container profile.
+- What a template adds stays within the Pod Security "baseline" level unless it says
+  podSecurity: privileged (pod_baseline.py), and names none of the run's token Secrets
+  (pod_security.py; who may say privileged, or name which Secret, is the chart's admission
+  policy).
+
+The typed fields a template may set are in pod_fields.py (containers, env, securityContext) and
+pod_volumes.py (volumes and mounts); this module holds the template, its owned-field rules in
+Python and CEL, and the merge.
 """
 
 from __future__ import annotations
@@ -22,10 +30,24 @@ import copy
 from typing import Annotated, Any, Literal
 
 from diloco_trainer.config import Strict
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from diloco_operator.kubesyntax import LABEL_VALUE, QUALIFIED_NAME, keys_rule
+from diloco_operator.pod_baseline import (
+    LEVEL_FIELD,
+    PRIVILEGED,
+    baseline_cel_rules,
+    baseline_problems,
+    system_priority_problems,
+)
+from diloco_operator.pod_fields import (
+    EnvVar,
+    ExtraContainer,
+    LocalObjectReference,
+    PodSecurityContext,
+)
 from diloco_operator.pod_security import CACHE_DIR, TOKEN_DIR, container_security_context
+from diloco_operator.pod_volumes import Volume, VolumeMount
 
 OWNED_PREFIX = "diloco.dev/"
 OWNED_LABELS = (
@@ -41,11 +63,6 @@ OWNED_VOLUMES = ("config", "token", "tmp", "cache", "checkpoints")
 OWNED_MOUNT_PATHS = ("/etc/diloco", TOKEN_DIR, "/tmp", CACHE_DIR, "/var/lib/diloco/checkpoints")
 MAIN_CONTAINERS = ("learner", "syncer", "syncer-standby")
 
-# An absolute path with no empty, "." or ".." segment and no trailing slash, so that comparing
-# strings is comparing paths (the overlap rule below relies on it).
-NORMAL_PATH = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 # Label and annotation keys have the same syntax ([prefix/]name); the API server would refuse
 # the Job or Deployment of a run whose template breaks it, so admission refuses the run.
 MetaKey = Annotated[str, Field(max_length=317, pattern=QUALIFIED_NAME)]
@@ -53,6 +70,7 @@ _KEYS_RULE = keys_rule(QUALIFIED_NAME, "label and annotation keys ([prefix/]name
 
 
 def _overlaps(path: str, owned: str) -> bool:
+    # String prefixes are path prefixes: mount paths are normal (kubesyntax.NORMAL_PATH).
     return path == owned or path.startswith(owned + "/") or owned.startswith(path + "/")
 
 
@@ -75,75 +93,6 @@ class PodTemplateMetadata(Strict):
     ) = Field(None, description='Extra pod annotations (e.g. gke-gcsfuse/volumes: "true").')
 
 
-class EnvVar(Strict):
-    """An environment variable, as in a container spec."""
-
-    name: str = Field(min_length=1, max_length=253, pattern=ENV_NAME, description="Variable name.")
-    value: str | None = Field(None, max_length=32768, description="Value; $(VAR) expands.")
-    value_from: dict[str, Any] | None = Field(
-        None, description="As in a container's env[].valueFrom (not checked here)."
-    )
-
-
-class VolumeMount(Strict):
-    """A volume mount of the main container, as in a container spec."""
-
-    name: str = Field(min_length=1, max_length=63, description="A volume of template.spec.")
-    mount_path: str = Field(
-        max_length=512,
-        pattern=NORMAL_PATH,
-        description="Absolute path without . or .. segments or a trailing slash; it must not "
-        "overlap the operator's mounts.",
-    )
-    read_only: bool | None = Field(None, description="Mount read-only.")
-    sub_path: str | None = Field(None, max_length=512, description="Path within the volume.")
-    sub_path_expr: str | None = Field(
-        None, max_length=512, description="subPath with $(VAR) expansion."
-    )
-    mount_propagation: Literal["None", "HostToContainer", "Bidirectional"] | None = Field(
-        None, description="As in a container's volumeMounts."
-    )
-    recursive_read_only: Literal["Disabled", "IfPossible", "Enabled"] | None = Field(
-        None, description="As in a container's volumeMounts."
-    )
-
-
-class Volume(Strict):
-    """A pod volume as in a Pod spec: a name and one source (csi, persistentVolumeClaim, ...)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    name: str = Field(
-        min_length=1,
-        max_length=63,
-        pattern=DNS_LABEL,
-        description="Volume name, not one of the operator's (config, token, tmp, cache, "
-        "checkpoints); the source fields next to it are passed through unchecked.",
-    )
-
-
-class ExtraContainer(Strict):
-    """A further container (sidecar or init container) as in a Pod spec, passed through."""
-
-    model_config = ConfigDict(extra="allow")
-
-    name: str = Field(
-        min_length=1,
-        max_length=63,
-        pattern=DNS_LABEL,
-        description="Container name, not learner, syncer or syncer-standby; the other fields are "
-        "passed through "
-        "(no securityContext: the operator's restricted one).",
-    )
-    image: str = Field(min_length=1, max_length=512, description="Container image.")
-
-
-class LocalObjectReference(Strict):
-    """A reference to an object in the run's namespace."""
-
-    name: str = Field(min_length=1, max_length=253, description="Name of a Secret.")
-
-
 class PodSpecFragment(Strict):
     """Pod spec fields merged into the operator's pod (same names and meaning as a Pod spec)."""
 
@@ -160,12 +109,25 @@ class PodSpecFragment(Strict):
     priority_class_name: str | None = Field(
         None, max_length=253, description="PriorityClass of the pods."
     )
-    security_context: dict[str, Any] | None = Field(
+    security_context: PodSecurityContext | None = Field(
         None,
         description="Pod securityContext keys; each replaces the operator's key of that name.",
     )
     termination_grace_period_seconds: int | None = Field(
         None, ge=0, le=86400, description="Seconds between SIGTERM and SIGKILL."
+    )
+    host_network: bool | None = Field(
+        None, description="The node's network namespace (only at podSecurity: privileged)."
+    )
+    host_pid: bool | None = Field(
+        None,
+        alias="hostPID",
+        description="The node's process namespace (only at podSecurity: privileged).",
+    )
+    host_ipc: bool | None = Field(
+        None,
+        alias="hostIPC",
+        description="The node's IPC namespace (only at podSecurity: privileged).",
     )
 
 
@@ -184,6 +146,14 @@ class PodTemplate(Strict):
     """Pod customisation merged into the pods the operator builds; operator-owned fields are
     refused (docs/operator.md, "Pod template overrides")."""
 
+    pod_security: Literal["baseline", "privileged"] = Field(
+        "baseline",
+        description="What the template may add to the operator's restricted pods: baseline "
+        "(the Pod Security Standards' baseline level: no privileged containers, added "
+        "capabilities, host namespaces, ports or paths, unsafe sysctls, unconfined profiles) "
+        "or privileged (no such limit; the chart's admission policy admits it only for users "
+        "and namespaces the cluster admin allows).",
+    )
     metadata: PodTemplateMetadata | None = Field(None, description="Pod labels, annotations.")
     spec: PodSpecFragment | None = Field(None, description="Pod spec fields.")
     main_container: MainContainer | None = Field(
@@ -193,6 +163,10 @@ class PodTemplate(Strict):
     @model_validator(mode="after")
     def _nothing_owned(self) -> PodTemplate:
         problems = conflicts(self)
+        wire = self.to_wire()
+        problems += system_priority_problems(wire)
+        if self.pod_security != PRIVILEGED:
+            problems += baseline_problems(wire)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -326,7 +300,8 @@ def _cel_rules() -> list[dict[str, str]]:
     ]
 
 
-CEL_RULES: dict[str, list[dict[str, str]]] = {"PodTemplate": _cel_rules()}
+CEL_RULES: dict[str, list[dict[str, str]]] = {"PodTemplate": _cel_rules() + baseline_cel_rules()}
+assert PodTemplate.model_fields["pod_security"].alias == LEVEL_FIELD
 
 
 # --- the merge ----------------------------------------------------------------------------------
@@ -372,7 +347,13 @@ def apply_template(pod: dict[str, Any], template: PodTemplate | None) -> dict[st
             **out_spec.get("securityContext", {}),
             **spec["securityContext"],
         }
-    for key in ("priorityClassName", "terminationGracePeriodSeconds"):
+    for key in (
+        "priorityClassName",
+        "terminationGracePeriodSeconds",
+        "hostNetwork",
+        "hostPID",
+        "hostIPC",
+    ):
         if key in spec:
             out_spec[key] = spec[key]
     return merged

@@ -10,7 +10,8 @@ from diloco_operator.accelerators import (
     cube_dims,
     hosts,
 )
-from diloco_operator.api import DilocoRunStatus, UnitGroup, parse_manifest, parse_spec
+from diloco_operator.api import DilocoRunStatus, parse_manifest, parse_spec
+from diloco_operator.unit_group import UnitGroup
 
 BASE = {"image": "t", "training": {"totalSteps": 10}}
 

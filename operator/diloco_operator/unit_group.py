@@ -1,0 +1,117 @@
+"""A unit group of a DilocoRun (`spec.unitGroups[]`): a set of identical learner units on one
+kind of hardware (a TPU slice per unit, or a CPU/GPU pod), where its pods are scheduled (node
+selector, tolerations, Spot VMs) and the pod template merged into them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from diloco_trainer.config import Strict
+from pydantic import Field, model_validator
+
+from diloco_operator.accelerators import (
+    ACCELERATOR_LABEL,
+    ACCELERATORS,
+    SPOT_LABEL,
+    TOPOLOGY_LABEL,
+    check_tpu,
+    hosts,
+    topology_chips,
+)
+from diloco_operator.kubesyntax import DNS_LABEL, MAX_UNITS
+from diloco_operator.kubetypes import NodeSelector, ResourceRequirements, Toleration
+from diloco_operator.pod_template import PodTemplate
+
+Accelerator = Literal[
+    "tpu-v6e-slice", "tpu-v5p-slice", "tpu-v5-lite-podslice", "tpu-v4-podslice", "tpu7x"
+]
+assert set(Accelerator.__args__) == set(ACCELERATORS)  # type: ignore[attr-defined]
+
+
+class TpuSpec(Strict):
+    """One TPU slice per learner unit (GKE node pool labels select it)."""
+
+    accelerator: Accelerator = Field(
+        description="GKE TPU accelerator (cloud.google.com/gke-tpu-accelerator)."
+    )
+    topology: str = Field(
+        pattern=r"^[0-9]+x[0-9]+(x[0-9]+)?$",
+        max_length=16,
+        description="Slice topology (cloud.google.com/gke-tpu-topology), e.g. 2x4 or 2x2x1.",
+    )
+    chips_per_host: int | None = Field(
+        None,
+        ge=1,
+        le=8,
+        description="Chips on one host; default 4 for multi-host slices (1 for 1x1).",
+    )
+
+    @model_validator(mode="after")
+    def _known_combination(self) -> TpuSpec:
+        problem = check_tpu(self.accelerator, self.topology, self.chips_per_host)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @property
+    def hosts(self) -> int:
+        return hosts(self.accelerator, self.topology, self.chips_per_host)
+
+    @property
+    def chips_on_each_host(self) -> int:
+        return topology_chips(self.topology) // self.hosts
+
+
+class UnitGroup(Strict):
+    """A set of identical learner units (one kind of hardware). Several groups = mixed hardware."""
+
+    name: str = Field(
+        pattern=DNS_LABEL, min_length=1, max_length=12, description="Group name (DNS label)."
+    )
+    replicas: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_UNITS,
+        description="Units in this group. Not allowed on the first group: spec.replicas sizes it.",
+    )
+    tpu: TpuSpec | None = Field(None, description="TPU slice per unit; omit for CPU/GPU units.")
+    resources: ResourceRequirements | None = Field(
+        None, description="Learner container resources (GPU via limits, e.g. nvidia.com/gpu)."
+    )
+    node_selector: NodeSelector | None = Field(
+        None, description="Extra node selector for this group's pods."
+    )
+    tolerations: list[Toleration] | None = Field(
+        None, max_length=16, description="Extra taints this group's pods tolerate."
+    )
+    exclusive_topology: bool = Field(
+        False, description="One unit per node pool: pods of other units are kept off it."
+    )
+    spot: bool = Field(
+        False,
+        description="Run on Spot VMs: adds the cloud.google.com/gke-spot=true node selector and "
+        "toleration. Preemptions are counted in status.units[].preemptions, not as restarts.",
+    )
+    template: PodTemplate | None = Field(
+        None,
+        description="Pod customisation merged into this group's pods (labels, annotations, "
+        "volumes, env, sidecars, ...); operator-owned fields are refused.",
+    )
+
+    @model_validator(mode="after")
+    def _selector_not_owned(self) -> UnitGroup:
+        owned = [
+            *((ACCELERATOR_LABEL, TOPOLOGY_LABEL) if self.tpu else ()),
+            *((SPOT_LABEL,) if self.spot else ()),
+        ]
+        taken = [key for key in owned if key in (self.node_selector or {})]
+        if taken:
+            raise ValueError(
+                f"nodeSelector: {', '.join(taken)} is set by the operator from tpu and spot"
+            )
+        return self
+
+    @property
+    def hosts(self) -> int:
+        return self.tpu.hosts if self.tpu else 1
