@@ -39,3 +39,19 @@ def test_unknown_field_is_an_error() -> None:
 def test_budget_required() -> None:
     with pytest.raises(ValueError, match="totalSteps or totalTokens"):
         TrainingConfig.model_validate({})
+
+
+@pytest.mark.parametrize("block", ["model", "data"])
+def test_tokens_per_step_is_known_from_the_config_only_for_the_builtin_workload(
+    block: str,
+) -> None:
+    builtin = TrainingConfig.model_validate(
+        {"totalSteps": 1, "model": {"seqLen": 64}, "data": {"batchSize": 8}}
+    )
+    assert builtin.tokens_per_step == 8 * 64
+    # A user's model or data decides with its batch (workload.check.batch_tokens), not seqLen.
+    user = TrainingConfig.model_validate(
+        {"totalSteps": 1, block: {"entrypoint": "my_pkg.things:build"}}
+    )
+    with pytest.raises(ValueError, match=r"workload\.check\.tokens_per_step\(cfg\)"):
+        user.tokens_per_step  # noqa: B018

@@ -82,6 +82,10 @@ class StreamSource:
             raise DataError(f"data: split must be 'train' or 'eval', got {split!r}")
         return self._train(shard, num_shards, seed, batch_size, position)
 
+    def tokens_per_batch(self, batch: np.ndarray) -> int:
+        """Rows x seqLen: each window of seqLen+1 tokens trains seqLen next-token predictions."""
+        return int(np.shape(batch)[0]) * self.cfg.model.context
+
     def _train(
         self, shard: int, num_shards: int, seed: int, batch_size: int, position: int
     ) -> Iterator[np.ndarray]:

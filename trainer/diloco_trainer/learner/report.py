@@ -54,21 +54,24 @@ class Reporter:
         client: SyncerClient,
         versions: list[int],
         leader: bool,
-        workload: Workload,
+        workload: Workload | None,
         clock: ScheduleClock,
     ) -> Reporter:
+        """`workload`: the run's; None (a test without one): the built-in workload's count."""
         progress = Progress()
         link = SyncLink(client, versions, cfg.heartbeat_seconds, progress) if leader else None
         if link is not None:
             link.start()
         metrics = None
         if link is not None and opts.metrics_port > 0:
+            flops = workload.flops_per_token if workload is not None else None
             metrics = start_learner_metrics(
-                workload.flops_per_token, opts.name, opts.group, opts.metrics_port,
+                flops, opts.name, opts.group, opts.metrics_port,
                 jax.devices()[0].device_kind, jax.device_count(), os.environ,
             )  # fmt: skip
         hint_after = HINT_AFTER_PERIODS * cfg.inner_steps
-        return cls(opts, client, link, metrics, progress, clock, cfg.tokens_per_step, hint_after)
+        tokens = workload.tokens_per_step if workload is not None else cfg.tokens_per_step
+        return cls(opts, client, link, metrics, progress, clock, tokens, hint_after)
 
     def step(
         self, step: int, loss: jax.Array, metrics: Any, done: bool, frags: FragmentBook
