@@ -1,7 +1,8 @@
 """The `diloco` command line.
 
     diloco local run FILE [--chaos] [--report-dir D] [--max-seconds S] [--seed N] [--spares N]
-                         [--no-fork-server] [--resume-from DIR | --checkpoint-dir DIR]
+                         [--no-fork-server] [--start-timeout S]
+                         [--resume-from DIR | --checkpoint-dir DIR]
     diloco simulate [--chips 150000,...] [--learners 1,2,...] [--plot FILE] [--json]
     diloco export RUN_OR_CHECKPOINT --out FILE.safetensors
     diloco data tokenize FILES_OR_DIRS... --out DIR (--tokenizer FILE | --train-vocab N)
@@ -20,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,16 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+
+
+def _positive_seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {raw!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {raw}")
+    return value
 
 
 def _add_local(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -59,6 +70,14 @@ def _add_local(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=float,
         default=None,
         help="stop (and write the report) after this long even if the budget is not reached",
+    )
+    run.add_argument(
+        "--start-timeout",
+        type=_positive_seconds,
+        default=120.0,
+        help="give up on the syncer's start when its log shows no new start-up phase (model "
+        "build, data index, compile, ...) for this many seconds (default 120); in all it may "
+        "take 15 minutes, or 5 times this when that is longer",
     )
     where = run.add_mutually_exclusive_group()
     where.add_argument(
@@ -283,15 +302,18 @@ def checkpoint_location(resume_from: str | None, fresh: Path | None) -> Path | s
     return Path(resume_from).resolve()
 
 
-def check_entrypoints(training: TrainingConfig) -> None:
+def check_entrypoints(training: TrainingConfig, say: Callable[[str], object] | None = None) -> None:
     """A user model or data source is checked here, before any process starts (ValueError naming
-    the field), imported as each learner will: `python -m` puts the working directory first."""
+    the field), imported as each learner will: `python -m` puts the working directory first.
+    `say` is told first: a slow model build or data index is then not a silent wait."""
     if training.model.entrypoint is None and training.data.entrypoint is None:
         return
     from diloco_trainer.workload.check import prepare
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if say is not None:
+        say("checking the model and data entrypoints (model build, data index) ...")
     prepare(training)
 
 
@@ -316,7 +338,7 @@ def _local_run(args: argparse.Namespace) -> int:
         _check_shards(run.spec.training)
         chaos = chaos_settings(run.spec.chaos, args.chaos, args.seed)
         check_chaos_units(chaos, run.spec.total_units)
-        check_entrypoints(run.spec.training)
+        check_entrypoints(run.spec.training, lambda line: console.print(line, highlight=False))
     except (ManifestError, ValueError) as exc:
         console.print(f"[bold red]invalid manifest {args.manifest}:[/]")
         console.print(str(exc), markup=False, highlight=False)
@@ -342,6 +364,7 @@ def _local_run(args: argparse.Namespace) -> int:
         checkpoint_dir=checkpoint_location(args.resume_from, args.checkpoint_dir),
         spare_learners=max(0, args.spares),
         fork_server=not args.no_fork_server,
+        syncer_start_timeout=args.start_timeout,
     )
     console.print(
         f"run [bold]{run.name}[/]: {run.spec.total_units} units, chaos "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ from diloco_trainer.learner.report import Reporter
 from diloco_trainer.learner.sharding import abstract_params
 from diloco_trainer.learner.sync_link import SyncLink, retry_until
 from diloco_trainer.learner.train import (
+    Metrics,
     Params,
     ScheduleClock,
     TrainStep,
@@ -57,6 +59,7 @@ from diloco_trainer.learner.train import (
     shard_batch,
     step_key,
 )
+from diloco_trainer.phases import phase
 from diloco_trainer.wire import DataLease
 from diloco_trainer.workload.check import Workload, prepare
 
@@ -134,20 +137,23 @@ def build_step_program(
     workload = workload or prepare(cfg)
     mesh = make_mesh()
     check_batch_divisible(cfg.data.batch_size, mesh.devices.size)
-    optimizer = make_optimizer(cfg.inner_optimizer, learner_horizon(cfg, num_units))
+    horizon = learner_horizon(cfg, num_units, workload.tokens_per_step)
+    optimizer = make_optimizer(cfg.inner_optimizer, horizon)
     rules = partition_rules(workload.model)
     like = abstract_params(workload.shapes, mesh, cfg.sharding, rules)
     step = make_train_step(optimizer, mesh, workload.flat_loss(), abstract_params=like)
     return StepProgram(num_units, mesh, optimizer, step, like, workload)
 
 
-def learner_horizon(cfg: TrainingConfig, num_units: int) -> int:
-    """This learner's expected share of the run's inner steps (for the LR schedule)."""
+def learner_horizon(cfg: TrainingConfig, num_units: int, tokens_per_step: int | None = None) -> int:
+    """This learner's expected share of the run's inner steps (for the LR schedule).
+    `tokens_per_step`: the workload's (`Workload.tokens_per_step`); None: the built-in one's."""
     if cfg.total_steps is not None:
         total = cfg.total_steps
     else:
         assert cfg.total_tokens is not None
-        total = -(-cfg.total_tokens // cfg.tokens_per_step)
+        per_step = tokens_per_step if tokens_per_step is not None else cfg.tokens_per_step
+        total = -(-cfg.total_tokens // per_step)
     return max(1, -(-total // num_units))
 
 
@@ -163,12 +169,14 @@ class Joined:
 
 def join_and_pull(client: SyncerClient, stop: threading.Event) -> Joined | None:
     """Join the run and fetch the current global parameters, retrying while unreachable."""
-    joined = retry_until(client.join, stop, "join")
+    with phase(log, "join"):
+        joined = retry_until(client.join, stop, "join")
     if joined is None:
         return None
     if joined.complete:
         return Joined(joined.layout, {}, joined.versions, True, joined.resume_step)
-    pulled = retry_until(client.pull_all, stop, "pull")
+    with phase(log, "pull"):
+        pulled = retry_until(client.pull_all, stop, "pull")
     if pulled is None:
         return None
     return Joined(joined.layout, pulled[0], pulled[1], False, joined.resume_step, joined.data_lease)
@@ -196,11 +204,12 @@ def run_learner(
     mesh, train_step = program.mesh, program.train_step
     unit_key = step_key(cfg.seed, opts.unit)
     params, opt_state = _training_state(program, start)
-    clock = schedule_clock(cfg, opts.num_units, start.resume_step, mesh)
+    tokens_per_step = program.workload.tokens_per_step
+    clock = schedule_clock(cfg, opts.num_units, start.resume_step, mesh, tokens_per_step)
     batches = unit_feed(cfg, program.workload.source, start.data_lease, client, stop)
     frags = FragmentBook.starting(cfg, start.layout, start.shapes, start.versions, start.fragments)
     report = Reporter.starting(cfg, opts, client, start.versions, leader, program.workload, clock)
-    link, tokens_per_step = report.link, cfg.tokens_per_step
+    link = report.link
 
     step, prev_loss, last_done = 0, None, time.monotonic()
     loop_seconds = {"train": 0.0, "slowdown": 0.0, "other": 0.0}
@@ -208,9 +217,14 @@ def run_learner(
         while True:
             top = time.monotonic()
             rng = jax.random.fold_in(unit_key, start.resume_step + step)
-            params, opt_state, loss, metrics = train_step(
-                params, opt_state, shard_batch(next(batches), mesh), rng
-            )
+            if step == 0:  # the start's last phases
+                params, opt_state, loss, metrics = _first_step(
+                    train_step, params, opt_state, batches, mesh, rng
+                )
+            else:
+                params, opt_state, loss, metrics = train_step(
+                    params, opt_state, shard_batch(next(batches), mesh), rng
+                )
             step += 1
             frags.push_due(step, params, link, tokens_per_step)
             if prev_loss is not None:
@@ -244,7 +258,29 @@ def run_learner(
         if link is not None:
             link.stop()
         client.close()
-    return _result(step, prev_loss, started, client, start, frags, link, loop_seconds, cfg)
+    return _result(
+        step, prev_loss, started, client, start, frags, link, loop_seconds, tokens_per_step
+    )
+
+
+def _first_step(
+    train_step: TrainStep,
+    params: Params,
+    opt_state: Any,
+    batches: Iterator[Any],
+    mesh: Mesh,
+    rng: jax.Array,
+) -> tuple[Params, Any, jax.Array, Metrics]:
+    """Step 1 as the start's last phases: its batch, the compile (jit traces and compiles within
+    the call, then runs the step asynchronously; a warm spare's compile is a cache hit) and the
+    step itself."""
+    with phase(log, "first_batch"):
+        batch = shard_batch(next(batches), mesh)
+    with phase(log, "compile"):
+        out = train_step(params, opt_state, batch, rng)
+    with phase(log, "first_step"):
+        out[2].block_until_ready()
+    return out
 
 
 @dataclass(frozen=True)
@@ -274,7 +310,8 @@ def _start(
     instead when stopped while waiting for the syncer, or when the run is already complete."""
     shapes = workload.shapes
     layout = pack_fragments(shapes, cfg.fragments)
-    global_params: dict[str, np.ndarray] = workload.initial_params()
+    with phase(log, "initial_params"):
+        global_params: dict[str, np.ndarray] = workload.initial_params()
     versions = [0] * len(layout)
     resume_step = 0
     bytes_joined = 0
@@ -308,10 +345,14 @@ def _start(
 
 
 def schedule_clock(
-    cfg: TrainingConfig, num_units: int, resume_step: int, mesh: Mesh | None = None
+    cfg: TrainingConfig,
+    num_units: int,
+    resume_step: int,
+    mesh: Mesh | None = None,
+    tokens_per_step: int | None = None,
 ) -> ScheduleClock:
     """The LR clock of one unit of a `num_units` run, continuing at `resume_step`."""
-    horizon = learner_horizon(cfg, num_units)
+    horizon = learner_horizon(cfg, num_units, tokens_per_step)
     schedule = learning_rate_schedule(cfg.inner_optimizer, horizon)
     return ScheduleClock(schedule, horizon, rewarmup_steps(cfg.inner_optimizer), resume_step, mesh)
 
@@ -335,11 +376,11 @@ def _result(
     frags: FragmentBook,
     link: SyncLink | None,
     loop_seconds: dict[str, float],
-    cfg: TrainingConfig,
+    tokens_per_step: int,
 ) -> LearnerResult:
     return LearnerResult(
         steps=step,
-        tokens=step * cfg.tokens_per_step,
+        tokens=step * tokens_per_step,
         seconds=time.monotonic() - started,
         complete=link is not None and link.complete.is_set(),
         final_loss=float(last_loss) if last_loss is not None else None,

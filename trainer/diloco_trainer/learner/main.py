@@ -3,6 +3,9 @@
 `diloco-learner --config FILE --standby`: a warm spare for the local runtime (standby.py): it
 imports JAX and compiles the train step first, then reads its unit identity on stdin.
 
+The start is logged phase by phase (phases.py; the list is in docs/local.md): imports, jax_init,
+the workload check, initial_params, join, pull, first_batch, compile, first_step.
+
 Exit codes: 0 when the syncer reports the run complete (or --max-steps was reached), 2 for a
 config/usage error (the message names the field), 143 after SIGTERM/SIGINT (stopped, not done),
 1 for anything else (the supervisor restarts the unit).
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from diloco_trainer.auth import resolve_token
 from diloco_trainer.config import ConfigError, TrainingConfig, load_training_config
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
+from diloco_trainer.phases import phase
 
 if TYPE_CHECKING:
     from diloco_trainer.learner.loop import StepProgram
@@ -150,8 +154,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         print(f"diloco-learner: {exc}", file=sys.stderr)
         return 2
     # Heavy imports (JAX) only after the config is known to be good: errors stay fast.
-    from diloco_trainer.workload.compile_cache import enable_compilation_cache
-
+    with phase(log, "imports"):  # most of a cold start; a forked learner has them already
+        import diloco_trainer.learner.loop  # noqa: F401  (what train() imports)
+        from diloco_trainer.workload.compile_cache import enable_compilation_cache
     enable_compilation_cache()
     return train(cfg, options)
 
@@ -165,21 +170,23 @@ def standby_main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     except (ConfigError, UsageError) as exc:
         print(f"diloco-learner: {exc}", file=sys.stderr)
         return 2
-    from diloco_trainer.learner.distributed import distributed_args
-    from diloco_trainer.learner.standby import (
-        IdentityError,
-        take_identity,
-        wait_for_identity,
-        warm_up,
-    )
-    from diloco_trainer.workload.compile_cache import enable_compilation_cache
+    with phase(log, "imports"):
+        from diloco_trainer.learner.distributed import distributed_args
+        from diloco_trainer.learner.standby import (
+            IdentityError,
+            take_identity,
+            wait_for_identity,
+            warm_up,
+        )
+        from diloco_trainer.workload.compile_cache import enable_compilation_cache
 
     if distributed_args(env) is not None:
         print("diloco-learner: --standby runs single-host units only", file=sys.stderr)
         return 2
     enable_compilation_cache()
     try:
-        program = warm_up(cfg, num_units)
+        with phase(log, "warm_up"):
+            program = warm_up(cfg, num_units)
     except ValueError as exc:  # the same config errors a unit would hit at its start
         print(f"diloco-learner: {exc}", file=sys.stderr)
         return 2
@@ -198,6 +205,8 @@ def standby_main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | None = None) -> int:
     """Run the learner (JAX imported by now) until complete or stopped; the exit code."""
+    import jax
+
     from diloco_trainer.learner.distributed import init_distributed
     from diloco_trainer.learner.loop import LearnerOptions, run_learner
 
@@ -209,7 +218,9 @@ def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | N
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    init_distributed()
+    with phase(log, "jax_init"):  # a multi-host unit waits for its peers; a TPU opens its chips
+        init_distributed()
+        jax.devices()
     opts = LearnerOptions(**options)
     try:
         result = run_learner(cfg, opts, stop, program)

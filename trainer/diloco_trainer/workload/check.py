@@ -5,12 +5,20 @@
 leaves on a second call, every leaf has a unique dotted name, one held-out batch has
 `data.batchSize` rows, and `loss` returns a scalar and a dict of scalars. The learner, the syncer
 and `diloco local run` call it first, so a bad entrypoint is one message and exit code 2.
+
+The same held-out batch says how many tokens a step trains on (`batch_tokens`): learners count
+their steps' tokens with it and the syncer checks pushes against it, so both take it from
+`Workload.tokens_per_step` and get the same integer.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import jax
@@ -18,6 +26,7 @@ import numpy as np
 
 from diloco_trainer.api import Batch, DataSource, EntrypointError, Model
 from diloco_trainer.config import TrainingConfig
+from diloco_trainer.phases import phase
 from diloco_trainer.workload.entrypoints import (
     DATA_FIELD,
     MODEL_FIELD,
@@ -28,6 +37,7 @@ from diloco_trainer.workload.entrypoints import (
 )
 from diloco_trainer.workload.pytree import LeafNameError, flatten, unflatten
 
+log = logging.getLogger(__name__)
 Shapes = dict[str, tuple[int, ...]]
 FlatLoss = Callable[[Mapping[str, Any], Batch, Any], tuple[Any, Any]]
 
@@ -41,6 +51,7 @@ class Workload:
     template: Any  # the params pytree of ShapeDtypeStructs: unflatten's template
     shapes: Shapes  # leaf name -> shape, in the pytree's leaf order
     seed: int
+    tokens_per_step: int  # `batch_tokens` of one batch of `data.batchSize` rows
 
     def initial_params(self) -> dict[str, np.ndarray]:
         """The starting global parameters, flat, as float32 numpy (what the syncer serves)."""
@@ -103,6 +114,63 @@ def _check_batch(batch: Batch, rows: int) -> None:
             )
 
 
+TOKENS_ATTRIBUTE = "tokens_per_batch"
+
+
+def _declared_tokens(owner: Any, batch: Batch, field: str) -> int | None:
+    """What `owner` (the model, or the data source: for one with bound args, the callable
+    inside) says a batch holds, or None when it says nothing."""
+    if isinstance(owner, functools.partial):
+        owner = owner.func
+    declared = getattr(owner, TOKENS_ATTRIBUTE, None)
+    if declared is None:
+        return None
+    what = TOKENS_ATTRIBUTE
+    if callable(declared):
+        what = f"{TOKENS_ATTRIBUTE}(batch)"
+        try:
+            declared = declared(batch)
+        except Exception as exc:
+            raise EntrypointError(f"{field}: {what} failed: {type(exc).__name__}: {exc}") from exc
+    # numpy integers count as ints, bools do not (a True would silently mean 1 token).
+    if isinstance(declared, bool) or not isinstance(declared, Integral) or int(declared) < 1:
+        raise EntrypointError(
+            f"{field}: {what} gave {declared!r}; it must be a positive int (the tokens one "
+            "batch of data.batchSize rows holds)"
+        )
+    return int(declared)
+
+
+def batch_tokens(model: Model, source: DataSource, batch: Batch, rows: int) -> int:
+    """The tokens one step trains on, from one batch of `rows` rows, the first rule that applies:
+
+    1. the model's `tokens_per_batch` (an int, or a method taking the batch);
+    2. the data source's `tokens_per_batch` (the built-in source: rows x seqLen);
+    3. the number of elements of the batch's integer arrays (token ids), all of the same size;
+       integer arrays of different sizes are refused as ambiguous;
+    4. with no integer array (features, not tokens): one token per row.
+    """
+    for owner, field in ((model, MODEL_FIELD), (source, DATA_FIELD)):
+        declared = _declared_tokens(owner, batch, field)
+        if declared is not None:
+            return declared
+    paths_leaves, _ = jax.tree_util.tree_flatten_with_path(batch)
+    integer = {
+        jax.tree_util.keystr(path) or "the batch": tuple(int(d) for d in np.shape(leaf))
+        for path, leaf in paths_leaves
+        if np.issubdtype(np.asarray(leaf).dtype, np.integer)
+    }
+    sizes = {math.prod(shape) for shape in integer.values()}
+    if len(sizes) > 1:
+        listed = ", ".join(f"{name} {shape}" for name, shape in list(integer.items())[:5])
+        raise EntrypointError(
+            f"{DATA_FIELD}: the batch's integer arrays differ in size ({listed}), so which of "
+            f"them are its tokens is ambiguous; give the model or the data source "
+            f"`{TOKENS_ATTRIBUTE}(batch) -> int` (docs/library.md, 'Tokens per step')"
+        )
+    return sizes.pop() if sizes else rows
+
+
 def _check_loss(out: Any, spec: str) -> None:
     ok = isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping)
     if not ok:
@@ -120,11 +188,8 @@ def _check_loss(out: Any, spec: str) -> None:
         raise EntrypointError(f"{MODEL_FIELD}: {spec}: metrics must be scalars; not: {bad[:5]}")
 
 
-def prepare(cfg: TrainingConfig) -> Workload:
-    """The run's checked workload, or an `EntrypointError` naming the field at fault."""
-    spec = cfg.model.entrypoint or "the built-in model"
-    model, source = build_model(cfg), build_data_source(cfg)
-    key = jax.random.key(cfg.seed)
+def _check_model(cfg: TrainingConfig, spec: str, key: Any) -> tuple[Model, Any, Shapes]:
+    model = build_model(cfg)
     template = _abstract(model.init, MODEL_FIELD, f"{spec}: init", key)
     shapes = _shapes(template, spec)
     again = _shapes(_abstract(model.init, MODEL_FIELD, f"{spec}: init", key), spec)
@@ -133,13 +198,35 @@ def prepare(cfg: TrainingConfig) -> Workload:
             f"{MODEL_FIELD}: {spec}: init returned different parameters on a second call "
             "(names or shapes changed); the structure must be fixed"
         )
+    return model, template, shapes
+
+
+def _check_data(cfg: TrainingConfig) -> tuple[DataSource, Batch]:
+    source = build_data_source(cfg)
     (batch,) = first_batches(
         source, 1, data_field(cfg), shard=0, num_shards=1, seed=cfg.seed,
         batch_size=cfg.data.batch_size, split="eval", position=0,
     )  # fmt: skip
     _check_batch(batch, cfg.data.batch_size)
-    _check_loss(_abstract(model.loss, MODEL_FIELD, f"{spec}: loss", template, batch, key), spec)
-    return Workload(model, source, template, shapes, cfg.seed)
+    return source, batch
+
+
+def prepare(cfg: TrainingConfig) -> Workload:
+    """The run's checked workload, or an `EntrypointError` naming the field at fault. Logged as
+    phase `workload_check`, holding `model_build` (the model entrypoint and its abstract init)
+    and `data_index` (the data source's first call, where a source builds its index, up to
+    its first held-out batch)."""
+    spec = cfg.model.entrypoint or "the built-in model"
+    key = jax.random.key(cfg.seed)
+    with phase(log, "workload_check"):
+        with phase(log, "model_build"):
+            model, template, shapes = _check_model(cfg, spec, key)
+        with phase(log, "data_index"):
+            source, batch = _check_data(cfg)
+        loss = _abstract(model.loss, MODEL_FIELD, f"{spec}: loss", template, batch, key)
+        _check_loss(loss, spec)
+        tokens = batch_tokens(model, source, batch, cfg.data.batch_size)
+    return Workload(model, source, template, shapes, cfg.seed, tokens)
 
 
 _prepared: dict[str, Workload] = {}
@@ -152,3 +239,9 @@ def prepared(cfg: TrainingConfig) -> Workload:
     if key not in _prepared:
         _prepared[key] = prepare(cfg)
     return _prepared[key]
+
+
+def tokens_per_step(cfg: TrainingConfig) -> int:
+    """The tokens of one inner step of one unit (`batch_tokens`): what learners count and what the
+    syncer holds their counts to."""
+    return prepared(cfg).tokens_per_step
