@@ -8,8 +8,8 @@ holding the config file both programs read, and the checkpoint PVC.
 
 from __future__ import annotations
 
+import json
 import secrets
-from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -28,18 +28,20 @@ from diloco_operator.api import (
     LABEL_INDEX,
     LABEL_RUN,
     LABEL_UNIT,
-    DilocoRunSpec,
     ResourceRequirements,
-    UnitGroup,
 )
 from diloco_operator.placement import group_placement, place_learner_pod
 from diloco_operator.planner import CreateUnit
+from diloco_operator.planner.placement import roster_document
 from diloco_operator.pod_security import TOKEN_KEY, secure_pod
 from diloco_operator.pod_template import apply_template
+from diloco_operator.run_ref import Run
 from diloco_operator.syncer_standby import add_standby, lock_env
+from diloco_operator.unit_group import UnitGroup
 
 CONFIG_DIR = "/etc/diloco"
 CONFIG_FILE = "run.yaml"
+UNITS_FILE = "units.json"  # the syncer's roster at creation (syncer/roster.py in the trainer)
 CHECKPOINT_MOUNT = "/var/lib/diloco/checkpoints"
 LEARNER = "learner"
 SYNCER = "syncer"
@@ -49,46 +51,6 @@ COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 # container port named "metrics". Pods log JSON for Cloud Logging (docs/gke.md, "Logs").
 LEARNER_METRICS_PORT = 9100
 LOG_FORMAT_ENV = {"name": "DILOCO_LOG_FORMAT", "value": "json"}
-
-
-class Run:
-    """Identity of the owning DilocoRun: what every child needs to name and own itself."""
-
-    def __init__(
-        self,
-        name: str,
-        namespace: str,
-        uid: str,
-        spec: DilocoRunSpec,
-        labels: Mapping[str, str] | None = None,
-    ) -> None:
-        self.name = name
-        self.namespace = namespace
-        self.uid = uid
-        self.spec = spec
-        # The run's own labels: only Kueue's (queue name, priority class) reach its children.
-        self.labels = dict(labels or {})
-
-    @property
-    def syncer_name(self) -> str:
-        return f"{self.name}-syncer"
-
-    @property
-    def token_secret(self) -> str:
-        return f"{self.name}-token"
-
-    @property
-    def config_map(self) -> str:
-        return f"{self.name}-config"
-
-    @property
-    def checkpoint_claim(self) -> str:
-        path = self.spec.syncer.checkpoint.path
-        return path if path and not path.startswith("gs://") else f"{self.name}-checkpoints"
-
-    @property
-    def syncer_address(self) -> str:
-        return f"http://{self.syncer_name}.{self.namespace}.svc:{self.spec.syncer.port}"
 
 
 def labels(run: Run, component: str, **extra: str) -> dict[str, str]:
@@ -146,7 +108,11 @@ def config_map(run: Run) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(run, run.config_map, "config"),
-        "data": {CONFIG_FILE: yaml.safe_dump(doc, sort_keys=False)},
+        "data": {
+            CONFIG_FILE: yaml.safe_dump(doc, sort_keys=False),
+            # Revision 0: the operator's PUT of the roster (revision = generation) supersedes it.
+            UNITS_FILE: json.dumps(roster_document(run.name, run.spec, 0)),
+        },
     }
 
 
@@ -195,6 +161,7 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
     port = spec.syncer.port
     env = [
         {"name": "DILOCO_SYNCER_PORT", "value": str(port)},
+        {"name": "DILOCO_UNITS_FILE", "value": f"{CONFIG_DIR}/{UNITS_FILE}"},
         dict(LOG_FORMAT_ENV),
         {
             "name": "DILOCO_CHECKPOINT_PATH",

@@ -18,9 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -38,7 +36,7 @@ from diloco_operator.api import (
     DilocoRunStatus,
     parse_spec,
 )
-from diloco_operator.netpolicy import OperatorIdentity, run_objects_with_policy
+from diloco_operator.netpolicy import run_objects_with_policy
 from diloco_operator.observe import (
     CONTROLLER_UID,
     PodView,
@@ -56,11 +54,12 @@ from diloco_operator.planner import (
     Plan,
     ScaleSyncer,
     SuspendUnit,
-    SyncerStatus,
     fault_targets,
     plan,
 )
 from diloco_operator.refusals import Refusal, create_all, report_refusals
+from diloco_operator.state import STATE, wake
+from diloco_operator.syncer_calls import hand_roster, read_run_token, syncer_report
 
 log = logging.getLogger("diloco_operator")
 
@@ -71,42 +70,9 @@ RUNS = Gauge("diloco_operator_runs", "DilocoRuns with a running reconcile loop")
 UNITS_ONLINE = Gauge("diloco_operator_units_online", "Units online", ["namespace", "run"])
 
 
-@dataclass
-class Options:
-    poll_interval: float = 5.0
-    syncer_timeout: float = 2.0
-    # How the operator reaches a syncer: {name} {namespace} {port}. Out-of-cluster operators
-    # (development, e2e) can point it at a port-forward or proxy.
-    syncer_url: str = "http://{name}.{namespace}.svc:{port}"
-    # Deliver spec.chaos faults (--enable-chaos): off unless the operator's owner opts in.
-    chaos: bool = False
-    # kopf peering: how long a silent peer counts as alive (the failover bound for HA).
-    peering_lifetime: int = 15
-    # Set: each run gets a NetworkPolicy letting only its learners and this operator in.
-    network_policy: OperatorIdentity | None = None
-
-
-@dataclass
-class State:
-    options: Options = field(default_factory=Options)
-    wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
-    # Pods seen deleted while their Job lived: Job uid -> pod name -> when deletion was asked.
-    deleted_pods: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
-    tokens: dict[tuple[str, str], str] = field(default_factory=dict)
-    chaos: dict[tuple[str, str], chaos.RunChaos] = field(default_factory=dict)
-    http: aiohttp.ClientSession | None = None
-
-
-STATE = State()
 # kopf needs a finalizer on runs to stop their daemons cleanly (see docs/operator.md);
 # `diloco-operator --release-runs` removes it when the operator is gone for good.
 FINALIZER = f"{GROUP}/kopf-finalizer"
-
-
-def wake(namespace: str | None, run: str | None) -> None:
-    event = STATE.wakers.get((namespace or "", run or ""))
-    if event is not None:
-        event.set()
 
 
 @kopf.on.startup()
@@ -229,41 +195,6 @@ def learner_pod_deleted(
         wake(namespace, labels.get(LABEL_RUN))
 
 
-async def read_run_token(run: builders.Run) -> str | None:
-    """The run secret (cached per run): the operator's credential for status reads and the key
-    each unit's own token is derived from."""
-    key = (run.namespace, run.name)
-    token = STATE.tokens.get(key)
-    if token is None:
-        token = await kube.read_token(run.namespace, run.token_secret, builders.TOKEN_KEY)
-        if token is not None:
-            STATE.tokens[key] = token
-    return token
-
-
-async def syncer_report(run: builders.Run) -> SyncerStatus | None:
-    """GET /v1/status of the run's syncer; None when unreachable (the run keeps reconciling)."""
-    token = await read_run_token(run)
-    if token is None:
-        return None
-    url = STATE.options.syncer_url.format(
-        name=run.syncer_name, namespace=run.namespace, port=run.spec.syncer.port
-    )
-    if STATE.http is None:
-        return None
-    try:
-        async with STATE.http.get(
-            f"{url}/v1/status", headers={"Authorization": f"Bearer {token}"}
-        ) as resp:
-            if resp.status != 200:
-                log.debug("syncer status run=%s http=%s", run.name, resp.status)
-                return None
-            return SyncerStatus.from_json(await resp.json())
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        log.debug("syncer unreachable run=%s error=%r", run.name, exc)
-        return None
-
-
 async def apply(run: builders.Run, the_plan: Plan, body: Any) -> list[Refusal] | None:
     """Apply the plan's actions; the creations refused (None when nothing was created)."""
     refused: list[Refusal] | None = None
@@ -327,7 +258,7 @@ async def reconcile_once(
     indexes: dict[str, Any],
 ) -> tuple[Plan | None, DilocoRunStatus | None]:
     try:
-        spec = parse_spec(dict(body.get("spec") or {}))
+        spec = parse_spec(dict(body.get("spec") or {}), run=name)
     except ValueError as exc:
         # The CRD should have rejected it; an older CRD may not have. Say so, change nothing.
         kopf.warn(body, reason="InvalidSpec", message=str(exc)[:1024])
@@ -343,13 +274,15 @@ async def reconcile_once(
         replicas=syncers[0][1] if syncers else None,
     )
     report = await syncer_report(run) if syncer.present else None
+    generation = body.get("metadata", {}).get("generation")
+    if isinstance(generation, int):
+        await hand_roster(run, report, generation)
     status = last
     if status is None and body.get("status"):
         try:
             status = DilocoRunStatus.model_validate(dict(body["status"]))
         except ValueError:
             status = None  # unreadable status: rebuilt from the children
-    generation = body.get("metadata", {}).get("generation")
     the_plan = plan(
         name,
         spec,

@@ -18,7 +18,7 @@ import kopf
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 from prometheus_client import start_http_server
 
-from diloco_operator import handlers, kube
+from diloco_operator import handlers, kube, state
 from diloco_operator.netpolicy import OperatorIdentity
 
 
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--poll-interval", type=float, default=5.0, help="seconds between passes")
     p.add_argument(
         "--syncer-url",
-        default=handlers.Options.syncer_url,
+        default=state.Options.syncer_url,
         help="how to reach a run's syncer; fields {name} {namespace} {port}",
     )
     p.add_argument(
@@ -152,7 +152,7 @@ def auto_priority(started: float, jitter: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
-    handlers.STATE.options = handlers.Options(
+    state.STATE.options = state.Options(
         poll_interval=args.poll_interval,
         syncer_url=args.syncer_url,
         chaos=args.enable_chaos,

@@ -65,6 +65,12 @@ class UnitStatus(Strict):
     goodput: UnitGoodput | None = Field(
         None, description="Useful vs total seconds; null until the syncer reported the unit."
     )
+    claims_refused: int = Field(
+        0,
+        ge=0,
+        description="Heartbeats and pushes of this unit the syncer refused as impossible "
+        "(counters no honest unit could send); each increase is a UnitClaimRefused Event.",
+    )
 
 
 class Condition(Strict):

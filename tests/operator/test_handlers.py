@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from diloco_operator import handlers, kube
+from diloco_operator import handlers, kube, state, syncer_calls
 from diloco_operator.main import parse_args
 from diloco_operator.observe import job_view, node_ready, observe_unit, pod_view
 from diloco_trainer.auth import unit_token
@@ -203,19 +203,19 @@ def test_syncer_report_over_real_http() -> None:
         run = handlers.builders.Run(
             "r", "ns", "u", handlers.parse_spec({"image": "t", "training": {"totalSteps": 5}})
         )
-        handlers.STATE.options = handlers.Options(syncer_url=f"http://127.0.0.1:{port}")
-        handlers.STATE.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
+        state.STATE.options = state.Options(syncer_url=f"http://127.0.0.1:{port}")
+        state.STATE.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
         try:
-            handlers.STATE.tokens[("ns", "r")] = "s3cret"
-            good = await handlers.syncer_report(run)
-            handlers.STATE.tokens[("ns", "r")] = "wrong"
-            bad = await handlers.syncer_report(run)
+            state.STATE.tokens[("ns", "r")] = "s3cret"
+            good = await syncer_calls.syncer_report(run)
+            state.STATE.tokens[("ns", "r")] = "wrong"
+            bad = await syncer_calls.syncer_report(run)
             await runner.cleanup()
-            down = await handlers.syncer_report(run)  # unreachable: tolerated
+            down = await syncer_calls.syncer_report(run)  # unreachable: tolerated
         finally:
-            await handlers.STATE.http.close()
-            handlers.STATE.http = None
-            handlers.STATE.tokens.clear()
+            await state.STATE.http.close()
+            state.STATE.http = None
+            state.STATE.tokens.clear()
         assert seen == ["Bearer s3cret", "Bearer wrong"]
         assert down is None
         return good, bad

@@ -509,3 +509,48 @@ def test_random_crashes_and_failures_converge_without_duplicates() -> None:
         o.attempt == u.attempt
         for o, u in zip(sorted(world.values(), key=lambda o: o.name), status.units, strict=True)
     )
+
+
+def test_a_quarantined_attempt_is_taken_offline_and_its_next_attempt_is_clean() -> None:
+    spec = make_spec(2)
+    observed, status = online_run(spec)
+    why = "3 of attempt 0's last 3 merged pushes were outliers"
+    report = SyncerStatus(
+        learners={
+            "r-default-0": LearnerStatus(attempt=0, age_seconds=1.0, quarantined=why),
+            "r-default-1": LearnerStatus(attempt=0, age_seconds=1.0),
+        }
+    )
+    p = plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=report)
+    assert unit(p, "r-default-0").state == "Offline"
+    assert unit(p, "r-default-0").last_failure.reason == "Quarantined"
+    assert why in unit(p, "r-default-0").last_failure.message
+    assert [d.name for d in p.of_type(DeleteUnit)] == ["r-default-0"]
+    assert unit(p, "r-default-1").state == "Online"
+    # The syncer still quarantines attempt 0; the recreated attempt 1 is not blamed for it.
+    p = plan("r", spec, observed[1:], p.status, T0 + 16, syncer=SYNCER_UP, report=report)
+    created = p.of_type(CreateUnit)
+    assert [(c.name, c.attempt) for c in created] == [("r-default-0", 1)]
+    assert unit(p, "r-default-0").restarts == 1  # counted against maxUnitRestarts
+    online = [running("r-default-0", attempt=1), observed[1]]
+    p = plan("r", spec, online, p.status, T0 + 20, syncer=SYNCER_UP, report=report)
+    assert unit(p, "r-default-0").state == "Online" and not p.of_type(DeleteUnit)
+
+
+def test_claims_the_syncer_refused_are_counted_in_status_with_an_event_per_increase() -> None:
+    spec = make_spec(1)
+    observed, status = online_run(spec)
+
+    def refused(count: int) -> SyncerStatus:
+        entry = LearnerStatus(attempt=0, age_seconds=1.0, refused=count, last_refusal="push: x")
+        return SyncerStatus(learners={"r-default-0": entry})
+
+    p = plan("r", spec, observed, status, T0 + 5, syncer=SYNCER_UP, report=refused(2))
+    assert unit(p, "r-default-0").claims_refused == 2
+    [event] = events(p, "UnitClaimRefused")
+    assert event.type == "Warning" and "2 heartbeat(s) or push(es)" in event.message
+    p = plan("r", spec, observed, p.status, T0 + 6, syncer=SYNCER_UP, report=refused(2))
+    assert not events(p, "UnitClaimRefused")
+    p = plan("r", spec, observed, p.status, T0 + 7, syncer=SYNCER_UP, report=refused(3))
+    assert "1 heartbeat(s)" in events(p, "UnitClaimRefused")[0].message
+    assert unit(p, "r-default-0").state == "Online"  # refused claims alone are no failure

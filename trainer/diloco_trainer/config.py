@@ -15,32 +15,16 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, ValidationError, model_validator
 
-# The largest integer bound a CRD schema can state (the API server reads `maximum` as a float64,
-# and it must fit an int64): a manifest with a bigger one is refused there, so here too.
-INT64_MAX = (1 << 63) - 1024
-# The shortest period anything may be scheduled with: a smaller one is a busy loop.
-MIN_PERIOD_SECONDS = 0.1
-
-
-class Strict(BaseModel):
-    """Base for every schema block: camelCase aliases, no unknown fields, validated defaults."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        validate_default=True,
-        # YAML can spell .inf and .nan; JSON (and so the API server) cannot: refuse them too.
-        allow_inf_nan=False,
-    )
-
-    def to_wire(self) -> dict[str, Any]:
-        """The manifest form: camelCase keys, JSON-compatible values."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
-
+# Re-exported: every schema block and its users import them from here.
+from diloco_trainer.config_base import INT64_MAX as INT64_MAX
+from diloco_trainer.config_base import MIN_PERIOD_SECONDS as MIN_PERIOD_SECONDS
+from diloco_trainer.config_base import Strict as Strict
+from diloco_trainer.config_merge import GraceConfig as GraceConfig
+from diloco_trainer.config_merge import MergeConfig as MergeConfig
+from diloco_trainer.config_merge import RobustConfig as RobustConfig
+from diloco_trainer.config_merge import TrustConfig as TrustConfig
 
 ModelPreset = Literal["tiny", "small", "100m"]
 # `package.module:attribute` (the attribute may be dotted: `models:Registry.build`).
@@ -67,7 +51,8 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 class ModelConfig(Strict):
     """The model. Without an entrypoint: the built-in decoder-only transformer, a preset filling
     every size not given explicitly. With one: the user's model (`diloco_trainer.api.Model`), and
-    `seqLen` is the tokens per example (what token budgets and token weighting count)."""
+    `seqLen` is the built-in model's and data source's tokens per example; a user's model or
+    data counts its own (docs/library.md, "Tokens per step")."""
 
     entrypoint: str | None = _entrypoint(
         "module:attribute of a callable returning the model, called with args; unset: the "
@@ -204,43 +189,6 @@ class OuterOptimizerConfig(Strict):
     )
 
 
-class GraceConfig(Strict):
-    """How long the syncer waits for stragglers once the quorum is met."""
-
-    mode: Literal["adaptive", "fixed", "none"] = Field(
-        "adaptive",
-        description="adaptive: bounded by overlap*stepTime minus quorum and sync time (EMA per learner).",
-    )
-    max_seconds: float = Field(2.0, ge=0, le=3600, description="Upper bound on any grace window.")
-    ema: float = Field(0.2, gt=0, le=1, description="EMA factor for per-learner timings.")
-
-
-class MergeConfig(Strict):
-    """How the syncer combines the contributions of one merge into an outer gradient."""
-
-    method: Literal["rda", "mean"] = Field(
-        "rda", description="rda: radial-directional averaging; mean: plain weighted mean."
-    )
-    token_weighting: bool = Field(True, description="Weight contributions by cTokens^2/cSteps.")
-    participation_scaling: bool = Field(
-        True,
-        description=(
-            "Scale each merge's outer gradient by the share of online learners it contains, so"
-            " M separate one-learner merges add up to one averaged outer step, not M full ones."
-        ),
-    )
-    max_push_norm: float | None = Field(
-        10.0,
-        gt=0,
-        le=1e6,
-        description="Refuse a push whose delta's L2 norm exceeds this multiple of its "
-        "fragment's L2 norm (a value of at least 0.01 per element counts as the fragment's "
-        "norm); null disables. A finite but huge delta (a diverging learner) would otherwise "
-        "be merged into the global model. Measured pushes of the default config stay below "
-        "0.6 times their fragment's norm.",
-    )
-
-
 # How a tensor travels: float32 values, or int8 / int4 / int2 with one scale per block
 # (quantize.py); PER_BYTE: values packed into one byte, so a block must be a multiple of it.
 Scheme = Literal["none", "int8", "int4", "int2"]
@@ -353,6 +301,7 @@ class TrainingConfig(Strict):
     )
     grace: GraceConfig = Field(default_factory=lambda: GraceConfig())
     merge: MergeConfig = Field(default_factory=lambda: MergeConfig())
+    trust: TrustConfig = Field(default_factory=lambda: TrustConfig())
     compression: CompressionConfig = Field(default_factory=lambda: CompressionConfig())
     inner_optimizer: InnerOptimizerConfig = Field(default_factory=lambda: InnerOptimizerConfig())
     outer_optimizer: OuterOptimizerConfig = Field(default_factory=lambda: OuterOptimizerConfig())
@@ -389,6 +338,15 @@ class TrainingConfig(Strict):
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens of one inner step of the built-in model on the built-in source (batchSize x
+        seqLen), known without building either. A run's own count comes from the batch it
+        trains on (`diloco_trainer.workload.check.tokens_per_step`), which only that batch can
+        tell once a model or data entrypoint is set."""
+        if self.model.entrypoint is not None or self.data.entrypoint is not None:
+            raise ValueError(
+                "TrainingConfig.tokens_per_step is the built-in workload's; with a model or data "
+                "entrypoint use diloco_trainer.workload.check.tokens_per_step(cfg)"
+            )
         return self.data.batch_size * self.model.context
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from diloco_trainer.config import OuterOptimizerConfig
 from diloco_trainer.merge import (
     Contribution,
     MergeMethod,
@@ -172,6 +173,10 @@ class OuterOptimizer:
         self.per_round = per_round and nesterov and momentum > 0
         self.tx, self._step = _transformation(lr, momentum, nesterov, self.per_round)
         self._views = _DeviceViews()
+
+    @classmethod
+    def from_config(cls, cfg: OuterOptimizerConfig) -> OuterOptimizer:
+        return cls(cfg.lr, cfg.momentum, cfg.nesterov, per_round=cfg.momentum_per == "round")
 
     def init(self, fragment_params: Mapping[str, np.ndarray]) -> Any:
         return self.tx.init({k: jnp.asarray(v) for k, v in fragment_params.items()})

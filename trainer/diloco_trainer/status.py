@@ -45,10 +45,16 @@ class LearnerStatus:
     tokens: int | None = None
     tokens_per_sec: float | None = None
     loss: float | None = None
+    # Heartbeats and pushes of this unit refused as impossible (syncer/trust.py), the last one's
+    # reason, and the reason its current attempt is quarantined (None: it is not).
+    refused: int = 0
+    last_refusal: str | None = None
+    quarantined: str | None = None
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> LearnerStatus:
         step = doc.get("step")
+        last, quarantined = doc.get("lastRefusal"), doc.get("quarantined")
         return cls(
             attempt=_int(doc.get("attempt")) or 0,
             age_seconds=_float(doc.get("ageSeconds")),
@@ -58,6 +64,9 @@ class LearnerStatus:
             tokens=_int(doc.get("tokens")),
             tokens_per_sec=_float(doc.get("tokensPerSec")),
             loss=_float(doc.get("loss")),
+            refused=_int(doc.get("refused")) or 0,
+            last_refusal=last if isinstance(last, str) else None,
+            quarantined=quarantined if isinstance(quarantined, str) else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -70,6 +79,9 @@ class LearnerStatus:
             "tokens": self.tokens,
             "tokensPerSec": self.tokens_per_sec,
             "loss": self.loss,
+            "refused": self.refused,
+            "lastRefusal": self.last_refusal,
+            "quarantined": self.quarantined,
         }
 
 
@@ -149,6 +161,9 @@ class SyncerStatus:
     bytes_sent: int | None = None
     health: HealthStatus | None = None
     checkpoint: CheckpointStatus | None = None
+    # The revision of the unit roster the syncer admits by (syncer/roster.py); None: it has
+    # none and admits any unit the run secret vouches for.
+    roster_revision: int | None = None
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> SyncerStatus:
@@ -185,6 +200,7 @@ class SyncerStatus:
             checkpoint=CheckpointStatus.from_json(checkpoint)
             if isinstance(checkpoint, Mapping)
             else None,
+            roster_revision=_int(doc.get("rosterRevision")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -205,4 +221,5 @@ class SyncerStatus:
             "bytesSent": self.bytes_sent,
             "health": self.health.to_json() if self.health else None,
             "checkpoint": self.checkpoint.to_json() if self.checkpoint else None,
+            "rosterRevision": self.roster_revision,
         }

@@ -82,7 +82,11 @@ class RunOptions:
     tick_seconds: float = 0.5
     live: bool = True
     checkpoint_dir: Path | str | None = None  # a gs:// URL, or None: a fresh one under report_dir
+    # The syncer's first start is given up when it logs no new start-up phase for this long
+    # (syncer_process.py), or when it takes longer than the limit in all (None: 15 minutes, or
+    # five times the timeout when that is longer).
     syncer_start_timeout: float = 120.0
+    syncer_start_limit: float | None = None
     stop_grace_seconds: float = 5.0
     max_syncer_restarts: int = 50
     # Warm spare learners kept waiting (imported, compiled) to take over a recreated unit.
@@ -121,9 +125,10 @@ class LocalRuntime:
             config=self.config,
             checkpoint_dir=self.checkpoint_dir,
             logs_dir=self.logs_dir,
-            max_units=run.spec.total_units,
+            roster={slot.name: slot.group for slot in self.slots},
             max_restarts=options.max_syncer_restarts,
             start_timeout=options.syncer_start_timeout,
+            start_limit=options.syncer_start_limit,
             standby=run.spec.syncer.standby,
         )
         self.chaos = FaultDelivery(

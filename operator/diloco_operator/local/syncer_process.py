@@ -4,10 +4,16 @@ its /v1/status each tick, and given up on when it cannot start.
 With `standby`, a second syncer process waits warm on the same port, checkpoint path and lock
 file (diloco_trainer/syncer/standby.py). When the serving one dies, the standby has taken over
 before the supervisor even notices; the supervisor only renames it `syncer` and starts the next
-standby once it serves."""
+standby once it serves.
+
+Its first start is watched through its log (startup.py): the start is given up when no new
+start-up phase has been logged for `start_timeout` seconds (so a slow but progressing start, say
+a long data index and then a long compile, is not cut short), or after `start_limit` seconds in
+all, and the message names the phase it was in."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import time
@@ -17,11 +23,19 @@ from diloco_operator.local.outcome import RunAborted
 from diloco_operator.local.processes import ProcessTable
 from diloco_operator.local.programs import child_env, exit_description, headline, log_tail
 from diloco_operator.local.recorder import Recorder
+from diloco_operator.local.startup import StartupWatch
 from diloco_operator.local.syncer_client import SyncerClient, free_port
 from diloco_operator.planner import SyncerStatus
 
 SYNCER = "syncer"
 STANDBY = "syncer-standby"
+
+
+def default_start_limit(start_timeout: float) -> float:
+    """How long a first start may take in all while it keeps logging new phases: 15 minutes, or
+    five times the stall timeout when that is longer (a user who raised the timeout for one slow
+    phase still has room for the others)."""
+    return max(900.0, 5 * start_timeout)
 
 
 class SyncerProcess:
@@ -38,11 +52,14 @@ class SyncerProcess:
         config: Path,
         checkpoint_dir: Path | str,
         logs_dir: Path,
-        max_units: int,
+        roster: dict[str, str],
         max_restarts: int,
         start_timeout: float,
+        start_limit: float | None = None,
         standby: bool = False,
     ) -> None:
+        """`start_timeout`: the longest a first start may go without a new phase line;
+        `start_limit`: the longest it may take in all (None: `default_start_limit`)."""
         self.procs = procs
         self.recorder = recorder
         self.argv_prefix = argv
@@ -53,9 +70,17 @@ class SyncerProcess:
         self.standbys = 0  # standbys started: each logs to syncer-standby-<n>.log
         self.lock_path = logs_dir / "syncer.lock" if standby else None
         self.takeovers = 0
-        self.max_units = max_units
+        # The units the syncer admits (trainer's syncer/roster.py): no other name, whatever
+        # the run secret would vouch for.
+        self.units_file = logs_dir / "units.json"
+        logs_dir.mkdir(parents=True, exist_ok=True)
+        self.units_file.write_text(json.dumps({"revision": 1, "units": roster}))
         self.max_restarts = max_restarts
         self.start_timeout = start_timeout
+        self.start_limit = (
+            start_limit if start_limit is not None else default_start_limit(start_timeout)
+        )
+        self.startup: StartupWatch | None = None  # the serving syncer's latest start
         self.token = secrets.token_urlsafe(24)
         self.port = free_port()
         self.client = SyncerClient(f"http://127.0.0.1:{self.port}", self.token)
@@ -79,6 +104,7 @@ class SyncerProcess:
             self.restarts += 1
             if self.restarts > self.max_restarts:
                 raise RunAborted(f"the syncer died {self.restarts} times; giving up")
+        self.startup = StartupWatch.from_end(self.log_path, time.monotonic())
         self._spawn(SYNCER, self.log_path)
         self.healthy = False
         kind = "syncer-restarted" if restarting else "syncer-started"
@@ -92,7 +118,7 @@ class SyncerProcess:
             argv += ["--lock", str(self.lock_path)]
         env = child_env(dict(os.environ))
         env["DILOCO_TOKEN"] = self.token  # the run secret; each unit gets unit_token(secret, name)
-        env["DILOCO_MAX_UNITS"] = str(self.max_units)
+        env["DILOCO_UNITS_FILE"] = str(self.units_file)
         self.procs.spawn(key, argv, env, log_path)
 
     def top_up_standby(self, now: float, run_over: bool) -> None:
@@ -128,7 +154,7 @@ class SyncerProcess:
         if not self.ever_healthy:
             path = self.log_path
             raise RunAborted(
-                f"the syncer failed to start ({exit_description(code)}): "
+                f"the syncer failed to start ({exit_description(code)}){self._died_in()}: "
                 f"{headline(path, 'diloco-syncer:')}\nlast lines of {path}:\n{log_tail(path)}"
             )
         self.recorder.event(now, "syncer-exited", SYNCER, exit_description(code))
@@ -148,14 +174,37 @@ class SyncerProcess:
             self.report = self.last_status = status
             self.recorder.observe_status(now, status)
         elif alive and not self.ever_healthy and proc is not None:
-            waited = time.monotonic() - proc.started_at
-            if waited > self.start_timeout:
-                raise RunAborted(
-                    f"the syncer did not serve /v1/status within {waited:.0f}s; last lines of "
-                    f"{self.log_path}:\n{log_tail(self.log_path)}"
-                )
+            self._check_start(proc.started_at)
         if not alive:
             self.report = None  # the planner must not act on a dead syncer's last word
+
+    def _check_start(self, started_at: float) -> None:
+        """RunAborted naming the phase the start is in once it has stalled or run out of time."""
+        if self.startup is None:
+            return
+        now = time.monotonic()
+        self.startup.poll(now)
+        waited = now - started_at
+        quiet = now - max(started_at, self.startup.last_change)
+        if quiet > self.start_timeout:
+            why = f"no new start-up phase for {quiet:.0f}s"
+        elif waited > self.start_limit:
+            why = f"the start-up limit is {self.start_limit:.0f}s"
+        else:
+            return
+        raise RunAborted(
+            f"the syncer did not serve /v1/status within {waited:.0f}s: "
+            f"{self.startup.describe(now)}; {why} (log: {self.log_path}); its last lines:\n"
+            f"{log_tail(self.log_path)}"
+        )
+
+    def _died_in(self) -> str:
+        if self.startup is None:
+            return ""
+        now = time.monotonic()
+        self.startup.poll(now)
+        current = self.startup.current
+        return f" in phase {current.name!r} after {now - current.since:.0f}s" if current else ""
 
     def refresh(self) -> SyncerStatus | None:
         """Ask for its status outside a tick (after the budget); kept as `last_status`."""

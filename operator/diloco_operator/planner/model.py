@@ -22,6 +22,7 @@ PROCESS_EXITED = "ProcessExited"
 # Reasons the planner itself derives.
 UNIT_DELETED = "UnitDeleted"
 HEARTBEAT_STALE = "HeartbeatStale"
+QUARANTINED = "Quarantined"  # the syncer refuses the attempt's pushes (planner/trust.py)
 
 
 @dataclass(frozen=True)

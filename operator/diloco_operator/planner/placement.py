@@ -41,3 +41,10 @@ def desired_units(run: str, spec: DilocoRunSpec) -> list[UnitSlot]:
         offset += spec.group_replicas(gi)
     slots.sort(key=lambda s: s.global_index)
     return slots
+
+
+def roster_document(run: str, spec: DilocoRunSpec, revision: int) -> dict[str, object]:
+    """The units the spec asks for, each with its group: the only identities the run's syncer
+    admits (the trainer's syncer/roster.py). `revision` orders rosters: the operator uses the
+    run's metadata.generation, the file written at creation 0."""
+    return {"revision": revision, "units": {s.name: s.group for s in desired_units(run, spec)}}

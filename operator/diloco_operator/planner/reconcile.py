@@ -56,6 +56,7 @@ from diloco_operator.planner.suspension import (
     syncer_actions,
 )
 from diloco_operator.planner.timefmt import at
+from diloco_operator.planner.trust import note_refusals, quarantine_signal
 
 
 def _adopt(obs: ObservedUnit, global_index: int, now: float) -> UnitStatus:
@@ -115,6 +116,8 @@ def _step_unit(
     if not_yet_seen(unit, obs, now):
         return unit, [], 1.0
     signal = failure_signal(obs, unit, report, policy, now)
+    if signal is None and unit.state == "Online":
+        signal = quarantine_signal(unit, report)
     if signal is None and obs is not None and obs.attempt < unit.attempt:
         signal = Signal("StaleAttempt", f"found attempt {obs.attempt}, expected {unit.attempt}")
     if obs is not None and obs.phase == "Succeeded" and signal is None:
@@ -197,6 +200,8 @@ def _desired(
             units.append(unit)
             continue
         unit, unit_actions, wait = _step_unit(unit, obs, slot, spec, report, now)
+        unit, events = note_refusals(unit, report)
+        unit_actions = [*unit_actions, *events]
         units.append(unit)
         actions.extend(unit_actions)
         if wait is not None:

@@ -74,15 +74,25 @@ def test_a_report_for_a_shard_the_unit_no_longer_holds_is_ignored() -> None:
     assert book.lease_of("b") == DataLease(0, 1, 0)
 
 
-def test_a_unit_reading_a_free_shard_the_book_lost_is_adopted() -> None:
-    """After a syncer restored an older checkpoint: a says it reads shard 2 (it claimed it after
-    the checkpoint); the book takes it and counts a's old shard as finished."""
+def test_a_report_or_claim_of_a_free_shard_the_unit_never_held_changes_nothing() -> None:
+    """Only the book hands shards out: a unit cannot take a free shard by reporting a position
+    in it, nor mark free shards finished by claiming them."""
     book = LeaseBook(4)
     book.join("a", ALL)
-    assert book.report("a", DataLease(0, 2, 5))
-    assert book.lease_of("a") == DataLease(0, 2, 5)
-    assert book.finished == {0}
-    assert book.join("b", ALL) == DataLease(0, 1, 0)
+    assert not book.report("a", DataLease(0, 2, 5))
+    assert book.lease_of("a") == DataLease(0, 0, 0) and book.finished == set()
+    for shard in (1, 2, 3):  # never leased to anyone
+        assert book.claim("a", DataLease(0, shard, 99), ALL) == DataLease(0, 0, 0)
+    assert book.finished == set() and book.lease_of("a") == DataLease(0, 0, 0)
+    # The shards are still there for whoever the book gives them to.
+    assert [book.join(u, ALL).shard for u in ("b", "c", "d")] == [1, 2, 3]
+
+
+def test_a_repeated_claim_returns_what_the_first_gave() -> None:
+    book = LeaseBook(4)
+    first = book.join("a", ALL)
+    second = book.claim("a", first, ALL)
+    assert book.claim("a", first, ALL) == second and book.finished == {first.shard}
 
 
 def test_a_scaled_run_of_two_then_three_units_reads_disjoint_shards() -> None:

@@ -11,6 +11,7 @@ import http.client
 import json
 import math
 import threading
+import time
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from diloco_trainer.wire import (
     decode_download,
     decode_params,
     encode_push,
+    parse_count,
 )
 
 
@@ -42,6 +44,14 @@ class SyncerError(Exception):
 
 class SyncerUnavailable(SyncerError):
     """The syncer could not be reached or failed (5xx); retry later."""
+
+
+class SyncerBusy(SyncerUnavailable):
+    """429: this unit sends too often; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class SyncerRejected(SyncerError):
@@ -81,6 +91,10 @@ class HeartbeatReply:
     budget_done: float = 0.0  # the run's counted share of its budget (0 from older syncers)
 
 
+# How long a unit the syncer does not know yet keeps asking to join (client.join).
+ROSTER_WAIT_SECONDS = 120.0
+
+
 class SyncerClient:
     def __init__(
         self,
@@ -110,6 +124,7 @@ class SyncerClient:
         self.feedback = push_feedback(self.compression.scheme, self.compression.error_feedback)
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._first_join: float | None = None
         self._lock = threading.Lock()
         self._local = threading.local()
         # The downlink (downlink.py): per fragment, the syncer process (epoch) that published
@@ -181,6 +196,9 @@ class SyncerClient:
             self.bytes_received += len(data)
         if resp.status >= 500:
             raise SyncerUnavailable(f"{method} {path}: HTTP {resp.status}: {data[:200]!r}")
+        if resp.status == 429:
+            wait = parse_count(resp.getheader("Retry-After") or "") or 1
+            raise SyncerBusy(f"{method} {path}: HTTP 429 rate limited", float(wait))
         if resp.status >= 400:
             try:
                 err = json.loads(data)
@@ -199,7 +217,17 @@ class SyncerClient:
 
     # ---------------------------------------------------------------- protocol
     def join(self) -> JoinReply:
-        r = self._post_json("/v1/join", self._identity())
+        """Join the run. A unit not on the syncer's roster yet is retried (as unavailable) for
+        ROSTER_WAIT_SECONDS from the first try: after a scale-up the operator may create the
+        unit moments before it hands the syncer the new roster."""
+        try:
+            r = self._post_json("/v1/join", self._identity())
+        except SyncerRejected as exc:
+            now = time.monotonic()
+            first = self._first_join = self._first_join or now
+            if exc.reason != "unknown_unit" or now - first > ROSTER_WAIT_SECONDS:
+                raise
+            raise SyncerUnavailable(f"not on the run's roster yet: {exc.message}") from exc
         self._layout = [list(names) for names in r["layout"]]
         return JoinReply(
             run=r["run"],

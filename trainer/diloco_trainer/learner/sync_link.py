@@ -32,7 +32,12 @@ from typing import TypeVar
 import jax
 import numpy as np
 
-from diloco_trainer.learner.client import SyncerClient, SyncerRejected, SyncerUnavailable
+from diloco_trainer.learner.client import (
+    SyncerBusy,
+    SyncerClient,
+    SyncerRejected,
+    SyncerUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +109,10 @@ class Backoff:
 
     def reset(self) -> None:
         self.failures = 0
+
+    def after(self, error: Exception) -> float:
+        """The next delay, no shorter than what a 429's Retry-After asks for."""
+        return max(self.next_delay(), error.retry_after if isinstance(error, SyncerBusy) else 0.0)
 
 
 def host_copy(leaf: jax.Array) -> np.ndarray:
@@ -249,7 +258,7 @@ class SyncLink:
                 self.stats["push_failures"] += 1
                 with self._outbox_cv:
                     self._retry[push.fragment] = push
-                delay = backoff.next_delay()
+                delay = backoff.after(exc)
                 log.warning(
                     "event=push_retry fragment=%d delay=%.2f error=%s", push.fragment, delay, exc
                 )
@@ -278,7 +287,7 @@ class SyncLink:
             try:
                 got = self.client.poll(fragment, self._known[fragment], POLL_WAIT_SECONDS)
             except (SyncerUnavailable, SyncerRejected) as exc:
-                delay = backoff.next_delay()
+                delay = backoff.after(exc)
                 log.warning(
                     "event=poll_retry fragment=%d delay=%.2f error=%s", fragment, delay, exc
                 )
@@ -301,7 +310,7 @@ class SyncLink:
             try:
                 reply = self.client.heartbeat(snap.step, snap.tokens, snap.tokens_per_sec, loss)
             except (SyncerUnavailable, SyncerRejected) as exc:
-                delay = backoff.next_delay()
+                delay = backoff.after(exc)
                 log.warning("event=heartbeat_retry delay=%.2f error=%s", delay, exc)
                 continue
             backoff.reset()
@@ -322,7 +331,7 @@ def retry_until(
         try:
             return call()
         except SyncerUnavailable as exc:
-            delay = backoff.next_delay()
+            delay = backoff.after(exc)
             log.warning("event=%s_retry delay=%.2f error=%s", what, delay, exc)
             stop.wait(delay)
     return None

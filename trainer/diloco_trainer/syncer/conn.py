@@ -10,15 +10,22 @@ as long as the client keeps it coming. So:
   connection fall under `KEEPALIVE_SECONDS`;
 - body: `read_body` answers 408 when no byte came for `BODY_IDLE_SECONDS`, or when the whole
   body took longer than `BODY_BASE_SECONDS` plus its length at `BODY_MIN_RATE`.
+
+Requests that are not HTTP at all (a request line or header over aiohttp's 8 KiB limit, a bad
+request line, TLS spoken to the plain port) get aiohttp's 400 and one WARNING line naming the peer
+and the reason (`ServerLog`): aiohttp's own ERROR with a traceback per request would bury the
+errors that matter under what any port scanner sends.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
 from diloco_trainer.syncer.fragment import Reject
 
@@ -69,6 +76,48 @@ class ConnectionGuard:
 
 
 CONNECTIONS_KEY = web.AppKey("connections", ConnectionGuard)
+
+
+def malformed_reason(exc: HttpProcessingError) -> str:
+    """A short name for why a request could not be parsed as HTTP."""
+    if isinstance(exc, LineTooLong):
+        return "line_too_long"
+    if isinstance(exc, BadHttpMethod):
+        # aiohttp recognises a TLS handshake and says so in the message.
+        return "tls_on_plain_port" if "HTTPS" in (exc.message or "") else "bad_method"
+    return type(exc).__name__
+
+
+class ServerLog(logging.Logger):
+    """The logger aiohttp's request handler reports to (`AppRunner(logger=...)`). A request
+    that is not HTTP becomes one WARNING line (`event=malformed_request`) and a count; any
+    other error keeps its traceback, on the syncer's logger."""
+
+    def __init__(self, count: Callable[[str], None]) -> None:
+        super().__init__("diloco.syncer.http")
+        self.count, self.target = count, logging.getLogger("diloco.syncer")
+
+    def _malformed(self, args: tuple[Any, ...], exc: object) -> bool:
+        if not isinstance(exc, HttpProcessingError):
+            return False
+        reason = malformed_reason(exc)
+        self.count(reason)
+        peer = args[0] if args else "?"
+        detail = (exc.message or "").strip().split("\n")[0][:120]
+        self.target.warning(
+            "event=malformed_request peer=%s status=400 reason=%s detail=%r", peer, reason, detail
+        )
+        return True
+
+    def exception(self, msg: object, *args: Any, exc_info: Any = True, **kw: Any) -> None:
+        if not self._malformed(args, exc_info):
+            self.target.exception(msg, *args, exc_info=exc_info, **kw)
+
+    def debug(self, msg: object, *args: Any, exc_info: Any = None, **kw: Any) -> None:
+        # aiohttp reports a bad method on a connection's first request at DEBUG: TLS or
+        # another protocol sent to this port, which is worth one line too.
+        if not self._malformed(args, exc_info):
+            self.target.debug(msg, *args, exc_info=exc_info, **kw)
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

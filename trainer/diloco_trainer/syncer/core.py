@@ -25,6 +25,7 @@ from diloco_trainer.downlink import Publication
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.merge import Contribution
 from diloco_trainer.outer import OuterOptimizer, merge_and_step
+from diloco_trainer.phases import phase
 from diloco_trainer.status import CheckpointStatus, FinalEval, FragmentStatus, SyncerStatus
 from diloco_trainer.syncer import evaluation, persist, push
 from diloco_trainer.syncer.checkpoint import CheckpointStore, Snapshot, Superseded
@@ -37,13 +38,15 @@ from diloco_trainer.syncer.fragment import (
     default_eval,
     default_init,
     l2_norm,
-    model_shaped,
     parse_fragment_index,
+    start_params,
 )
+from diloco_trainer.syncer.gate import Gate, lead_steps
 from diloco_trainer.syncer.grace import Ema
 from diloco_trainer.syncer.health import Health
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.registry import LearnerRegistry
+from diloco_trainer.syncer.roster import Roster
 from diloco_trainer.wire import (
     encode_params,
     encode_step,
@@ -64,27 +67,27 @@ class Syncer:
         restore: Snapshot | None = None,
         max_units: int | None = None,
         standby: bool = False,
+        roster: Roster | None = None,
     ) -> None:
         """`standby`: a warm spare (standby.py) that reads the checkpoint location but writes
         nothing to it until `take_over`."""
         if not token:
             raise ValueError("token: a bearer token is required")
         self.cfg, self.token, self.run, self.store, self.eval_fn = cfg, token, run, store, eval_fn
-        self.max_units = max_units  # distinct learner units admitted; None: any number
         self.metrics = SyncerMetrics()
         self.health = Health(self.metrics)
         self.learners = LearnerRegistry(
-            cfg.grace.ema, offline_after=max(5.0, 3 * cfg.heartbeat_seconds)
+            cfg.grace.ema, offline_after=max(5.0, 3 * cfg.heartbeat_seconds), lead=lead_steps(cfg)
         )
-        self.outer = OuterOptimizer(
-            cfg.outer_optimizer.lr,
-            cfg.outer_optimizer.momentum,
-            cfg.outer_optimizer.nesterov,
-            per_round=cfg.outer_optimizer.momentum_per == "round",
-        )
+        # The learners' own count, from the batch their model trains on (not model.seqLen).
+        from diloco_trainer.workload.check import tokens_per_step
+
+        self.tokens_per_step = tokens_per_step(cfg)
+        self.gate = Gate(cfg, self.tokens_per_step, self.learners, self.metrics, roster, max_units)
+        self.outer = OuterOptimizer.from_config(cfg.outer_optimizer)
         # `restore` lets the caller read (and vet) the checkpoint before paying for model init.
         snap = restore if restore is not None else (store.load_latest() if store else None)
-        params = init_fn(cfg) if snap is None or init_fn is not default_init else model_shaped(cfg)
+        params = start_params(cfg, init_fn, fresh=snap is None)
         self.shapes = {k: tuple(int(d) for d in v.shape) for k, v in params.items()}
         layout = pack_fragments(self.shapes, cfg.fragments)
         self.frags = [self._new_fragment(i, names, params) for i, names in enumerate(layout)]
@@ -100,11 +103,7 @@ class Syncer:
         self.sync_time = Ema(cfg.grace.ema)
         self.bytes_received = 0
         self.bytes_sent = 0
-        self._merge_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="merge")
-        # Separate pools: a checkpoint write or an eval never queues behind the other or a decode.
-        self._decode_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="decode")
-        self._ckpt_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-        self._eval_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eval")
+        self._open_pools()
         self._saved_mark: tuple[int, ...] | None = None
         self._save_lock = asyncio.Lock()
         self._background: list[asyncio.Task[None]] = []
@@ -116,7 +115,7 @@ class Syncer:
             persist.restore(self, snap)
         for f in self.frags:
             f.norm = l2_norm(f.params)
-        persist.replay_journal(self)
+        persist.replay_journal(self, at_start=True)
         self.metrics.checkpoints_skipped.set(len(store.skipped) if store else 0)
         if self.final_loss is not None:
             self.final_eval = "done"
@@ -132,6 +131,14 @@ class Syncer:
         self.on_superseded: Callable[[], None] | None = None  # serve() stops the server
         if not standby:
             self._begin_serving()
+
+    def _open_pools(self) -> None:
+        pool = concurrent.futures.ThreadPoolExecutor
+        self._merge_pool = pool(1, thread_name_prefix="merge")
+        # Separate pools: a checkpoint write or an eval never queues behind the other or a decode.
+        self._decode_pool = pool(2, thread_name_prefix="decode")
+        self._ckpt_pool = pool(1, thread_name_prefix="checkpoint")
+        self._eval_pool = pool(1, thread_name_prefix="eval")
 
     def _begin_serving(self) -> None:
         if self.store is not None:
@@ -185,7 +192,8 @@ class Syncer:
         attempt's join, so a clean restart must not forget one) and data leases."""
         steps, tokens = self.learners.totals()
         joins = sum(len(r.joined) for r in self.learners.records.values())
-        return self.outer_step, steps, tokens, joins, self.leases.revision
+        roster = -1 if self.gate.roster is None else self.gate.roster.revision
+        return self.outer_step, steps, tokens, joins, self.leases.revision, roster
 
     def failed(self, what: str, error: BaseException) -> None:
         """A component failed (health.py). Superseded: another syncer writes the checkpoint
@@ -274,11 +282,12 @@ class Syncer:
             final_eval=self.final_eval,
             time=now,
             fragments=tuple(FragmentStatus(f.index, f.version, f.last_merge) for f in self.frags),
-            learners=self.learners.status(now),
+            learners=self.learners.status(now, self.gate.quarantine.reason),
             bytes_received=self.bytes_received,
             bytes_sent=self.bytes_sent,
             health=self.health.status(),
             checkpoint=CheckpointStatus(tuple(self.store.skipped) if self.store else ()),
+            roster_revision=self.gate.roster_revision,
         )
 
     # ---------------------------------------------------------------- push path
@@ -291,16 +300,6 @@ class Syncer:
                 f"unknown fragment {raw!r}: this run has 0..{len(self.frags) - 1}",
             )
         return self.frags[index]
-
-    def admit(self, unit: str) -> None:
-        """Refuse a unit new to the run once `max_units` distinct units are known."""
-        known = self.learners.records
-        if self.max_units is not None and unit not in known and len(known) >= self.max_units:
-            raise Reject(
-                403,
-                "too_many_units",
-                f"unit {unit!r}: this run admits {self.max_units} units, all known already",
-            )
 
     async def accept_push(
         self, f: FragmentState, body: bytes, caller: str | None = None
@@ -399,13 +398,13 @@ class Syncer:
         # A standby warmed up while it waited: a take-over binds the port without a second
         # pass over every fragment.
         if not self.warmed:
-            started = time.perf_counter()
-            await asyncio.get_running_loop().run_in_executor(self._merge_pool, self.warm_up)
-            log.info("event=warmed_up seconds=%.2f", time.perf_counter() - started)
+            with phase(log, "compile"):
+                await asyncio.get_running_loop().run_in_executor(self._merge_pool, self.warm_up)
         if self.store is not None:
             if self._saved_mark is None:  # a fresh run has a checkpoint from its first second
                 try:
-                    await self.save_checkpoint()
+                    with phase(log, "first_checkpoint"):
+                        await self.save_checkpoint()
                 except Exception:
                     # A full or failing disk: serve anyway (readiness says so, health.py); the
                     # periodic save below writes it once it can. Exiting would not free the disk.

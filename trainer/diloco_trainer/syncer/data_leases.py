@@ -16,6 +16,12 @@ it reported. Within an epoch no shard is leased to two units at once, and a leas
 from a unit whose lease it is to another at the position it reported, so two units never read
 the same (epoch, shard, batch) unless a dead unit read past its last report.
 
+Only the book decides who reads what: a unit finishes, and reports positions in, the lease it
+holds and nothing else. A claim or report naming any other shard changes nothing (a claim's
+answer is then the unit's current lease, which is also the right answer to a retried claim whose
+reply was lost). The book is journaled before a unit hears of a change (syncer side), so a
+restarted syncer never knows less than a unit does and has no reason to take a unit's word.
+
 Pure bookkeeping, no I/O: the syncer calls it from its HTTP handlers and checkpoints `to_json`.
 """
 
@@ -41,6 +47,8 @@ class LeaseBook:
     # Bumped when a lease is given, taken or finished (not by positions): such a change is
     # journaled before the unit hears of it (CheckpointStore.record_leases).
     moves: int = 0
+    # Each unit's last finished lease: tells a retried claim from one of a lease never held.
+    last_finished: dict[str, DataLease] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -55,9 +63,6 @@ class LeaseBook:
         taken = {lease.shard for lease in self.held.values() if lease.epoch == epoch}
         return taken | (self.finished if epoch == self.epoch else set())
 
-    def _free(self, epoch: int, shard: int) -> bool:
-        return epoch == self.epoch and shard not in self._taken(epoch)
-
     # ------------------------------------------------------------------ changes
     def join(self, unit: str, alive: Collection[str]) -> DataLease:
         """The unit's lease: its own when it holds one (a restart), else a new one."""
@@ -65,45 +70,39 @@ class LeaseBook:
         return lease if lease is not None else self._assign(unit, alive)
 
     def claim(self, unit: str, finished: DataLease, alive: Collection[str]) -> DataLease:
-        """`unit` read all of `finished`: mark it so and return its next lease. A repeated
-        claim (its answer was lost) returns the lease the first one gave."""
+        """`unit` read all of `finished`: mark it so and return its next lease. A claim of
+        anything but the unit's own lease changes nothing and returns that lease: a repeated
+        claim (its answer was lost) gets what the first one gave, and a claim of a shard the
+        book never gave the unit marks nothing finished."""
         current = self.held.get(unit)
         if current is not None and not finished.same_shard(current):
-            if not self._adopt(unit, finished):
-                return current  # a retry, or a shard the book never gave it: keep the book's
-            current = self.held[unit]
+            retry = finished.same_shard(self.last_finished.get(unit))
+            log.log(
+                logging.INFO if retry else logging.WARNING,
+                "event=%s unit=%s epoch=%d shard=%d held_epoch=%d held_shard=%d",
+                "data_claim_repeated" if retry else "data_claim_ignored", unit,
+                finished.epoch, finished.shard, current.epoch, current.shard,
+            )  # fmt: skip
+            return current
         if current is not None:
             self._finish(unit, current)
         return self._assign(unit, alive)
 
     def report(self, unit: str, at: DataLease) -> bool:
-        """The unit's position from a push header. Applied when it is the unit's lease (never
-        backwards), or when the unit reads a free shard of the current epoch the book lost
-        track of (a syncer restored from a checkpoint older than the unit's last claim). False
-        when ignored: a report of a shard the unit no longer holds."""
+        """The unit's position from a push header, applied when it is in the unit's lease (never
+        backwards). False when ignored: a report of a shard the unit does not hold."""
         current = self.held.get(unit)
-        if at.same_shard(current):
-            assert current is not None
-            if at.position > current.position:
-                self.held[unit] = at
-                self.revision += 1
-            return True
-        return self._adopt(unit, at)
-
-    def _adopt(self, unit: str, at: DataLease) -> bool:
-        """Take the unit's word that it moved on to `at` when the shard is free: learners leave
-        a shard only when it is read to its end, so the lease the book had is finished."""
-        if not self._free(at.epoch, at.shard):
+        if not at.same_shard(current):
             return False
-        current = self.held.get(unit)
-        if current is not None:
-            self._finish(unit, current)
-        self.held[unit] = at
-        self._moved("data_lease_adopted", unit, at, logging.WARNING)
+        assert current is not None
+        if at.position > current.position:
+            self.held[unit] = at
+            self.revision += 1
         return True
 
     def _finish(self, unit: str, lease: DataLease) -> None:
         del self.held[unit]
+        self.last_finished[unit] = lease
         if lease.epoch == self.epoch:
             self.finished.add(lease.shard)
         self._moved("data_shard_finished", unit, lease)

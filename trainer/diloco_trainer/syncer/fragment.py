@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -13,12 +14,16 @@ import numpy as np
 
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.downlink import Publication
+from diloco_trainer.phases import phase
 from diloco_trainer.wire import PushHeader, decode_push, parse_count
 
+log = logging.getLogger("diloco.syncer")
 InitFn = Callable[[TrainingConfig], dict[str, np.ndarray]]
 EvalFn = Callable[[Mapping[str, np.ndarray], TrainingConfig, int], float]
 MAX_POLL_WAIT = 60.0
 SEEN_PER_FRAGMENT = 4096  # recent push keys remembered for idempotent retries
+# (unit, attempt, -1 or base version, step or cSteps): names one push (push.py)
+PushKey = tuple[str, int, int, int]
 # Per-value magnitude below which a fragment's norm is not trusted as the push bound's reference
 # (half the init std of the model's matrices; its norm scales are ones).
 NORM_FLOOR = 0.01
@@ -38,6 +43,16 @@ def model_shaped(cfg: TrainingConfig) -> dict[str, np.ndarray]:
     from diloco_trainer.workload.check import prepared
 
     return prepared(cfg).placeholders()
+
+
+def start_params(cfg: TrainingConfig, init_fn: InitFn, fresh: bool) -> dict[str, np.ndarray]:
+    """What a syncer builds its fragments from, as start-up phase `initial_params`; or, for a run
+    resuming with the model's own init (every value comes from the checkpoint), `placeholders`."""
+    if fresh or init_fn is not default_init:
+        with phase(log, "initial_params"):
+            return init_fn(cfg)
+    with phase(log, "placeholders"):
+        return model_shaped(cfg)
 
 
 def default_eval(params: Mapping[str, np.ndarray], cfg: TrainingConfig, batches: int) -> float:
@@ -60,6 +75,7 @@ class Pending:
     delta: dict[str, np.ndarray]
     arrived: float
     norms: dict[str, float] | None = None  # each leaf's L2 norm, measured when decoded
+    keys: tuple[PushKey, ...] = ()  # the pushes it holds (two of one unit add up)
 
     def plus(self, later: Pending) -> Pending:
         """Two unmerged pushes of one unit as one contribution. A push carries only the progress
@@ -74,7 +90,8 @@ class Pending:
             c_tokens=self.header.c_tokens + later.header.c_tokens,
         )
         delta = {name: value + later.delta[name] for name, value in self.delta.items()}
-        return Pending(header, delta, self.arrived)  # the sum's norms: measured by the merge
+        # The sum's norms are measured by the merge.
+        return Pending(header, delta, self.arrived, keys=self.keys + later.keys)
 
 
 @dataclass
@@ -94,7 +111,11 @@ class FragmentState:
     merge_task: asyncio.Task[None] | None = None
     all_in: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    seen: OrderedDict[tuple[str, int, int, int], int] = field(default_factory=OrderedDict)
+    seen: OrderedDict[PushKey, int] = field(default_factory=OrderedDict)
+    # The pushes merged into recent versions (key -> version), journaled with the fragment so
+    # that a replay after a restart or a standby's take-over is still a duplicate. Only those a
+    # replay of which would not be refused as stale are kept (`recent_merges`).
+    merged: dict[PushKey, int] = field(default_factory=dict)
     # The current version's downloads, encoded once: as a step (True) and as values (False).
     encoded: dict[bool, tuple[int, asyncio.Future[bytes]]] = field(default_factory=dict)
     # What learners hold (downlink.py); None: the downlink sends `params` themselves.
@@ -102,6 +123,9 @@ class FragmentState:
     # L2 norm of `params`, the reference of the push norm bound (kept current by the syncer).
     norm: float = 0.0
     merge_failures: int = 0  # consecutive failed merges (their retries back off)
+    # The median delta norm of recent merges: the clip reference of rounds too small to
+    # have a median of their own (robust.py).
+    typical_norm: float | None = None
 
     def published(self) -> dict[str, np.ndarray]:
         return self.publication.tensors if self.publication is not None else self.params
@@ -261,3 +285,16 @@ def expected_arrival(
         return None
     eta = last_push + inner_steps * step_time - now
     return eta if eta >= 0 else None
+
+
+def recent_merges(
+    merged: Mapping[PushKey, int], keys: Iterable[PushKey], version: int, max_staleness: int
+) -> dict[PushKey, int]:
+    """`merged` with `keys` merged into `version`, less the pushes merged into a version at or
+    below `version - max_staleness`: their base is older than `version - max_staleness`, so a
+    replay of one is refused as stale without being looked up (validate_version)."""
+    out = {k: v for k, v in merged.items() if v > version - max_staleness}
+    out.update(dict.fromkeys(keys, version))
+    while len(out) > SEEN_PER_FRAGMENT:
+        del out[next(iter(out))]
+    return out

@@ -18,10 +18,14 @@ from diloco_trainer.syncer.conn import (
     CONNECTIONS_KEY,
     KEEPALIVE_SECONDS,
     ConnectionGuard,
+    ServerLog,
     read_body,
 )
 from diloco_trainer.syncer.core import Syncer
+from diloco_trainer.syncer.fields import counter, field_of
 from diloco_trainer.syncer.fragment import MAX_POLL_WAIT, Reject
+from diloco_trainer.syncer.limits import kind_of, retry_after
+from diloco_trainer.syncer.roster import Roster
 from diloco_trainer.syncer.storage import CheckpointError
 from diloco_trainer.wire import (
     DATA_POSITION_HEADER,
@@ -38,6 +42,7 @@ from diloco_trainer.wire import (
 log = logging.getLogger("diloco.syncer")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SYNCER_KEY = web.AppKey("syncer", Syncer)
+ROSTER_PATH = "/v1/units"
 CALLER_KEY = web.RequestKey("caller", Caller)
 
 
@@ -71,14 +76,19 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             )
             if caller is None:
                 raise Reject(401, "unauthorized", "missing or wrong bearer token")
-            if caller.operator and request.method != "GET":
+            if caller.operator and request.method != "GET" and request.path != ROSTER_PATH:
                 raise Reject(
                     403,
                     "forbidden",
-                    "the run token is for status reads; a learner sends its unit token "
-                    f"and {UNIT_HEADER}",
+                    "the run token is for status reads and the roster; a learner sends its "
+                    f"unit token and {UNIT_HEADER}",
                 )
             request[CALLER_KEY] = caller
+            if caller.unit is not None:
+                syncer.gate.admit(caller.unit)
+                throttled = _throttle(syncer, caller.unit, request)
+                if throttled is not None:
+                    return throttled
         return await handler(request)
     except Reject as exc:
         if request.path.endswith("/push"):
@@ -94,6 +104,29 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         return json_error(413, "too_large", exc.text or "request body too large")
 
 
+def _throttle(syncer: Syncer, unit: str, request: web.Request) -> web.Response | None:
+    """A 429 with Retry-After when `unit` sends requests of this kind faster than any honest
+    learner does (limits.py), else None."""
+    kind = kind_of(request.method, request.path)
+    if kind is None:
+        return None
+    now = time.monotonic()
+    wait = syncer.gate.limits.take(unit, kind, now)
+    if wait <= 0:
+        return None
+    syncer.metrics.limited.labels(kind).inc()
+    if syncer.gate.limits.should_log(unit, now):
+        log.warning(
+            "event=rate_limited unit=%s kind=%s retry_after=%.2f peer=%s (logged once a minute)",
+            unit, kind, wait, request.remote,
+        )  # fmt: skip
+    response = json_error(
+        429, "rate_limited", f"{kind} requests of unit {unit!r} too frequent: retry in {wait:.2f}s"
+    )
+    response.headers["Retry-After"] = retry_after(wait)
+    return response
+
+
 async def _json_body(request: web.Request) -> dict[str, Any]:
     body = await read_body(request, JSON_BODY_LIMIT)
     request.app[SYNCER_KEY].bytes_received += len(body)
@@ -106,61 +139,20 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return data
 
 
-def _field(
-    data: dict[str, Any],
-    name: str,
-    kind: type,
-    default: Any = ...,
-    minimum: float | None = None,
-    maximum: float | None = None,
-) -> Any:
-    if name not in data or data[name] is None:
-        if default is ...:
-            raise Reject(400, "bad_request", f"{name}: required")
-        return default
-    value = data[name]
-    ok = isinstance(value, kind) and not isinstance(value, bool)
-    if kind is float:
-        # math.isfinite of an int beyond float's range raises OverflowError: bound it first.
-        ok = (isinstance(value, float) and math.isfinite(value)) or (
-            isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_COUNTER
-        )
-    if not ok:
-        raise Reject(400, "bad_request", f"{name}: expected {kind.__name__}, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise Reject(400, "bad_request", f"{name}: must be >= {minimum}, got {_short(value)}")
-    if maximum is not None and value > maximum:
-        raise Reject(400, "bad_request", f"{name}: must be <= {maximum:.0f}, got {_short(value)}")
-    return float(value) if kind is float else value
-
-
-def _short(value: float) -> str:
-    """A number for an error message: huge integers as their digit count (str() of one with
-    more than 4300 digits raises)."""
-    if isinstance(value, int) and abs(value) > MAX_COUNTER:
-        return f"an integer of {value.bit_length() * 30103 // 100000 + 1} digits"
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
-
-
-def _counter(data: dict[str, Any], name: str, default: Any = ...) -> int:
-    """A step/token/attempt count: an integer in 0..MAX_COUNTER, refused (never stored) else."""
-    return int(_field(data, name, int, default, 0, MAX_COUNTER))
-
-
 def _identity(request: web.Request, data: dict[str, Any]) -> tuple[str, int, str]:
     """The learner a JSON request speaks for: it must be the authenticated unit, and a unit new
     to the run only while the run has room for it."""
-    unit = _field(data, "unit", str)
+    unit = field_of(data, "unit", str)
     if not unit:
         raise Reject(400, "bad_request", "unit: must not be empty")
     caller: Caller = request[CALLER_KEY]
     if unit != caller.unit:
         raise Reject(403, "identity_mismatch", f"unit {unit!r} != caller {caller.unit!r}")
-    group = _field(data, "group", str, "default")
+    group = field_of(data, "group", str, "default")
     if len(group) > 63:  # a DNS label, like every group name; status and logs carry it
         raise Reject(400, "bad_request", f"group: at most 63 characters, got {len(group)}")
-    request.app[SYNCER_KEY].admit(unit)
-    return unit, _counter(data, "attempt", 0), group
+    request.app[SYNCER_KEY].gate.admit(unit, group)
+    return unit, counter(data, "attempt", 0), group
 
 
 async def join(request: web.Request) -> web.Response:
@@ -249,16 +241,17 @@ async def heartbeat(request: web.Request) -> web.Response:
     s = request.app[SYNCER_KEY]
     data = await _json_body(request)
     unit, attempt, group = _identity(request, data)
-
+    step, tokens, now = counter(data, "step"), counter(data, "tokens"), time.time()
+    s.gate.check_heartbeat(unit, attempt, step, tokens, now)
     s.learners.heartbeat(
         unit,
         attempt,
         group,
-        step=_counter(data, "step"),
-        tokens=_counter(data, "tokens"),
-        tokens_per_sec=_field(data, "tokensPerSec", float, 0.0, 0.0, float(MAX_COUNTER)),
-        loss=_field(data, "loss", float, None),
-        now=time.time(),
+        step=step,
+        tokens=tokens,
+        tokens_per_sec=field_of(data, "tokensPerSec", float, 0.0, 0.0, float(MAX_COUNTER)),
+        loss=field_of(data, "loss", float, None),
+        now=now,
     )
     s._publish_gauges()
     s.check_complete()
@@ -331,6 +324,20 @@ async def poll(request: web.Request) -> web.Response:
     return _tensors(payload, **{"X-Diloco-Version": str(f.version)})
 
 
+async def put_roster(request: web.Request) -> web.Response:
+    """The operator's unit roster (roster.py): taken when at least as new as the one held."""
+    s = request.app[SYNCER_KEY]
+    if not request[CALLER_KEY].operator:
+        raise Reject(403, "forbidden", "the roster is set with the run token")
+    try:
+        roster = Roster.from_json(await _json_body(request), "body")
+    except ValueError as exc:
+        raise Reject(400, "bad_request", str(exc)) from exc
+    taken = s.gate.take_roster(roster)
+    held = s.gate.roster_revision
+    return _json({"taken": taken, "revision": held}, status=200 if taken else 409)
+
+
 async def status(request: web.Request) -> web.Response:
     return _json(request.app[SYNCER_KEY].status().to_json())
 
@@ -375,6 +382,7 @@ def build_app(syncer: Syncer) -> web.Application:
     app.router.add_post("/v1/fragments/{p}/push", push)
     app.router.add_get("/v1/fragments/{p}", poll)
     app.router.add_get("/v1/status", status)
+    app.router.add_put(ROSTER_PATH, put_roster)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
@@ -389,7 +397,11 @@ async def start_server(syncer: Syncer, host: str, port: int) -> tuple[web.AppRun
     syncer_conn.py; returns the runner (`cleanup()` stops it) and the bound port."""
     app = build_app(syncer)
     runner = web.AppRunner(
-        app, access_log=None, handle_signals=False, keepalive_timeout=KEEPALIVE_SECONDS
+        app,
+        access_log=None,
+        handle_signals=False,
+        keepalive_timeout=KEEPALIVE_SECONDS,
+        logger=ServerLog(lambda reason: syncer.metrics.malformed.labels(reason).inc()),
     )
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

@@ -8,7 +8,8 @@ from its journal when the journal is newer than the checkpoint, so no version a 
 is lost: the restarted syncer serves exactly what the learners already hold.
 
 The files are plain safetensors; the header's metadata carries the version, the time of the
-merge and the number of outer-state leaves. They are small next to a checkpoint (one fragment
+merge, the number of outer-state leaves and the keys of the pushes merged into recent versions
+(so that a push replayed after a restart is recognised, not merged twice). They are small next to a checkpoint (one fragment
 each), and only the newest version is kept, so the journal never grows.
 """
 
@@ -18,11 +19,14 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load, save
+
+from diloco_trainer.syncer.fragment import PushKey
 
 log = logging.getLogger("diloco.checkpoint")
 
@@ -52,6 +56,7 @@ class JournaledFragment:
     params: dict[str, np.ndarray]
     outer_leaves: list[np.ndarray]
     last_merge: float | None
+    merged: dict[PushKey, int] = field(default_factory=dict)  # FragmentState.merged
 
 
 def encode(entry: JournaledFragment) -> bytes:
@@ -63,6 +68,7 @@ def encode(entry: JournaledFragment) -> bytes:
         "version": entry.version,
         "outerLeaves": len(entry.outer_leaves),
         "lastMerge": entry.last_merge,
+        "merged": merged_to_json(entry.merged),
     }
     return save(tensors, metadata={"journal": json.dumps(meta)})
 
@@ -81,7 +87,12 @@ def decode(data: bytes, index: int) -> JournaledFragment:
         outer = [tensors[f"outer/{i}"] for i in range(leaves)]
         last = meta.get("lastMerge")
         return JournaledFragment(
-            index, int(meta["version"]), params, outer, None if last is None else float(last)
+            index,
+            int(meta["version"]),
+            params,
+            outer,
+            None if last is None else float(last),
+            merged_from_json(meta.get("merged")),  # absent from journals that predate it
         )
     except (SafetensorError, KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"fragment {index} journal unreadable: {exc!r}") from exc
@@ -102,3 +113,22 @@ def fits(entry: JournaledFragment, shapes: Mapping[str, tuple[int, ...]]) -> str
         if tuple(value.shape) != shapes[name]:
             return f"leaf {name}: shape {tuple(value.shape)}, the fragment has {shapes[name]}"
     return None
+
+
+def merged_to_json(merged: Mapping[PushKey, int]) -> list[list[Any]]:
+    return [[*key, version] for key, version in merged.items()]
+
+
+def merged_from_json(raw: Any) -> dict[PushKey, int]:
+    """Keys written by `merged_to_json`; malformed rows are dropped (a damaged row can only
+    make a replay of that one push merge again, never refuse a new push)."""
+    out: dict[PushKey, int] = {}
+    for row in raw if isinstance(raw, list) else ():
+        if (
+            isinstance(row, list)
+            and len(row) == 5
+            and isinstance(row[0], str)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in row[1:])
+        ):
+            out[(row[0], row[1], row[2], row[3])] = row[4]
+    return out

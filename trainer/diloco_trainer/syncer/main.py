@@ -1,10 +1,11 @@
 """`diloco-syncer`: run the syncer service.
 
     diloco-syncer --config run.yaml [--host 0.0.0.0] [--port 8470] [--token T] [--checkpoint-dir D]
-                  [--max-units N]
+                  [--max-units N] [--units-file F]
 
 Environment (docs/contracts.md): DILOCO_TOKEN / DILOCO_TOKEN_FILE (the run secret),
-DILOCO_SYNCER_PORT, DILOCO_CHECKPOINT_PATH, DILOCO_MAX_UNITS, and DILOCO_RUN (run name; defaults
+DILOCO_SYNCER_PORT, DILOCO_CHECKPOINT_PATH, DILOCO_MAX_UNITS, DILOCO_UNITS_FILE (the roster of
+units admitted, roster.py), and DILOCO_RUN (run name; defaults
 to the manifest's metadata.name or the config file's stem). The checkpoint path is a directory
 or `gs://bucket/prefix` (Application Default Credentials: Workload Identity on GKE). Exit 2 on a
 config error (the message names the field), `training.model.initFrom` weights that cannot be
@@ -17,12 +18,17 @@ this one stopped serving without a final checkpoint.
 
 `--lock PATH` (DILOCO_SYNCER_LOCK): a second syncer with the same lock, port and checkpoint
 path is a warm standby (standby.py) that serves within a second of the first one's death.
+
+The start is logged phase by phase (phases.py; the list is in docs/local.md): config,
+checkpoint_load, init_from, imports, workload_check (model_build, data_index), initial_params or
+placeholders, restore, journal_replay, then server_start with compile and first_checkpoint inside.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -40,6 +46,7 @@ from diloco_trainer.config import (
     read_document,
 )
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
+from diloco_trainer.phases import phase
 from diloco_trainer.syncer.checkpoint import (
     CheckpointError,
     CheckpointStore,
@@ -48,6 +55,7 @@ from diloco_trainer.syncer.checkpoint import (
     Superseded,
 )
 from diloco_trainer.syncer.fragment import InitFn, default_init
+from diloco_trainer.syncer.roster import Roster
 from diloco_trainer.syncer.standby import ServingLock, wait_as_standby
 from diloco_trainer.workload.weights import WeightsError
 from diloco_trainer.workload.weights import init_from as init_from_weights
@@ -76,6 +84,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-units",
         default=None,
         help="distinct learner units admitted (else DILOCO_MAX_UNITS; unset: any number)",
+    )
+    p.add_argument(
+        "--units-file",
+        default=os.environ.get("DILOCO_UNITS_FILE") or None,
+        help="the run's unit roster, JSON {revision, units: {name: group}} (else "
+        "DILOCO_UNITS_FILE): only those units are admitted; PUT /v1/units updates it",
     )
     p.add_argument(
         "--lock",
@@ -114,6 +128,15 @@ def resolve_max_units(flag: str | None, env: Mapping[str, str]) -> int | None:
     return int(raw)
 
 
+def read_roster(path: str | None) -> Roster | None:
+    if not path:
+        return None
+    try:
+        return Roster.read(path)
+    except ValueError as exc:
+        raise ConfigError(f"--units-file (or DILOCO_UNITS_FILE): {exc}") from exc
+
+
 def checkpoint_setting(flag: str | None, env: Mapping[str, str], config: str) -> tuple[str, str]:
     """The checkpoint path and the setting it came from (named in messages about it)."""
     if flag:
@@ -147,7 +170,8 @@ async def serve(syncer: object, host: str, port: int, terminated: threading.Even
     from diloco_trainer.syncer.http_api import start_server
 
     assert isinstance(syncer, Syncer)
-    runner, bound = await start_server(syncer, host, port)
+    with phase(log, "server_start"):  # compile and first checkpoint (start_background), bind
+        runner, bound = await start_server(syncer, host, port)
     log.info(
         "event=listening host=%s port=%s run=%s fragments=%d",
         host,
@@ -188,7 +212,8 @@ def stand_by(
 ) -> bool:
     """Warm up, wait for the lock while following the journal, then take over: True. False
     when told to stop first."""
-    syncer.warm_up()
+    with phase(log, "compile"):
+        syncer.warm_up()
     log.info("event=standby_ready lock=%s versions=%s", lock.path, syncer.versions())
     if not wait_as_standby(syncer, lock, stop):
         log.info("event=standby_stopped reason=signal versions=%s", syncer.versions())
@@ -213,14 +238,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(args.log_level.upper(), log_format)
     try:
-        cfg = load_training_config(args.config)
-        token = resolve_token(args.token, os.environ)
-        port = resolve_port(args.port)
-        max_units = resolve_max_units(args.max_units, os.environ)
-        name = run_name(args.run, args.config)
-        ckpt_path, ckpt_field = checkpoint_setting(
-            args.checkpoint_dir, os.environ, cfg.checkpoint.path
-        )
+        with phase(log, "config"):
+            cfg = load_training_config(args.config)
+            token = resolve_token(args.token, os.environ)
+            port = resolve_port(args.port)
+            max_units = resolve_max_units(args.max_units, os.environ)
+            roster = read_roster(args.units_file)
+            name = run_name(args.run, args.config)
+            ckpt_path, ckpt_field = checkpoint_setting(
+                args.checkpoint_dir, os.environ, cfg.checkpoint.path
+            )
     except ConfigError as exc:
         print(f"diloco-syncer: config error: {exc}", file=sys.stderr)
         return 2
@@ -228,26 +255,29 @@ def main(argv: list[str] | None = None) -> int:
     lock = ServingLock(Path(args.lock)) if args.lock else None
     serving = lock is None or lock.try_acquire()
     try:
-        store = CheckpointStore(ckpt_path, cfg.checkpoint.keep, field=ckpt_field)
-        # Before importing JAX: a bad checkpoint dir or an unusable bucket fails fast. A
-        # standby must not touch the serving syncer's save in progress.
-        snapshot = store.load_latest(remove_stray=serving)
+        with phase(log, "checkpoint_load"):
+            store = CheckpointStore(ckpt_path, cfg.checkpoint.keep, field=ckpt_field)
+            # Before importing JAX: a bad checkpoint dir or an unusable bucket fails fast. A
+            # standby must not touch the serving syncer's save in progress.
+            snapshot = store.load_latest(remove_stray=serving)
     except CheckpointError as exc:
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, StorageAccessError) else 1
     try:
-        init_fn = starting_params(cfg.model.init_from, snapshot)
+        with phase(log, "init_from") if cfg.model.init_from else contextlib.nullcontext():
+            init_fn = starting_params(cfg.model.init_from, snapshot)
     except WeightsError as exc:
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 2
-    from diloco_trainer.syncer.core import Syncer
-    from diloco_trainer.workload.compile_cache import enable_compilation_cache
+    with phase(log, "imports"):  # JAX and the trainer: seconds of a cold start
+        from diloco_trainer.syncer.core import Syncer
+        from diloco_trainer.workload.compile_cache import enable_compilation_cache
 
-    enable_compilation_cache()  # a restart or a standby skips compiling the merge and the eval
+        enable_compilation_cache()  # a restart or a standby skips compiling the merge and the eval
     try:
         syncer = Syncer(
             cfg, token, run=name, store=store, restore=snapshot, max_units=max_units,
-            init_fn=init_fn, standby=not serving,
+            init_fn=init_fn, standby=not serving, roster=roster,
         )  # fmt: skip
         if lock is not None and not serving and not stand_by(syncer, lock, store, terminated):
             syncer.close()

@@ -77,6 +77,7 @@ class SyncerMetrics:
             "diloco_syncer_checkpoints_total", "Checkpoints written", registry=r
         )
         self._add_fault_metrics(r)
+        self._add_trust_metrics(r)
 
     def _add_fault_metrics(self, r: CollectorRegistry) -> None:
         """What the syncer failed to do: merges, checkpoint writes, and checkpoints it had to
@@ -107,6 +108,39 @@ class SyncerMetrics:
         )
         for what in ("merge", "checkpoint"):
             self.failing.labels(what).set(0)
+
+    def _add_trust_metrics(self, r: CollectorRegistry) -> None:
+        """What the gate refused, limited or screened out (gate.py) and the malformed requests
+        the server answered 400."""
+        self.claims_refused = Counter(
+            "diloco_syncer_claims_refused_total",
+            "Heartbeats and pushes refused for counters no honest unit could send, by rule",
+            ["kind", "rule"],
+            registry=r,
+        )
+        self.screened = Counter(
+            "diloco_syncer_screened_pushes_total",
+            "Merged pushes by what the robust screens did with them (kept, clipped, dropped)",
+            ["action"],
+            registry=r,
+        )
+        self.quarantined = Counter(
+            "diloco_syncer_quarantined_total",
+            "Unit attempts quarantined for outlying pushes",
+            registry=r,
+        )
+        self.limited = Counter(
+            "diloco_syncer_requests_limited_total",
+            "Unit requests answered 429 (rate limited), by kind",
+            ["kind"],
+            registry=r,
+        )
+        self.malformed = Counter(
+            "diloco_syncer_malformed_requests_total",
+            "Connections whose request was not HTTP (answered 400), by reason",
+            ["reason"],
+            registry=r,
+        )
 
     def count_tokens(self, run_total: int) -> None:
         """Advance the tokens counter to the run's total (the first call sets the baseline)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -12,11 +13,18 @@ import numpy as np
 
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.phases import phase
 from diloco_trainer.syncer.checkpoint import LEASE_JOURNAL, Snapshot
 from diloco_trainer.syncer.data_leases import LeaseBook
-from diloco_trainer.syncer.fragment import l2_norm
+from diloco_trainer.syncer.fragment import FragmentState, PushKey, l2_norm
 from diloco_trainer.syncer.health import retry_delay
-from diloco_trainer.syncer.journal import fits, fragment_index
+from diloco_trainer.syncer.journal import (
+    fits,
+    fragment_index,
+    merged_from_json,
+    merged_to_json,
+)
+from diloco_trainer.syncer.roster import Roster
 
 if TYPE_CHECKING:
     from diloco_trainer.syncer.core import Syncer
@@ -25,6 +33,11 @@ log = logging.getLogger("diloco.syncer")
 
 
 def restore(s: Syncer, snap: Snapshot) -> None:
+    with phase(log, "restore", seq=snap.seq):
+        _restore(s, snap)
+
+
+def _restore(s: Syncer, snap: Snapshot) -> None:
     layout = [f.names for f in s.frags]
     if snap.layout != layout:
         raise ValueError(
@@ -39,6 +52,9 @@ def restore(s: Syncer, snap: Snapshot) -> None:
         f.opt_state = s.outer.state_from_leaves(f.params, snap.outer_state[f.index])
         f.version = snap.versions[f.index]
         f.last_merge = (snap.extra.get("lastMerge") or [None] * len(s.frags))[f.index]
+        merged = snap.extra.get("mergedPushes")
+        if isinstance(merged, list) and len(merged) == len(s.frags):
+            remember_merged(f, merged_from_json(merged[f.index]))
     restore_run_state(s, snap.learners, snap.extra)
     s._saved_mark = s._mark()
     s.restored_seq = snap.seq
@@ -59,6 +75,12 @@ def restore_run_state(s: Syncer, learners: dict[str, Any], extra: dict[str, Any]
     adopt_journaled_leases(s)
     s.eval_loss = extra.get("evalLoss")
     s.final_loss = extra.get("finalLoss")
+    s.gate.quarantine.load_json(extra.get("quarantined"))
+    if extra.get("roster") is not None:  # absent from checkpoints that predate it
+        try:
+            s.gate.take_roster(Roster.from_json(extra["roster"], "checkpoint roster"))
+        except ValueError as exc:
+            log.error("event=checkpoint_roster_dropped reason=%r", str(exc))
 
 
 def take_over_run_state(s: Syncer) -> None:
@@ -95,10 +117,18 @@ def catch_up(s: Syncer, changed: list[str]) -> None:
         adopt_journaled_leases(s)
 
 
-def replay_journal(s: Syncer, level: int = logging.INFO, only: set[int] | None = None) -> list[int]:
+def replay_journal(
+    s: Syncer, level: int = logging.INFO, only: set[int] | None = None, *, at_start: bool = False
+) -> list[int]:
     """Install each fragment's journaled version (of the fragments `only` names, if given)
     where it is newer than what `s` holds (the checkpoint's, or a standby's earlier catch-up).
-    Returns the fragments installed."""
+    Returns the fragments installed. `at_start`: logged as the start-up phase `journal_replay`
+    (not a standby's routine following)."""
+    with phase(log, "journal_replay") if at_start else contextlib.nullcontext():
+        return _replay_journal(s, level, only)
+
+
+def _replay_journal(s: Syncer, level: int, only: set[int] | None) -> list[int]:
     if s.store is None:
         return []
     installed = []
@@ -116,10 +146,18 @@ def replay_journal(s: Syncer, level: int = logging.INFO, only: set[int] | None =
         f.opt_state = s.outer.state_from_leaves(params, entry.outer_leaves)
         f.params, f.version, f.last_merge = params, entry.version, entry.last_merge
         f.norm = l2_norm(params)
+        remember_merged(f, entry.merged)
         installed.append(f.index)
     if installed:
         log.log(level, "event=journal_replayed fragments=%s versions=%s", installed, s.versions())
     return installed
+
+
+def remember_merged(f: FragmentState, merged: dict[PushKey, int]) -> None:
+    """The pushes a restored version holds: a replay of one is a duplicate, never merged."""
+    f.merged = dict(merged)
+    for key, version in merged.items():
+        f.seen[key] = version
 
 
 def resume_numbering(s: Syncer) -> list[int]:
@@ -188,6 +226,9 @@ def snapshot(s: Syncer) -> Snapshot:
             "evalLoss": s.eval_loss,
             "finalLoss": s.final_loss,
             "lastMerge": [f.last_merge for f in s.frags],
+            "mergedPushes": [merged_to_json(f.merged) for f in s.frags],
             "dataLeases": s.leases.to_json(),
+            "roster": None if s.gate.roster is None else s.gate.roster.to_json(),
+            "quarantined": s.gate.quarantine.to_json(),
         },
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from diloco_trainer.syncer.fragment import (
@@ -18,7 +19,8 @@ from diloco_trainer.syncer.fragment import (
     validate_version,
 )
 from diloco_trainer.syncer.rounds import schedule_merge
-from diloco_trainer.wire import PayloadMismatch, WireError
+from diloco_trainer.syncer.trust import Implausible
+from diloco_trainer.wire import PayloadMismatch, PushHeader, WireError
 
 if TYPE_CHECKING:
     from diloco_trainer.syncer.core import Syncer
@@ -48,15 +50,7 @@ async def accept_push(
     finally:
         s._decoding -= 1
     header, delta = measured.header, measured.delta
-    if caller is not None and header.unit != caller:
-        raise Reject(403, "identity_mismatch", f"payload unit {header.unit!r} != caller {caller!r}")
-    record = s.learners.records.get(header.unit)
-    if record is None or header.attempt not in record.joined:
-        raise Reject(
-            409,
-            "not_joined",
-            f"unit {header.unit!r} attempt {header.attempt} has not joined: join first",
-        )
+    check_sender(s, header, caller)
     # Content first: a payload that can never be merged is refused even when its key
     # repeats an accepted push's.
     validate_content(f, header, delta, s.shapes, s.cfg.merge.max_push_norm, measured.norm)
@@ -74,16 +68,20 @@ async def accept_push(
             "version": f.version,
             "pending": len(f.pending),
         }
-    validate_version(f, header, s.cfg.max_staleness)
     now = time.time()
+    header = check_counters(s, header, now)
+    validate_version(f, header, s.cfg.max_staleness)
     f.seen[key] = f.version
     while len(f.seen) > SEEN_PER_FRAGMENT:
         f.seen.popitem(last=False)
     s.learners.seen(header.unit, header.attempt, s.learners.get(header.unit).group, now)
-    s.learners.pushed(header.unit, header.attempt, header.step)
+    s.learners.pushed(header.unit, header.attempt, header.step, f.index)
+    # The merge weighs the push by counters no larger than an honest push's (trust.py).
+    w_steps, w_tokens = s.gate.trust.weight_counters(header.c_steps, header.c_tokens)
+    weighed = replace(header, c_steps=w_steps, c_tokens=w_tokens)
     if not f.pending:
         f.first_arrival, f.first_unit = now, header.unit
-    pending = Pending(header, delta, now, measured.norms)
+    pending = Pending(weighed, delta, now, measured.norms, keys=(key,))
     earlier = f.pending.get(header.unit)
     if earlier is not None:
         pending = earlier.plus(pending)  # unmerged pushes of one unit add up
@@ -103,3 +101,35 @@ async def accept_push(
         "version": f.version,
         "pending": len(f.pending),
     }
+
+
+def check_sender(s: Syncer, header: PushHeader, caller: str | None) -> None:
+    """The payload's unit is the caller, its attempt joined, and not quarantined."""
+    if caller is not None and header.unit != caller:
+        raise Reject(403, "identity_mismatch", f"payload unit {header.unit!r} != caller {caller!r}")
+    record = s.learners.records.get(header.unit)
+    if record is None or header.attempt not in record.joined:
+        raise Reject(
+            409,
+            "not_joined",
+            f"unit {header.unit!r} attempt {header.attempt} has not joined: join first",
+        )
+    s.gate.quarantined(header.unit, header.attempt)
+
+
+def check_counters(s: Syncer, header: PushHeader, now: float) -> PushHeader:
+    """The push's counters checked against what its attempt could have done (trust.py); the
+    header with its step filled in when the sender left it 0 (a learner that predates the
+    field: its push is taken to follow the fragment's previous one without a gap). Raises
+    Reject(422) and counts the refusal when they are impossible."""
+    previous = s.learners.previous_push(header.unit, header.attempt, header.fragment)
+    if header.step == 0:
+        header = replace(header, step=previous + header.c_steps)
+    elapsed, peers = s.learners.reach(header.unit, header.attempt, now)
+    try:
+        s.gate.trust.check_push(
+            header.step, header.c_steps, header.c_tokens, previous, elapsed, peers
+        )
+    except Implausible as exc:
+        raise s.gate.refused(header.unit, "push", exc) from exc
+    return header

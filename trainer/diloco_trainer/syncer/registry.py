@@ -5,17 +5,21 @@ Counting rule: a learner's step/tokens in a heartbeat are cumulative within its 
 we keep the maxima seen, and a unit's total is the sum over its attempts. A superseded attempt
 counts only up to the step of its last accepted push: its successor resumes the unit's data where
 that push said it was (the data position a push carries) and trains the steps after it again, so
-counting them twice would end the run with less training in the model than its budget says.
+counting them twice would end the run with less training in the model than its budget says. The
+newest attempt counts what it reported, but at most `lead` steps past its last accepted push
+(trust.py): a claim is only believed as far as the syncer has seen work arrive.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_trainer.status import LearnerStatus
 from diloco_trainer.syncer.grace import Ema
+from diloco_trainer.syncer.trust import median
 from diloco_trainer.wire import MAX_COUNTER
 
 log = logging.getLogger("diloco.syncer")
@@ -28,6 +32,9 @@ class LearnerRecord:
     attempt: int = 0
     attempts: dict[int, list[int]] = field(default_factory=dict)  # attempt -> [steps, tokens]
     pushed: dict[int, int] = field(default_factory=dict)  # attempt -> step of its last push
+    # attempt -> fragment -> step of that fragment's last accepted push
+    fragment_steps: dict[int, dict[int, int]] = field(default_factory=dict)
+    lead: int | None = None  # steps counted past the last accepted push; None: no bound
     joined: set[int] = field(default_factory=set)  # attempts that joined (a push needs it)
     # Where the unit's LR schedule began: 0 for the run's first units, the run's progress for a
     # unit that joined a running run (LearnerRegistry.get).
@@ -39,14 +46,22 @@ class LearnerRecord:
     loss: float | None = None
     step_time: Ema = field(default_factory=lambda: Ema(0.2))
     _last_hb: tuple[int, int, float] | None = None  # (attempt, step, time) of the previous beat
+    refusals: int = 0  # heartbeats and pushes refused as impossible (trust.py)
+    last_refusal: str | None = None
+
+    def refused(self, why: str) -> None:
+        self.refusals += 1
+        self.last_refusal = why[:300]
 
     def counted(self, attempt: int) -> tuple[int, int]:
-        """What `attempt` counts (steps, tokens): all it reported while it is the unit's newest
-        attempt; once superseded, up to its last accepted push (tokens pro rata)."""
+        """What `attempt` counts (steps, tokens): what it reported, up to `lead` steps past its
+        last accepted push while it is the unit's newest attempt, and up to that push once
+        superseded (tokens pro rata)."""
         steps, tokens = self.attempts.get(attempt, (0, 0))
-        if attempt >= self.attempt:
+        if attempt >= self.attempt and self.lead is None:
             return steps, tokens
-        kept = min(steps, self.pushed.get(attempt, 0))
+        lead = (self.lead or 0) if attempt >= self.attempt else 0
+        kept = min(steps, self.pushed.get(attempt, 0) + lead)
         return kept, (tokens * kept // steps if steps else 0)
 
     @property
@@ -63,9 +78,14 @@ class LearnerRecord:
 
 
 class LearnerRegistry:
-    def __init__(self, ema: float = 0.2, offline_after: float = 10.0) -> None:
+    def __init__(
+        self, ema: float = 0.2, offline_after: float = 10.0, lead: int | None = None
+    ) -> None:
+        """`lead`: the steps an attempt is counted past its last accepted push (None: what it
+        reports, as pure tests of the counting rules want)."""
         self.ema = ema
         self.offline_after = offline_after
+        self.lead = lead
         self.records: dict[str, LearnerRecord] = {}
 
     def get(self, unit: str) -> LearnerRecord:
@@ -76,7 +96,9 @@ class LearnerRegistry:
         if unit not in self.records:
             known = [r.schedule_position for r in self.records.values()]
             start = int(sum(known) / len(known)) if known else 0
-            self.records[unit] = LearnerRecord(unit, start_step=start, step_time=Ema(self.ema))
+            self.records[unit] = LearnerRecord(
+                unit, start_step=start, step_time=Ema(self.ema), lead=self.lead
+            )
         return self.records[unit]
 
     def seen(self, unit: str, attempt: int, group: str, now: float) -> LearnerRecord:
@@ -118,10 +140,30 @@ class LearnerRegistry:
             rec.loss = loss
         return rec
 
-    def pushed(self, unit: str, attempt: int, step: int) -> None:
-        """An accepted push of `unit`'s `attempt` made at its step `step`."""
+    def pushed(self, unit: str, attempt: int, step: int, fragment: int = 0) -> None:
+        """An accepted push of `fragment` by `unit`'s `attempt`, made at its step `step`."""
         rec = self.get(unit)
         rec.pushed[attempt] = max(rec.pushed.get(attempt, 0), step)
+        steps = rec.fragment_steps.setdefault(attempt, {})
+        steps[fragment] = max(steps.get(fragment, 0), step)
+
+    def reach(self, unit: str, attempt: int, now: float) -> tuple[float | None, float | None]:
+        """(seconds since `unit`'s `attempt` was first heard from, or None when unknown; the
+        other units' median seconds per step, or None): what `trust.Plausibility` bounds a
+        claim's step by. A restored record's attempt start is unknown (0.0: not bounded)."""
+        rec = self.get(unit)
+        since = rec.attempt_since if attempt == rec.attempt else None
+        elapsed = None if not since else now - since
+        others = [
+            r.step_time.value
+            for u, r in self.records.items()
+            if u != unit and r.step_time.value is not None
+        ]
+        return elapsed, median(others)
+
+    def previous_push(self, unit: str, attempt: int, fragment: int) -> int:
+        """The step of the attempt's last accepted push of `fragment` (0: none)."""
+        return self.get(unit).fragment_steps.get(attempt, {}).get(fragment, 0)
 
     def resume_step(self, unit: str, attempt: int) -> int:
         """Where attempt `attempt` of `unit` continues its LR schedule: where the unit started
@@ -171,7 +213,10 @@ class LearnerRegistry:
             return sum(loss for _, loss in pairs) / len(pairs)
         return sum(t * loss for t, loss in pairs) / weight
 
-    def status(self, now: float) -> dict[str, LearnerStatus]:
+    def status(
+        self, now: float, quarantined: Callable[[str, int], str | None] | None = None
+    ) -> dict[str, LearnerStatus]:
+        """Each unit's status; `quarantined(unit, attempt)`: why its attempt is quarantined."""
         out = {}
         for unit in sorted(self.records):
             r = self.records[unit]
@@ -186,6 +231,9 @@ class LearnerRegistry:
                 tokens=r.tokens,
                 tokens_per_sec=r.tokens_per_sec,
                 loss=r.loss,
+                refused=r.refusals,
+                last_refusal=r.last_refusal,
+                quarantined=quarantined(unit, r.attempt) if quarantined else None,
             )
         return out
 
@@ -197,6 +245,10 @@ class LearnerRegistry:
                 "attempt": r.attempt,
                 "attempts": {str(a): c for a, c in r.attempts.items()},
                 "pushed": {str(a): step for a, step in r.pushed.items()},
+                "fragmentSteps": {
+                    str(a): {str(p): step for p, step in steps.items()}
+                    for a, steps in r.fragment_steps.items()
+                },
                 "startStep": r.start_step,
                 "loss": r.loss,
                 "joined": sorted(r.joined),
@@ -237,6 +289,20 @@ class LearnerRegistry:
                 attempt, at = _counter(a, unit, "pushed"), _counter(step, unit, f"pushed.{a}")
                 if attempt is not None and at is not None:
                     rec.pushed[attempt] = at
+            # Absent before the field existed: the previous push of each fragment is step 0.
+            steps_of = raw.get("fragmentSteps")
+            rec.fragment_steps = {}
+            for a, frags in steps_of.items() if isinstance(steps_of, dict) else ():
+                attempt = _counter(a, unit, "fragmentSteps")
+                if attempt is None or not isinstance(frags, dict):
+                    continue
+                kept = {
+                    fragment: step
+                    for p, value in frags.items()
+                    if (fragment := _counter(p, unit, f"fragmentSteps.{a}")) is not None
+                    and (step := _counter(value, unit, f"fragmentSteps.{a}.{p}")) is not None
+                }
+                rec.fragment_steps[attempt] = kept
             # absent before the field existed
             rec.start_step = _counter(raw.get("startStep", 0), unit, "startStep") or 0
             loss = raw.get("loss")

@@ -16,11 +16,15 @@ import numpy as np
 from diloco_trainer.downlink import Publication
 from diloco_trainer.merge import Contribution, participation_share
 from diloco_trainer.outer import OuterOptimizer
+from diloco_trainer.syncer import robust
 from diloco_trainer.syncer.fragment import (
     FragmentState,
+    Pending,
+    PushKey,
     expected_arrival,
     finite_norm,
     put_back,
+    recent_merges,
 )
 from diloco_trainer.syncer.grace import grace_window, slack_seconds
 from diloco_trainer.syncer.health import retry_delay
@@ -119,17 +123,21 @@ async def _merge_after(s: Syncer, f: FragmentState, grace: float) -> None:
 async def _merge(s: Syncer, f: FragmentState) -> None:
     pending, f.pending = f.pending, {}
     f.first_arrival = f.first_unit = f.quorum_time = None
-    contributions = [
-        Contribution(p.delta, p.header.c_steps, p.header.c_tokens, p.norms)
-        for p in pending.values()
-    ]
+    try:
+        screened = await _screened(s, f, pending)
+    except BaseException:
+        put_back(f, pending)
+        raise
+    contributions = screened.contributions
     share = 1.0
     if s.cfg.merge.participation_scaling:
         online = set(contributors(s, f, time.time())) | set(pending)
         share = participation_share(len(contributions), len(online))
+    keys = [key for p in pending.values() for key in p.keys]
+    merged = recent_merges(f.merged, keys, f.version + 1, s.cfg.max_staleness)
     started = time.perf_counter()
     try:
-        computed = await _merge_steps(s, f, contributions, share)
+        computed = await _merge_steps(s, f, contributions, share, merged)
     except BaseException:
         put_back(f, pending)  # nothing was installed: the round merges on the next try
         raise
@@ -145,26 +153,73 @@ async def _merge(s: Syncer, f: FragmentState) -> None:
     new_version = f.version + 1
     elapsed = time.perf_counter() - started
     f.params, f.opt_state, f.publication, f.norm = new_params, new_state, publication, norm
-    f.version = new_version
+    f.version, f.merged = new_version, merged
     f.last_merge = time.time()
     s.sync_time.update(elapsed)
     s.metrics.merges.labels(str(f.index)).inc()
     s.metrics.merge_seconds.observe(elapsed)
     s.metrics.merge_contributions.observe(len(contributions))
+    judge(s, f, pending, screened)
     s._publish_gauges()
     f.changed.set()
     f.changed = asyncio.Event()
     log.info(
-        "event=merged fragment=%d version=%d contributions=%d share=%.3f units=%s seconds=%.4f",
+        "event=merged fragment=%d version=%d contributions=%d share=%.3f units=%s seconds=%.4f "
+        "screens=%s",
         f.index, f.version, len(contributions), share, ",".join(sorted(pending)), elapsed,
+        verdict_summary(screened),
+    )  # fmt: skip
+
+
+async def _screened(s: Syncer, f: FragmentState, pending: dict[str, Pending]) -> robust.Round:
+    """The round's contributions through the robust screens (robust.py), in the merge thread."""
+    units = list(pending)
+    contributions = [
+        Contribution(p.delta, p.header.c_steps, p.header.c_tokens, p.norms)
+        for p in pending.values()
+    ]
+    first = robust.start(units, contributions, f.typical_norm)
+    job = functools.partial(s.gate.screen, first, s.cfg.merge.token_weighting)
+    return await asyncio.get_running_loop().run_in_executor(s._merge_pool, job)
+
+
+def judge(s: Syncer, f: FragmentState, pending: dict[str, Pending], r: robust.Round) -> None:
+    """After a merge landed: count each push's verdict, quarantine the attempts that keep
+    sending outliers, and remember the fragment's typical delta norm for small rounds."""
+    for unit, verdict in r.verdicts.items():
+        s.metrics.screened.labels(verdict.action).inc()
+        attempt = pending[unit].header.attempt
+        reason = s.gate.quarantine.record(unit, attempt, verdict)
+        if reason is not None:
+            s.metrics.quarantined.inc()
+            log.warning(
+                "event=quarantined unit=%s attempt=%d fragment=%d reason=%r",
+                unit, attempt, f.index, reason,
+            )  # fmt: skip
+    kept = [robust.delta_norm(c) for c in r.contributions]
+    if kept:
+        median = float(np.median(kept))
+        f.typical_norm = median if f.typical_norm is None else 0.7 * f.typical_norm + 0.3 * median
+
+
+def verdict_summary(r: robust.Round) -> str:
+    return ",".join(
+        f"{u}:{v.action}" + ("" if v.norm_ratio is None else f"/{v.norm_ratio:.2f}")
+        + ("" if v.cosine is None else f"/{v.cosine:.2f}")
+        for u, v in sorted(r.verdicts.items())
     )  # fmt: skip
 
 
 async def _merge_steps(
-    s: Syncer, f: FragmentState, contributions: list[Contribution], share: float
+    s: Syncer,
+    f: FragmentState,
+    contributions: list[Contribution],
+    share: float,
+    merged: dict[PushKey, int],
 ) -> tuple[dict[str, np.ndarray], Any, Publication | None, float] | None:
     """The merge's new parameters, optimizer state, publication and norm, with the new
-    version journaled; None (nothing journaled) when the parameters are not finite."""
+    version journaled (and `merged`, the pushes it and its recent predecessors hold); None
+    (nothing journaled) when the parameters are not finite."""
     loop = asyncio.get_running_loop()
     new_params, new_state = await loop.run_in_executor(
         s._merge_pool, s._merge_compute, f.params, f.opt_state, contributions, share
@@ -177,7 +232,9 @@ async def _merge_steps(
         # Journal first, announce second: neither a number nor the content a learner has seen
         # is lost by a crash (journal.py).
         s._published[f.index] = max(s._published[f.index], new_version)
-        entry = functools.partial(journal_entry, f.index, new_version, new_params, new_state)
+        entry = functools.partial(
+            journal_entry, f.index, new_version, new_params, new_state, merged
+        )
         await loop.run_in_executor(s._journal_pool, _record, s.store, entry, list(s._published))
     publication = f.publication
     if publication is not None:
@@ -190,10 +247,19 @@ async def _merge_steps(
 
 
 def journal_entry(
-    index: int, version: int, params: dict[str, np.ndarray], state: Any
+    index: int,
+    version: int,
+    params: dict[str, np.ndarray],
+    state: Any,
+    merged: dict[PushKey, int] | None = None,
 ) -> JournaledFragment:
     return JournaledFragment(
-        index, version, params, OuterOptimizer.state_leaves(state), last_merge=time.time()
+        index,
+        version,
+        params,
+        OuterOptimizer.state_leaves(state),
+        last_merge=time.time(),
+        merged=dict(merged or {}),
     )
 
 

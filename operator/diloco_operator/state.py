@@ -1,0 +1,48 @@
+"""What the operator process holds between reconcile passes: its options, one waker per run,
+the runs' tokens, recently deleted pods, chaos progress and the HTTP session to the syncers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from diloco_operator import chaos
+from diloco_operator.netpolicy import OperatorIdentity
+
+
+@dataclass
+class Options:
+    poll_interval: float = 5.0
+    syncer_timeout: float = 2.0
+    # How the operator reaches a syncer: {name} {namespace} {port}. Out-of-cluster operators
+    # (development, e2e) can point it at a port-forward or proxy.
+    syncer_url: str = "http://{name}.{namespace}.svc:{port}"
+    # Deliver spec.chaos faults (--enable-chaos): off unless the operator's owner opts in.
+    chaos: bool = False
+    # kopf peering: how long a silent peer counts as alive (the failover bound for HA).
+    peering_lifetime: int = 15
+    # Set: each run gets a NetworkPolicy letting only its learners and this operator in.
+    network_policy: OperatorIdentity | None = None
+
+
+@dataclass
+class State:
+    options: Options = field(default_factory=Options)
+    wakers: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    # Pods seen deleted while their Job lived: Job uid -> pod name -> when deletion was asked.
+    deleted_pods: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+    tokens: dict[tuple[str, str], str] = field(default_factory=dict)
+    chaos: dict[tuple[str, str], chaos.RunChaos] = field(default_factory=dict)
+    http: aiohttp.ClientSession | None = None
+
+
+STATE = State()
+
+
+def wake(namespace: str | None, run: str | None) -> None:
+    event = STATE.wakers.get((namespace or "", run or ""))
+    if event is not None:
+        event.set()

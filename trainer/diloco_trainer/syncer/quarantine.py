@@ -1,0 +1,65 @@
+"""Quarantine: an attempt whose pushes are outliers again and again is refused until it restarts.
+
+A screen (robust.py) limits what one outlying push does to one merge; a unit that sends outliers
+round after round (a chip with a silent data corruption, a bug, an attacker) would still tax
+every merge. So each attempt's last `window` merged pushes are remembered as outlier or not,
+and once `after` of them were outliers the attempt is quarantined: its pushes are refused (403
+`quarantined`), status says so, and the operator (or the local runtime) recreates the unit,
+whose next attempt starts clean. A restart on broken hardware is quarantined again and counts
+against the unit's restart budget like any crash loop. Pure bookkeeping, checkpointed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from diloco_trainer.syncer.robust import Verdict
+
+
+class QuarantineBook:
+    def __init__(self, after: int, window: int) -> None:
+        self.after, self.window = after, window
+        self._recent: dict[str, tuple[int, deque[bool]]] = {}  # unit -> (attempt, outlier?)
+        self.held: dict[str, tuple[int, str]] = {}  # unit -> (attempt, reason)
+
+    def record(self, unit: str, attempt: int, verdict: Verdict) -> str | None:
+        """Count one merged push's verdict; the reason when this quarantines the attempt."""
+        if self.after <= 0 or self.reason(unit, attempt) is not None:
+            return None
+        known = self._recent.get(unit)
+        if known is None or known[0] != attempt:
+            if known is not None and known[0] > attempt:
+                return None  # a late push of an attempt already replaced
+            known = (attempt, deque(maxlen=self.window))
+            self._recent[unit] = known
+        known[1].append(verdict.outlier)
+        outliers = sum(known[1])
+        if outliers < self.after:
+            return None
+        reason = (
+            f"{outliers} of attempt {attempt}'s last {len(known[1])} merged pushes were outliers; "
+            f"the last one {verdict.describe()}"
+        )
+        self.held[unit] = (attempt, reason)
+        return reason
+
+    def reason(self, unit: str, attempt: int) -> str | None:
+        """Why `unit`'s `attempt` is quarantined, None when it is not."""
+        held = self.held.get(unit)
+        return held[1] if held is not None and held[0] == attempt else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {unit: [attempt, reason] for unit, (attempt, reason) in self.held.items()}
+
+    def load_json(self, raw: Any) -> None:
+        """Restore what a checkpoint holds; malformed entries are dropped (a dropped one only
+        lets that attempt push until it is caught again)."""
+        self.held = {
+            str(unit): (entry[0], str(entry[1]))
+            for unit, entry in (raw.items() if isinstance(raw, dict) else ())
+            if isinstance(entry, list)
+            and len(entry) == 2
+            and isinstance(entry[0], int)
+            and not isinstance(entry[0], bool)
+        }

@@ -1,0 +1,81 @@
+"""The run's roster: the exact unit identities (and each one's group) the syncer admits.
+
+The run secret can mint a token for any unit name (auth.py), so a credential alone does not say
+the unit belongs to the run: without a roster, a hundred invented names would each be a unit,
+and each would dilute every honest unit's share of the merges. Whoever creates the units knows
+the set: the operator from the DilocoRun's unit groups, the local runtime from the manifest. It
+hands the set over as a file at start (`--units-file`) and, when it changes (a scale), with
+`PUT /v1/units` (the run token); the newest revision wins, and the checkpoint keeps it.
+
+A unit not on the roster is refused at join and on every request (403 `unknown_unit`); one that
+claims another group than the roster's is refused too (403 `wrong_group`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diloco_trainer.syncer.fragment import Reject
+from diloco_trainer.wire import MAX_COUNTER
+
+MAX_UNITS = 100_000
+
+
+@dataclass(frozen=True)
+class Roster:
+    revision: int
+    units: Mapping[str, str]  # unit name -> group
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str = "roster") -> Roster:
+        """The roster in `doc` ({"revision": n, "units": {name: group}}); ValueError naming
+        the field otherwise."""
+        if not isinstance(doc, dict):
+            raise ValueError(f"{where}: expected an object with revision and units")
+        revision, units = doc.get("revision"), doc.get("units")
+        if not isinstance(revision, int) or isinstance(revision, bool):
+            raise ValueError(f"{where}.revision: expected an integer, got {revision!r}")
+        if not 0 <= revision <= MAX_COUNTER:
+            raise ValueError(f"{where}.revision: must be in 0..{MAX_COUNTER}")
+        if not isinstance(units, dict) or len(units) > MAX_UNITS:
+            raise ValueError(f"{where}.units: expected an object of at most {MAX_UNITS} units")
+        for name, group in units.items():
+            if not name or len(name) > 253 or not isinstance(group, str) or len(group) > 63:
+                raise ValueError(f"{where}.units: bad entry {str(name)[:60]!r}: {group!r}")
+        return cls(revision, dict(units))
+
+    @classmethod
+    def read(cls, path: str | Path) -> Roster:
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()), str(path))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read the units file: {exc}") from exc
+
+    def to_json(self) -> dict[str, Any]:
+        return {"revision": self.revision, "units": dict(self.units)}
+
+    def admit(self, unit: str, group: str | None) -> None:
+        """Raise Reject unless `unit` is on the roster (in `group`, when given)."""
+        known = self.units.get(unit)
+        if known is None:
+            raise Reject(
+                403,
+                "unknown_unit",
+                f"unit {unit!r} is not one of this run's {len(self.units)} units "
+                f"(roster revision {self.revision})",
+            )
+        if group is not None and group != known:
+            raise Reject(403, "wrong_group", f"unit {unit!r} is in group {known!r}, not {group!r}")
+
+
+def newest(*rosters: Roster | None) -> Roster | None:
+    """The roster of the highest revision (the later one on a tie)."""
+    out: Roster | None = None
+    for roster in rosters:
+        if roster is not None and (out is None or roster.revision >= out.revision):
+            out = roster
+    return out
