@@ -36,6 +36,9 @@ from diloco_trainer.merge import Contribution, participation_share
 from diloco_trainer.models.gpt import init_params, loss_fn, param_shapes
 from diloco_trainer.outer import OuterOptimizer, merge_and_step
 from diloco_trainer.quantize import dequantize, quantize
+from diloco_trainer.syncer import robust
+from diloco_trainer.syncer.quarantine import QuarantineBook
+from diloco_trainer.syncer.trust import Implausible, Plausibility
 from diloco_trainer.workload.evaluate import eval_loss
 
 # What a learner does with its fragment when a new version arrives: overwrite it (the product),
@@ -47,6 +50,8 @@ Install = Literal["overwrite", "keep-unsent", "mix"]
 # has lost them).
 Restart = Literal["fresh", "peer", "own"]
 Host = dict[str, np.ndarray]
+Bad = Literal["none", "scaled", "long", "noise", "flipped"]
+HUGE = (1 << 53) - 1
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,15 @@ class Setting:
     per_round_momentum: bool = False
     restart: Restart = "fresh"
     relock: bool = False  # a restarted learner takes a live peer's push schedule
+    # One bad learner (the last): its pushes are its delta 9.9x long with cTokens 2^53-1 on
+    # cSteps 1 ("scaled"), 9.9x long with honest counters ("long"), noise of its delta's norm
+    # ("noise"), or its delta with the sign flipped ("flipped").
+    bad: Bad = "none"
+    # The syncer's defences (trust.py, robust.py, quarantine.py with the config's defaults):
+    # impossible counters refused, weights capped, outlying deltas clipped or left out, and a
+    # learner quarantined for repeated outliers has its later pushes refused. Off by default,
+    # so the sections measured before the defences existed measure the same model.
+    defended: bool = False
 
 
 @dataclass
@@ -82,6 +96,7 @@ class Result:
     merges: int
     contributions: int
     steps: list[int] = field(default_factory=list)
+    defences: str = ""  # what the defences did (Defences.note)
 
     @property
     def note(self) -> str:
@@ -131,6 +146,79 @@ def _restarted_state(
     return jax.tree_util.tree_map(lambda a, b: a.at[m].set(b), state, resumed)
 
 
+def corrupted(
+    delta: Host, c_steps: int, c_tokens: int, bad: Bad, rng: np.random.Generator
+) -> tuple[Host, int, int]:
+    """What a bad learner sends instead of (delta, cSteps, cTokens)."""
+    if bad in ("scaled", "long"):
+        delta = {n: v * np.float32(9.9) for n, v in delta.items()}
+        return (delta, 1, HUGE) if bad == "scaled" else (delta, c_steps, c_tokens)
+    if bad == "noise":
+        norm = np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in delta.values()))
+        noise = {n: rng.normal(size=v.shape).astype(np.float32) for n, v in delta.items()}
+        scale = norm / np.sqrt(
+            sum(float(np.sum(np.square(v, dtype=np.float64))) for v in noise.values())
+        )
+        return {n: v * np.float32(scale) for n, v in noise.items()}, c_steps, c_tokens
+    if bad == "flipped":
+        return {n: -v for n, v in delta.items()}, c_steps, c_tokens
+    return delta, c_steps, c_tokens
+
+
+class Defences:
+    """The syncer's checks on one simulated run: what a push's counters may be, what each
+    merge's contributions are screened to, and who is quarantined."""
+
+    def __init__(self, cfg: TrainingConfig, tokens_per_step: int) -> None:
+        self.rules = Plausibility(tokens_per_step, 2 * cfg.inner_steps)
+        self.screen = robust.screen(cfg.merge.robust)
+        self.quarantine = QuarantineBook(
+            cfg.merge.robust.quarantine_after, cfg.merge.robust.quarantine_window
+        )
+        self.token_weighting = cfg.merge.token_weighting
+        self.typical: list[float | None] = [None] * cfg.fragments
+        self.refused = self.dropped = self.clipped = 0
+        self.quarantined_at: int | None = None
+
+    def admit(
+        self, m: int, step: int, previous: int, c_steps: int, c_tokens: int
+    ) -> tuple[int, int] | None:
+        """The push's weight counters, or None when the syncer would refuse it (impossible
+        counters, or a quarantined learner). No peer step time: the time bound is not used."""
+        if self.quarantine.reason(str(m), 0) is not None:
+            self.refused += 1
+            return None
+        try:
+            self.rules.check_push(step, c_steps, c_tokens, previous, None, None)
+        except Implausible:
+            self.refused += 1
+            return None
+        return self.rules.weight_counters(c_steps, c_tokens)
+
+    def merge(
+        self, p: int, units: list[int], contribs: list[Contribution], tick: int
+    ) -> list[Contribution]:
+        r = self.screen(
+            robust.start([str(m) for m in units], contribs, self.typical[p]), self.token_weighting
+        )
+        for unit, verdict in r.verdicts.items():
+            self.dropped += verdict.action == "dropped"
+            self.clipped += verdict.action == "clipped"
+            if self.quarantine.record(unit, 0, verdict) is not None and self.quarantined_at is None:
+                self.quarantined_at = tick
+        kept = [robust.delta_norm(c) for c in r.contributions]
+        median = float(np.median(kept))
+        old = self.typical[p]
+        self.typical[p] = median if old is None else 0.7 * old + 0.3 * median
+        return r.contributions
+
+    def note(self) -> str:
+        where = (
+            "" if self.quarantined_at is None else f", quarantined at tick {self.quarantined_at}"
+        )
+        return f"refused {self.refused}, clipped {self.clipped}, left out {self.dropped}{where}"
+
+
 def simulate(
     cfg: TrainingConfig,
     total_steps: int,
@@ -173,11 +261,14 @@ def simulate(
     steps = [0] * m_count
     down_until = [0] * m_count
     kills = {(k.tick, k.learner): k.down_ticks for k in s.kills}
-    pending: list[list[tuple[int, int, Host, int]]] = [[] for _ in layout]
+    pending: list[list[tuple[int, int, Host, int, int]]] = [[] for _ in layout]
     arrivals: list[tuple[int, int, Host]] = []
     merges = contributions = tick = 0
     batch_shape = (cfg.data.batch_size, cfg.model.context + 1)
     tokens = cfg.tokens_per_step
+    defences = Defences(cfg, tokens) if s.defended else None
+    bad_rng = np.random.default_rng(cfg.seed + 1000)
+    last_push = np.zeros((m_count, len(layout)), dtype=np.int64)  # step of each learner's push
 
     def host(m: int, names: Sequence[str]) -> Host:
         return {n: np.asarray(params[n][m]) for n in names}
@@ -217,17 +308,32 @@ def simulate(
                 if is_due(steps[m] + phases[m], p, h, len(layout)):
                     theta = host(m, frag)
                     delta = roundtrip({n: ref[m][p][n] - theta[n] for n in frag}, s.scheme)
-                    pending[p].append((tick, m, delta, int(counts[m, p])))
+                    c_steps, c_tokens = int(counts[m, p]), int(counts[m, p]) * tokens
+                    if m == m_count - 1 and s.bad != "none":
+                        delta, c_steps, c_tokens = corrupted(
+                            delta, c_steps, c_tokens, s.bad, bad_rng
+                        )
+                    weights = (
+                        (c_steps, c_tokens)
+                        if defences is None
+                        else defences.admit(m, steps[m], int(last_push[m, p]), c_steps, c_tokens)
+                    )
+                    last_push[m, p] = steps[m]
+                    if weights is not None:
+                        pending[p].append((tick, m, delta, *weights))
                     # As the product's learner does: the next push carries only later progress.
                     ref[m][p], counts[m, p] = theta, 0
         online = sum(alive)
         for p, frag in enumerate(layout):
             if not pending[p] or tick - pending[p][0][0] < s.grace:
                 continue
-            contribs = [Contribution(d, c, c * tokens) for _, _, d, c in pending[p] if c > 0]
+            arrived = [(m, Contribution(d, c, t)) for _, m, d, c, t in pending[p] if c > 0]
             pending[p] = []
-            if not contribs:
+            if not arrived:
                 continue
+            contribs = [c for _, c in arrived]
+            if defences is not None:
+                contribs = defences.merge(p, [m for m, _ in arrived], contribs, tick)
             share = participation_share(len(contribs), online)
             new, outer_states[p] = merge_and_step(
                 outer,
@@ -260,4 +366,6 @@ def simulate(
                     set_leaves(m, mixed)
                 ref[m][p] = tensors
     loss = eval_loss(glob, cfg, eval_batches)
-    return Result(loss, time.perf_counter() - started, tick, merges, contributions, steps)
+    result = Result(loss, time.perf_counter() - started, tick, merges, contributions, steps)
+    result.defences = defences.note() if defences is not None else ""
+    return result
