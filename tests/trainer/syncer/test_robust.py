@@ -121,3 +121,9 @@ def test_an_attempt_sending_outliers_again_and_again_is_quarantined_until_it_res
     restored = QuarantineBook(3, 6)
     restored.load_json(book.to_json())
     assert restored.reason("bad", 0) == reason
+    # A restarted attempt's first two merged pushes (fresh AdamW moments) are not counted: the
+    # "fine" above and this outlier; the three after it are, and quarantine it.
+    assert book.record("bad", 1, outlier) is None and book.reason("bad", 1) is None
+    for _ in range(2):
+        assert book.record("bad", 1, outlier) is None
+    assert book.record("bad", 1, outlier) is not None

@@ -7,6 +7,11 @@ and once `after` of them were outliers the attempt is quarantined: its pushes ar
 `quarantined`), status says so, and the operator (or the local runtime) recreates the unit,
 whose next attempt starts clean. A restart on broken hardware is quarantined again and counts
 against the unit's restart budget like any crash loop. Pure bookkeeping, checkpointed.
+
+A restarted attempt's first `grace` merged pushes are screened but not counted: it starts from
+fresh AdamW moments in the middle of a run, and its first deltas are long and noisy (in the
+chaos demo two of them were left out, cosine -0.02 and -0.09 with the others), which would
+otherwise quarantine an honest unit and restart it into the same state again.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from diloco_trainer.syncer.robust import Verdict
 
 
 class QuarantineBook:
-    def __init__(self, after: int, window: int) -> None:
-        self.after, self.window = after, window
+    def __init__(self, after: int, window: int, grace: int = 2) -> None:
+        self.after, self.window, self.grace = after, window, grace
+        self._merged: dict[str, tuple[int, int]] = {}  # unit -> (attempt, merged pushes)
         self._recent: dict[str, tuple[int, deque[bool]]] = {}  # unit -> (attempt, outlier?)
         self.held: dict[str, tuple[int, str]] = {}  # unit -> (attempt, reason)
 
@@ -27,6 +33,11 @@ class QuarantineBook:
         """Count one merged push's verdict; the reason when this quarantines the attempt."""
         if self.after <= 0 or self.reason(unit, attempt) is not None:
             return None
+        attempt_seen, merged = self._merged.get(unit, (attempt, 0))
+        merged = merged + 1 if attempt_seen == attempt else 1
+        self._merged[unit] = (attempt, merged)
+        if attempt > 0 and merged <= self.grace:
+            return None  # a restarted attempt's first pushes: fresh optimizer moments
         known = self._recent.get(unit)
         if known is None or known[0] != attempt:
             if known is not None and known[0] > attempt:
