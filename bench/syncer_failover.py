@@ -1,9 +1,10 @@
-"""Issue 18 item 11: what a syncer kill costs, with and without the warm standby.
+"""What a syncer kill costs, with and without the warm standby, under a harsh schedule.
 
 Three `diloco local run`s of one manifest (4 units, tiny model, the same token budget):
 - calm: no faults;
-- harsh, standby: two syncer SIGKILLs, one unit paused (SIGSTOP) longer than
-  `offlineAfterSeconds`, three of the four units SIGKILLed within two seconds;
+- harsh, standby: two syncer SIGKILLs, one unit paused (SIGSTOP) for 30 s, longer than
+  `offlineAfterSeconds`, three of the four units SIGKILLed within two seconds, checkpoints every
+  2 s;
 - harsh, no standby (`spec.syncer.standby: false`): the same schedule, each killed syncer
   restarted cold (a new process loads the checkpoint and the fragment journal).
 
@@ -27,6 +28,8 @@ from bench.goodput_real import manifest as goodput_manifest
 from bench.live import local_run
 
 OFFLINE_AFTER = 20.0
+PAUSE_SECONDS = 30.0
+CHECKPOINT_SECONDS = 2.0
 BUMP_WINDOW = 30.0
 
 
@@ -36,7 +39,7 @@ def harsh_schedule(quick: bool) -> list[dict[str, Any]]:
     scale = 0.75 if quick else 1.0
     return [
         {"atSeconds": 60 * scale, "action": "killSyncer"},
-        {"atSeconds": 80 * scale, "action": "pause", "unit": 0, "pauseSeconds": OFFLINE_AFTER + 5},
+        {"atSeconds": 80 * scale, "action": "pause", "unit": 0, "pauseSeconds": PAUSE_SECONDS},
         {"atSeconds": 120 * scale, "action": "killSyncer"},
         {"atSeconds": 140 * scale, "action": "kill", "unit": 1},
         {"atSeconds": 141 * scale, "action": "kill", "unit": 2},
@@ -52,6 +55,7 @@ def manifest(tokens: int, schedule: list[dict[str, Any]] | None, standby: bool) 
     spec = doc["spec"]
     spec["syncer"] = {"standby": standby}
     spec["training"]["eval"] = {"everySeconds": 5, "batches": 4}
+    spec["training"]["checkpoint"] = {"everySeconds": CHECKPOINT_SECONDS}
     spec["failurePolicy"]["offlineAfterSeconds"] = OFFLINE_AFTER
     if schedule is not None:
         spec["chaos"] = {"seed": 0, "schedule": schedule}
@@ -165,9 +169,9 @@ def run(ctx: BenchContext) -> Section:
     verdicts = "; ".join(f"{k}: **{'met' if v else 'NOT met'}**" for k, v in met.items())
     body = f"""
 {UNITS} units (`diloco local run --chaos --spares {SPARES}`), tiny model, {tokens:,} tokens,
-checkpoints every 10 s, evaluations every 5 s. The harsh schedule (seconds after the start):
+checkpoints every {CHECKPOINT_SECONDS:g} s, evaluations every 5 s. The harsh schedule (seconds after the start):
 {", ".join(f"{f['action']}{'' if 'unit' not in f else ' unit ' + str(f['unit'])} at {f['atSeconds']:g}" for f in schedule)};
-the pause lasts {OFFLINE_AFTER + 5:g} s, past `offlineAfterSeconds` ({OFFLINE_AFTER:g} s). Each
+the pause lasts {PAUSE_SECONDS:g} s, past `offlineAfterSeconds` ({OFFLINE_AFTER:g} s). Each
 kill column lists the two syncer kills in order: "serving" is the SIGKILL until the next syncer
 logs `event=listening` (the port bound, requests answered), "first merge" until it merges a
 push, "versions lost" counts its `event=versions_lost` lines (versions published before the
@@ -177,9 +181,9 @@ percent in loss (goodput_real).
 
 {table}
 
-Targets (issue 18 item 11, the warm standby row): {verdicts}.
+Targets (the warm standby row): {verdicts}.
 
-Before the fragment journal and the standby (issue 18's report on the demo), a killed syncer took
+Before the fragment journal and the standby (a report on the demo), a killed syncer took
 25 s to serve again and lost 2-3 published versions per fragment, and the same kind of schedule
 ended 19% above the calm run at 67% goodput. Both rows here have the fragment journal, so even
 the cold restart loses no published version; what the standby removes is the start-up (JAX
