@@ -240,6 +240,18 @@ def _coordinator_port() -> int:
     raise AssertionError(f"no free port in 20000..{low}")
 
 
+def test_rebase_install_keeps_the_unpushed_steps_in_the_leaf_sharding(
+    one_host_runs: dict[str, dict[str, np.ndarray]],
+) -> None:
+    rebased, replaced = one_host_runs["fsdp+rebase"], one_host_runs["fsdp"]
+    np.testing.assert_allclose(rebased["losses"], replaced["losses"], rtol=1e-5)  # until then
+    # The installed leaf is the arrived value plus the steps since the fragment's push, which
+    # are not nothing here (the worker checks the value against its host arithmetic).
+    assert bool(rebased["install_ok"]) and bool(rebased["installed_value_ok"])
+    assert bool(rebased["rebased_moved"]) and not bool(replaced["rebased_moved"])
+    assert float(rebased["after_install"]) != pytest.approx(float(replaced["after_install"]))
+
+
 @pytest.mark.parametrize("mode", ["fsdp", "fsdp+rebase"])
 def test_two_processes_of_four_devices_train_like_one_of_eight(
     one_host_runs: dict[str, dict[str, np.ndarray]], mode: str, tmp_path: Path
