@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from diloco_trainer.auth import unit_token
 from diloco_trainer.config import PER_BYTE, SCHEMES, ModelConfig, TrainingConfig
-from diloco_trainer.learner.loop import LearnerOptions, run_learner
+from diloco_trainer.learner.loop import run_learner
+from diloco_trainer.learner.options import LearnerOptions
 from diloco_trainer.models.gpt import param_shapes
 
 from bench.common import BenchContext, Section, fmt_bytes, log, md_table

@@ -14,7 +14,8 @@ import jax
 from diloco_trainer.auth import unit_token
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.data.corpus import train_batches
-from diloco_trainer.learner.loop import LearnerOptions, learner_horizon, run_learner
+from diloco_trainer.learner.loop import learner_horizon, run_learner
+from diloco_trainer.learner.options import LearnerOptions
 from diloco_trainer.learner.train import (
     LossFn,
     init_opt_state,

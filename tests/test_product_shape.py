@@ -29,26 +29,13 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def _type_checking_blocks(tree: ast.Module) -> set[int]:
-    """ids of the nodes under `if TYPE_CHECKING:`: annotations only, never executed."""
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
-            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return skipped
-
-
 def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """Product modules that `name` imports anywhere in its body. Lazy imports count (a cycle
-    hidden inside a function is still a cycle of the design); imports for type annotations only
-    (`if TYPE_CHECKING:`) do not, since they never run."""
+    """Product modules that `name` imports anywhere in its body. Lazy imports and imports for
+    annotations only (`if TYPE_CHECKING:`) count: a cycle hidden inside a function, or one that
+    only the type checker follows, is still a cycle of the design."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    tree = ast.parse(path.read_text())
-    skipped = _type_checking_blocks(tree)
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -116,7 +116,8 @@ class Served:
 
 
 def test_a_learner_serves_its_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
-    from diloco_trainer.learner.loop import LearnerOptions, run_learner
+    from diloco_trainer.learner.loop import run_learner
+    from diloco_trainer.learner.options import LearnerOptions
 
     cfg = TrainingConfig.model_validate(
         {

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from diloco_trainer.learner.fragment_sync import FragmentBook
-from diloco_trainer.learner.loop import LearnerOptions, schedule_clock
+from diloco_trainer.learner.loop import schedule_clock
+from diloco_trainer.learner.options import LearnerOptions
 from diloco_trainer.learner.report import REBASE_HINT_SHARE, Reporter
 
 from tests.trainer.syncer.test_syncer import tiny_cfg

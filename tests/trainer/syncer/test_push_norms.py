@@ -54,13 +54,13 @@ def test_the_syncer_merges_with_the_norms_measured_at_decoding(
 ) -> None:
     syncer = live.syncer
     seen: list[list[Contribution]] = []
-    real = syncer._merge_compute
+    real = syncer.merge_compute
 
     def recording(params: Any, state: Any, contributions: list[Contribution], *rest: Any) -> Any:
         seen.append(contributions)
         return real(params, state, contributions, *rest)
 
-    monkeypatch.setattr(syncer, "_merge_compute", recording)
+    monkeypatch.setattr(syncer, "merge_compute", recording)
     learner = live.client("unit-0")
     learner.join()
     delta = fragment_delta(live, 0)

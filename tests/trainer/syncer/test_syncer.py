@@ -802,7 +802,8 @@ def test_a_restarted_learner_continues_its_lr_schedule_and_counts_its_own_steps(
     the syncer's total for the unit is 120 + the new steps (nothing counted twice)."""
     import logging
 
-    from diloco_trainer.learner.loop import LearnerOptions, run_learner
+    from diloco_trainer.learner.loop import run_learner
+    from diloco_trainer.learner.options import LearnerOptions
 
     cfg = live.syncer.cfg
     first = live.client("unit-0")
@@ -836,7 +837,8 @@ def test_a_learner_behind_the_run_moves_its_lr_schedule_up_to_the_runs_progress(
     not end the run at a higher LR than the others."""
     import logging
 
-    from diloco_trainer.learner.loop import LearnerOptions, learner_horizon, run_learner
+    from diloco_trainer.learner.loop import learner_horizon, run_learner
+    from diloco_trainer.learner.options import LearnerOptions
     from diloco_trainer.learner.train import learning_rate_schedule
 
     cfg = live.syncer.cfg

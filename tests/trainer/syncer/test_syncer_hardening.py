@@ -590,14 +590,14 @@ def test_readiness_stays_down_while_any_fragment_cannot_merge(
     """A merge of another fragment succeeding does not clear a fragment's failure."""
     syncer = live.syncer
     broken = set(syncer.frags[0].names)
-    real = syncer._merge_compute
+    real = syncer.merge_compute
 
     def fails_for_fragment_0(params: Any, *rest: Any) -> Any:
         if set(params) == broken:
             raise OSError(errno.EIO, "Input/output error")
         return real(params, *rest)
 
-    monkeypatch.setattr(syncer, "_merge_compute", fails_for_fragment_0)
+    monkeypatch.setattr(syncer, "merge_compute", fails_for_fragment_0)
     learner = live.client("unit-0")
     learner.join()
     learner.push(0, 0, fragment_delta(live, 0), 1, 8)
@@ -605,6 +605,6 @@ def test_readiness_stays_down_while_any_fragment_cannot_merge(
     learner.push(1, 0, fragment_delta(live, 1), 1, 8)
     wait_until(lambda: syncer.frags[1].version == 1)
     assert live.raw("GET", "/readyz")[0] == 503  # fragment 0 still fails
-    monkeypatch.setattr(syncer, "_merge_compute", real)
+    monkeypatch.setattr(syncer, "merge_compute", real)
     wait_until(lambda: syncer.frags[0].version == 1)
     assert live.raw("GET", "/readyz")[0] == 200

@@ -17,7 +17,8 @@ import pytest
 from diloco_trainer.api import EntrypointError
 from diloco_trainer.auth import unit_token
 from diloco_trainer.config import TrainingConfig
-from diloco_trainer.learner.loop import LearnerOptions, learner_horizon, run_learner
+from diloco_trainer.learner.loop import learner_horizon, run_learner
+from diloco_trainer.learner.options import LearnerOptions
 from diloco_trainer.syncer.core import Syncer
 from diloco_trainer.workload.check import batch_tokens, prepare, tokens_per_step
 

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -39,6 +39,7 @@ from diloco_trainer.learner.distributed import (
     is_leader,
 )
 from diloco_trainer.learner.fragment_sync import FragmentBook
+from diloco_trainer.learner.options import LearnerOptions, LearnerResult
 from diloco_trainer.learner.report import Reporter
 from diloco_trainer.learner.sharding import abstract_params
 from diloco_trainer.learner.sync_link import SyncLink, retry_until
@@ -64,51 +65,6 @@ from diloco_trainer.wire import DataLease
 from diloco_trainer.workload.check import Workload, prepare
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LearnerOptions:
-    syncer: str
-    token: str
-    unit: int
-    num_units: int
-    unit_name: str = ""
-    attempt: int = 0
-    group: str = "default"
-    slowdown: float = 1.0  # >= 1: sleep (slowdown-1) * step time after each step
-    log_every: int = 50
-    max_steps: int | None = None  # stop after this many local steps (benchmarks, debugging)
-    metrics_port: int = 0  # > 0: the leader serves Prometheus /metrics here (learner_metrics.py)
-
-    @property
-    def name(self) -> str:
-        return self.unit_name or f"unit-{self.unit}"
-
-
-@dataclass
-class LearnerResult:
-    steps: int
-    tokens: int
-    seconds: float
-    complete: bool
-    final_loss: float | None
-    versions: list[int]
-    link_stats: dict[str, int] = field(default_factory=dict)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_joined: int = 0  # of bytes_received: the join and the full pull of the parameters
-    # Where the loop's time went after its first (compiling) step: "train" = dispatching the step
-    # and waiting for the previous one; "slowdown" = the --slowdown sleep; "other" = the rest of
-    # the loop (installing arrivals, queueing pushes' references, logging). Nothing in the loop
-    # waits on other learners or the syncer, so a unit's idle time would show up under "other".
-    loop_seconds: dict[str, float] = field(default_factory=dict)
-    # Of the learner's steps on each fragment, the share that installs replaced before a push
-    # carried them: mostly the steps made while a merge it pushed to was under way.
-    overwritten_share: float = 0.0
-
-    @property
-    def tokens_per_sec(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -208,7 +208,8 @@ def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | N
     import jax
 
     from diloco_trainer.learner.distributed import init_distributed
-    from diloco_trainer.learner.loop import LearnerOptions, run_learner
+    from diloco_trainer.learner.loop import run_learner
+    from diloco_trainer.learner.options import LearnerOptions
 
     stop = threading.Event()
 

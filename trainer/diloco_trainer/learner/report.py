@@ -21,7 +21,7 @@ from diloco_trainer.learner.train import ScheduleClock
 from diloco_trainer.workload.check import Workload
 
 if TYPE_CHECKING:
-    from diloco_trainer.learner.loop import LearnerOptions
+    from diloco_trainer.learner.options import LearnerOptions
 
 log = logging.getLogger(__name__)
 

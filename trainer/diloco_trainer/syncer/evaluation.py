@@ -10,10 +10,10 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-import numpy as np
+from diloco_trainer.syncer import persist
 
 if TYPE_CHECKING:
-    from diloco_trainer.syncer.core import Syncer
+    from diloco_trainer.syncer.state import SyncerState
 
 log = logging.getLogger("diloco.syncer")
 
@@ -24,65 +24,57 @@ log = logging.getLogger("diloco.syncer")
 FINAL_SETTLE_SECONDS = 2.0
 
 
-async def run_eval(s: Syncer) -> None:
+async def run_eval(s: SyncerState) -> None:
     if s.eval_fn is None:
         return
     versions = tuple(s.versions())
-    if versions == s._evaluated and s.eval_loss is not None:
+    if versions == s.evaluated and s.eval_loss is not None:
         return  # same global model as last time: spare the CPU
-    params: dict[str, np.ndarray] = {}
-    for f in s.frags:
-        params.update(f.params)
+    params = s.global_params()
     step = s.outer_step
     eval_fn, cfg = s.eval_fn, s.cfg
     loss = await asyncio.get_running_loop().run_in_executor(
-        s._eval_pool, lambda: eval_fn(params, cfg, cfg.eval.batches)
+        s.pools.eval, lambda: eval_fn(params, cfg, cfg.eval.batches)
     )
-    s._evaluated = versions
+    s.evaluated = versions
     if math.isfinite(loss):
         s.eval_loss = float(loss)
         s.metrics.eval_loss.set(loss)
     log.info("event=eval outer_step=%d loss=%.4f", step, loss)
 
 
-def check_complete(s: Syncer) -> None:
+def check_complete(s: SyncerState) -> None:
     """Start the final evaluation the first time the budget is seen reached (called after
     every heartbeat, and at startup for a restored run that completed before its final
     evaluation finished)."""
-    if s.final_eval == "waiting" and s.complete and s._final_task is None:
+    if s.final_eval == "waiting" and s.complete and s.final_task is None:
         s.final_eval = "running"
-        s._final_task = asyncio.get_running_loop().create_task(_final_evaluation(s))
-        s._background.append(s._final_task)
+        s.final_task = asyncio.get_running_loop().create_task(_final_evaluation(s))
+        s.background.append(s.final_task)
 
 
-def _settled(s: Syncer) -> bool:
-    return s._decoding == 0 and all(f.merge_task is None for f in s.frags)
-
-
-async def _final_evaluation(s: Syncer) -> None:
+async def _final_evaluation(s: SyncerState) -> None:
     """Wait (at most FINAL_SETTLE_SECONDS) until no push is being decoded and no merge is
     running, evaluate the global parameters, expose the loss as `finalLoss` and checkpoint.
     Contributions left pending below the quorum, or held for a next round (phase lock), never
     merge (learners have stopped), so they are not waited for."""
     started = time.monotonic()
-    while not _settled(s) and time.monotonic() - started < FINAL_SETTLE_SECONDS:
+    while not s.settled and time.monotonic() - started < FINAL_SETTLE_SECONDS:
         await asyncio.sleep(0.02)
-    settled = _settled(s)
+    settled = s.settled
     waited = time.monotonic() - started
     eval_fn, cfg = s.eval_fn, s.cfg
     if eval_fn is None:
         return
     versions = tuple(s.versions())
-    params: dict[str, np.ndarray] = {}
-    for f in s.frags:
-        params.update(f.params)
+    params = s.global_params()
     step = s.outer_step
     try:
-        if versions == s._evaluated and s.eval_loss is not None:
+        if versions == s.evaluated and s.eval_loss is not None:
             loss = s.eval_loss  # the periodic eval saw exactly this model already
         else:
             loss = await asyncio.get_running_loop().run_in_executor(
-                s._eval_pool, lambda: eval_fn(params, cfg, cfg.eval.batches)
+                s.pools.eval, lambda: eval_fn(params, cfg, cfg.eval.batches)
             )
     except Exception:
         s.final_eval = "failed"
@@ -98,4 +90,4 @@ async def _final_evaluation(s: Syncer) -> None:
         "event=final_eval outer_step=%d versions=%s loss=%.4f settled=%s waited=%.3f",
         step, list(versions), loss, str(settled).lower(), waited,
     )  # fmt: skip
-    await s.save_checkpoint(force=True)
+    await persist.save_checkpoint(s, force=True)

@@ -199,7 +199,7 @@ async def _journal_leases(s: Syncer, moves_before: int) -> None:
     book = s.leases.to_json()  # on the loop thread: the book as of this change
     try:
         await asyncio.get_running_loop().run_in_executor(
-            s._journal_pool, s.store.record_leases, book
+            s.pools.journal, s.store.record_leases, book
         )
     except (OSError, CheckpointError) as exc:
         # A full or failing disk: the unit asks again (5xx is retried) and is given the same
@@ -253,7 +253,7 @@ async def heartbeat(request: web.Request) -> web.Response:
         loss=field_of(data, "loss", float, None),
         now=now,
     )
-    s._publish_gauges()
+    s.publish_gauges()
     s.check_complete()
     return _json(
         {
@@ -358,7 +358,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     s = request.app[SYNCER_KEY]
-    s._publish_gauges()
+    s.publish_gauges()
     return web.Response(
         body=generate_latest(s.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
     )
@@ -406,6 +406,6 @@ async def start_server(syncer: Syncer, host: str, port: int) -> tuple[web.AppRun
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     # A background task of the syncer: stop_background (app cleanup) cancels it.
-    syncer._background.append(asyncio.create_task(app[CONNECTIONS_KEY].watch(runner)))
+    syncer.background.append(asyncio.create_task(app[CONNECTIONS_KEY].watch(runner)))
     bound = [addr[1] for addr in runner.addresses if isinstance(addr, tuple)]
     return runner, int(bound[0]) if bound else port

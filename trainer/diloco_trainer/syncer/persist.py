@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -27,17 +28,17 @@ from diloco_trainer.syncer.journal import (
 from diloco_trainer.syncer.roster import Roster
 
 if TYPE_CHECKING:
-    from diloco_trainer.syncer.core import Syncer
+    from diloco_trainer.syncer.state import SyncerState
 
 log = logging.getLogger("diloco.syncer")
 
 
-def restore(s: Syncer, snap: Snapshot) -> None:
+def restore(s: SyncerState, snap: Snapshot) -> None:
     with phase(log, "restore", seq=snap.seq):
         _restore(s, snap)
 
 
-def _restore(s: Syncer, snap: Snapshot) -> None:
+def _restore(s: SyncerState, snap: Snapshot) -> None:
     layout = [f.names for f in s.frags]
     if snap.layout != layout:
         raise ValueError(
@@ -56,7 +57,7 @@ def _restore(s: Syncer, snap: Snapshot) -> None:
         if isinstance(merged, list) and len(merged) == len(s.frags):
             remember_merged(f, merged_from_json(merged[f.index]))
     restore_run_state(s, snap.learners, snap.extra)
-    s._saved_mark = s._mark()
+    s.saved_mark = s.mark()
     s.restored_seq = snap.seq
     log.info(
         "event=restored seq=%d versions=%s outer_step=%d",
@@ -66,7 +67,7 @@ def _restore(s: Syncer, snap: Snapshot) -> None:
     )
 
 
-def restore_run_state(s: Syncer, learners: dict[str, Any], extra: dict[str, Any]) -> None:
+def restore_run_state(s: SyncerState, learners: dict[str, Any], extra: dict[str, Any]) -> None:
     """What a checkpoint holds besides the fragments: learner counters, data leases (the
     journal's when newer), evaluations."""
     s.learners.load_json(learners, now=time.time())
@@ -83,7 +84,7 @@ def restore_run_state(s: Syncer, learners: dict[str, Any], extra: dict[str, Any]
             log.error("event=checkpoint_roster_dropped reason=%r", str(exc))
 
 
-def take_over_run_state(s: Syncer) -> None:
+def take_over_run_state(s: SyncerState) -> None:
     """A standby's run state from the newest checkpoint's manifest (the fragments come from the
     journal, so the tensors are not read again), or from the lease journal alone."""
     manifest = s.store.newest_manifest(after=s.restored_seq) if s.store is not None else None
@@ -97,7 +98,7 @@ def take_over_run_state(s: Syncer) -> None:
         adopt_journaled_leases(s)
 
 
-def adopt_journaled_leases(s: Syncer) -> None:
+def adopt_journaled_leases(s: SyncerState) -> None:
     """The lease journal's book where it is newer than `s`'s (it holds the assignments made
     since the checkpoint)."""
     journal = s.store.recorded_leases() if s.store is not None else None
@@ -105,7 +106,7 @@ def adopt_journaled_leases(s: Syncer) -> None:
         s.leases = s.leases.newest(LeaseBook.from_json(journal, s.cfg.data.shards))
 
 
-def catch_up(s: Syncer, changed: list[str]) -> None:
+def catch_up(s: SyncerState, changed: list[str]) -> None:
     """Read again the journal files that changed between this process's reading them and its
     claim of the checkpoint location (the syncer it takes over from wrote them meanwhile)."""
     if changed:
@@ -118,7 +119,11 @@ def catch_up(s: Syncer, changed: list[str]) -> None:
 
 
 def replay_journal(
-    s: Syncer, level: int = logging.INFO, only: set[int] | None = None, *, at_start: bool = False
+    s: SyncerState,
+    level: int = logging.INFO,
+    only: set[int] | None = None,
+    *,
+    at_start: bool = False,
 ) -> list[int]:
     """Install each fragment's journaled version (of the fragments `only` names, if given)
     where it is newer than what `s` holds (the checkpoint's, or a standby's earlier catch-up).
@@ -128,7 +133,7 @@ def replay_journal(
         return _replay_journal(s, level, only)
 
 
-def _replay_journal(s: Syncer, level: int, only: set[int] | None) -> list[int]:
+def _replay_journal(s: SyncerState, level: int, only: set[int] | None) -> list[int]:
     if s.store is None:
         return []
     installed = []
@@ -160,7 +165,7 @@ def remember_merged(f: FragmentState, merged: dict[PushKey, int]) -> None:
         f.seen[key] = version
 
 
-def resume_numbering(s: Syncer) -> list[int]:
+def resume_numbering(s: SyncerState) -> list[int]:
     """Versions published before a crash but not checkpointed are lost; their numbers are not
     reused. A fragment whose journal is ahead resumes at journal+1, so every learner sees a
     strictly newer version (carrying the restored content) and installs it."""
@@ -180,7 +185,7 @@ def resume_numbering(s: Syncer) -> list[int]:
     return versions
 
 
-def _record_versions_until_written(s: Syncer, versions: list[int]) -> None:
+def _record_versions_until_written(s: SyncerState, versions: list[int]) -> None:
     """Journal the versions about to be served, retrying with backoff while the disk refuses
     (full, failing). They must be durable before they are served (a later restart must not
     reuse their numbers), but exiting would not free the disk: a standby that took over, or a
@@ -208,11 +213,9 @@ def config_hash(cfg: TrainingConfig) -> str:
     return hashlib.sha256(wire.encode()).hexdigest()[:16]
 
 
-def snapshot(s: Syncer) -> Snapshot:
+def snapshot(s: SyncerState) -> Snapshot:
     """References to the current state (taken on the loop thread; arrays are never mutated)."""
-    params: dict[str, np.ndarray] = {}
-    for f in s.frags:
-        params.update(f.params)
+    params = s.global_params()
     return Snapshot(
         params=params,
         outer_state=[OuterOptimizer.state_leaves(f.opt_state) for f in s.frags],
@@ -232,3 +235,32 @@ def snapshot(s: Syncer) -> Snapshot:
             "quarantined": s.gate.quarantine.to_json(),
         },
     )
+
+
+async def save_checkpoint(s: SyncerState, force: bool = False) -> None:
+    """Write a checkpoint (in the checkpoint thread) unless nothing it keeps changed since the
+    last one (`force`: write anyway), or another syncer has the location now."""
+    if s.store is None or s.superseded is not None:
+        return
+    async with s.save_lock:
+        mark = s.mark()
+        if not force and mark == s.saved_mark:
+            return
+        snap = snapshot(s)
+        started = time.perf_counter()
+        try:
+            path = await asyncio.get_running_loop().run_in_executor(
+                s.pools.checkpoint, s.store.save, snap
+            )
+        except Exception as exc:
+            s.failed("checkpoint", exc)
+            raise
+        s.health.recovered("checkpoint")
+        s.saved_mark = mark
+        s.metrics.checkpoints.inc()
+        log.info(
+            "event=checkpoint_saved path=%s versions=%s seconds=%.3f",
+            path,
+            snap.versions,
+            time.perf_counter() - started,
+        )

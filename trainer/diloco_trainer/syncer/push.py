@@ -23,13 +23,13 @@ from diloco_trainer.syncer.trust import Implausible
 from diloco_trainer.wire import PayloadMismatch, PushHeader, WireError
 
 if TYPE_CHECKING:
-    from diloco_trainer.syncer.core import Syncer
+    from diloco_trainer.syncer.state import SyncerState
 
 log = logging.getLogger("diloco.syncer")
 
 
 async def accept_push(
-    s: Syncer, f: FragmentState, body: bytes, caller: str | None = None
+    s: SyncerState, f: FragmentState, body: bytes, caller: str | None = None
 ) -> dict[str, Any]:
     """Decode, check and queue one push. `caller`: the authenticated unit, which must be
     the payload's (None skips that check: in-process callers)."""
@@ -40,15 +40,15 @@ async def accept_push(
             f"body of {len(body)} bytes exceeds {f.max_body} for fragment {f.index}",
         )
     loop = asyncio.get_running_loop()
-    s._decoding += 1
+    s.decoding += 1
     try:
-        measured = await loop.run_in_executor(s._decode_pool, decode_measured, body)
+        measured = await loop.run_in_executor(s.pools.decode, decode_measured, body)
     except PayloadMismatch as exc:
         raise Reject(422, "mismatch", str(exc)) from exc
     except WireError as exc:
         raise Reject(400, "malformed", str(exc)) from exc
     finally:
-        s._decoding -= 1
+        s.decoding -= 1
     header, delta = measured.header, measured.delta
     check_sender(s, header, caller)
     # Content first: a payload that can never be merged is refused even when its key
@@ -103,7 +103,7 @@ async def accept_push(
     }
 
 
-def check_sender(s: Syncer, header: PushHeader, caller: str | None) -> None:
+def check_sender(s: SyncerState, header: PushHeader, caller: str | None) -> None:
     """The payload's unit is the caller, its attempt joined, and not quarantined."""
     if caller is not None and header.unit != caller:
         raise Reject(403, "identity_mismatch", f"payload unit {header.unit!r} != caller {caller!r}")
@@ -117,7 +117,7 @@ def check_sender(s: Syncer, header: PushHeader, caller: str | None) -> None:
     s.gate.quarantined(header.unit, header.attempt)
 
 
-def check_counters(s: Syncer, header: PushHeader, now: float) -> PushHeader:
+def check_counters(s: SyncerState, header: PushHeader, now: float) -> PushHeader:
     """The push's counters checked against what its attempt could have done (trust.py); the
     header with its step filled in when the sender left it 0 (a learner that predates the
     field: its push is taken to follow the fragment's previous one without a gap). Raises

@@ -32,12 +32,12 @@ from diloco_trainer.syncer.journal import JournaledFragment
 
 if TYPE_CHECKING:
     from diloco_trainer.syncer.checkpoint import CheckpointStore
-    from diloco_trainer.syncer.core import Syncer
+    from diloco_trainer.syncer.state import SyncerState
 
 log = logging.getLogger("diloco.syncer")
 
 
-def contributors(s: Syncer, f: FragmentState, now: float) -> list[str]:
+def contributors(s: SyncerState, f: FragmentState, now: float) -> list[str]:
     """The learners a merge of `f` waits for and is a share of. Phase-locked: those in step
     with the others on `f` (`LearnerRegistry.in_phase`); a unit killed a heartbeat or two
     ago, or one that joined since f's last merge, would only hold the merge back for the
@@ -47,7 +47,7 @@ def contributors(s: Syncer, f: FragmentState, now: float) -> list[str]:
     return s.learners.online(now)
 
 
-def schedule_merge(s: Syncer, f: FragmentState) -> None:
+def schedule_merge(s: SyncerState, f: FragmentState) -> None:
     if len(f.pending) < s.cfg.quorum:
         return
     now = time.time()
@@ -96,7 +96,7 @@ def schedule_merge(s: Syncer, f: FragmentState) -> None:
     f.merge_task = asyncio.get_running_loop().create_task(_merge_after(s, f, grace))
 
 
-async def _merge_after(s: Syncer, f: FragmentState, grace: float) -> None:
+async def _merge_after(s: SyncerState, f: FragmentState, grace: float) -> None:
     try:
         if grace > 0:
             with contextlib.suppress(TimeoutError):
@@ -120,7 +120,7 @@ async def _merge_after(s: Syncer, f: FragmentState, grace: float) -> None:
         schedule_merge(s, f)
 
 
-async def _merge(s: Syncer, f: FragmentState) -> None:
+async def _merge(s: SyncerState, f: FragmentState) -> None:
     pending, f.pending = f.pending, {}
     f.first_arrival = f.first_unit = f.quorum_time = None
     try:
@@ -160,7 +160,7 @@ async def _merge(s: Syncer, f: FragmentState) -> None:
     s.metrics.merge_seconds.observe(elapsed)
     s.metrics.merge_contributions.observe(len(contributions))
     judge(s, f, pending, screened)
-    s._publish_gauges()
+    s.publish_gauges()
     f.changed.set()
     f.changed = asyncio.Event()
     log.info(
@@ -171,7 +171,7 @@ async def _merge(s: Syncer, f: FragmentState) -> None:
     )  # fmt: skip
 
 
-async def _screened(s: Syncer, f: FragmentState, pending: dict[str, Pending]) -> robust.Round:
+async def _screened(s: SyncerState, f: FragmentState, pending: dict[str, Pending]) -> robust.Round:
     """The round's contributions through the robust screens (robust.py), in the merge thread."""
     units = list(pending)
     contributions = [
@@ -180,10 +180,10 @@ async def _screened(s: Syncer, f: FragmentState, pending: dict[str, Pending]) ->
     ]
     first = robust.start(units, contributions, f.typical_norm)
     job = functools.partial(s.gate.screen, first, s.cfg.merge.token_weighting)
-    return await asyncio.get_running_loop().run_in_executor(s._merge_pool, job)
+    return await asyncio.get_running_loop().run_in_executor(s.pools.merge, job)
 
 
-def judge(s: Syncer, f: FragmentState, pending: dict[str, Pending], r: robust.Round) -> None:
+def judge(s: SyncerState, f: FragmentState, pending: dict[str, Pending], r: robust.Round) -> None:
     """After a merge landed: count each push's verdict, quarantine the attempts that keep
     sending outliers, and remember the fragment's typical delta norm for small rounds."""
     for unit, verdict in r.verdicts.items():
@@ -211,7 +211,7 @@ def verdict_summary(r: robust.Round) -> str:
 
 
 async def _merge_steps(
-    s: Syncer,
+    s: SyncerState,
     f: FragmentState,
     contributions: list[Contribution],
     share: float,
@@ -222,25 +222,25 @@ async def _merge_steps(
     (nothing journaled) when the parameters are not finite."""
     loop = asyncio.get_running_loop()
     new_params, new_state = await loop.run_in_executor(
-        s._merge_pool, s._merge_compute, f.params, f.opt_state, contributions, share
+        s.pools.merge, s.merge_compute, f.params, f.opt_state, contributions, share
     )
-    norm = await loop.run_in_executor(s._merge_pool, finite_norm, new_params)
+    norm = await loop.run_in_executor(s.pools.merge, finite_norm, new_params)
     if norm is None:
         return None
     new_version = f.version + 1
     if s.store is not None:
         # Journal first, announce second: neither a number nor the content a learner has seen
         # is lost by a crash (journal.py).
-        s._published[f.index] = max(s._published[f.index], new_version)
+        s.published[f.index] = max(s.published[f.index], new_version)
         entry = functools.partial(
             journal_entry, f.index, new_version, new_params, new_state, merged
         )
-        await loop.run_in_executor(s._journal_pool, _record, s.store, entry, list(s._published))
+        await loop.run_in_executor(s.pools.journal, _record, s.store, entry, list(s.published))
     publication = f.publication
     if publication is not None:
         comp = s.cfg.compression
         publication = await loop.run_in_executor(
-            s._merge_pool,
+            s.pools.merge,
             publication.advance, new_params, new_version, comp.downlink, comp.block_size,
         )  # fmt: skip
     return new_params, new_state, publication, norm
