@@ -47,7 +47,7 @@ $(VALIDATE_BIN)/crdcheck $(VALIDATE_BIN)/objcheck $(VALIDATE_BIN)/vapcheck &: $(
 	bash crds/validate/build.sh
 
 crds: venv
-	$(BIN)/python -m diloco_operator.crdgen --out crds/
+	$(BIN)/python -m diloco_operator.api.crdgen --out crds/
 
 test: lint typecheck e2e-deps unit e2e
 

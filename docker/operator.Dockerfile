@@ -31,7 +31,7 @@ RUN /opt/diloco/bin/pip install --no-deps --no-index --no-cache-dir /tmp/dist/*.
 ENV PATH=/opt/diloco/bin:$PATH PYTHONUNBUFFERED=1 USER=diloco LOGNAME=diloco HOME=/tmp
 # Fail the build if JAX sneaks in through a dependency: the operator must stay light.
 RUN python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('jax') is not None)" \
- && python3 -c "import diloco_operator.handlers"
+ && python3 -c "import diloco_operator.k8s.handlers"
 # uid 65532 has no passwd entry: USER/LOGNAME above answer getpass.getuser() (kopf names its
 # peering identity with it and crashed without).
 USER 65532:65532

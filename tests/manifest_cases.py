@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from diloco_operator.kubesyntax import HEARTBEATS_PER_OFFLINE, INT64_MAX, MAX_UNITS
+from diloco_operator.api.kubesyntax import HEARTBEATS_PER_OFFLINE, INT64_MAX, MAX_UNITS
 
 Doc = dict[str, Any]
 

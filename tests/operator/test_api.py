@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from diloco_operator.accelerators import (
+from diloco_operator.api import DilocoRunStatus, parse_manifest, parse_spec
+from diloco_operator.api.accelerators import (
     ACCELERATORS,
     allowed_chips_per_host,
     check_tpu,
     cube_dims,
     hosts,
 )
-from diloco_operator.api import DilocoRunStatus, parse_manifest, parse_spec
-from diloco_operator.unit_group import UnitGroup
+from diloco_operator.api.unit_group import UnitGroup
 
 BASE = {"image": "t", "training": {"totalSteps": 10}}
 

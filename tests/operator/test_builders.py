@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import yaml
-from diloco_operator import builders, pod_security
-from diloco_operator.api import parse_spec
+from diloco_operator.api import parse_spec, pod_security
+from diloco_operator.k8s import builders
 from diloco_operator.planner import CreateUnit, desired_units
 from diloco_trainer.auth import unit_token
 from diloco_trainer.config import SERVING_LOCK_FILE, load_training_config

@@ -1,4 +1,4 @@
-"""Chaos on Kubernetes (operator/diloco_operator/chaos.py): which fault hits what, fast-forward
+"""Chaos on Kubernetes (operator/diloco_operator/k8s/chaos.py): which fault hits what, fast-forward
 after an operator restart, and the local runtime refusing faults it cannot deliver."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from diloco_operator import builders, chaos
 from diloco_operator.api import parse_spec
+from diloco_operator.k8s import builders, chaos
 from diloco_operator.local.chaos import Fault
 from diloco_operator.local.manifest import ManifestError, chaos_settings, check_chaos_units
 

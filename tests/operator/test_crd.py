@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 from crd_schema import ROOT, openapi_schema
-from diloco_operator import crdgen
-from diloco_operator.accelerators import ACCELERATORS, check_tpu
+from diloco_operator.api import crdgen
+from diloco_operator.api.accelerators import ACCELERATORS, check_tpu
 
 FORBIDDEN = {"$ref", "anyOf", "oneOf", "allOf", "const", "title", "$defs", "propertyNames"}
 

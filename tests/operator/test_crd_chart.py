@@ -113,7 +113,7 @@ def test_rbac_is_exactly_what_the_code_uses() -> None:
 
 
 def test_every_kind_the_operator_creates_is_granted() -> None:
-    kube_py = (OPERATOR / "kube.py").read_text()
+    kube_py = (OPERATOR / "k8s" / "kube.py").read_text()
     created = set(re.findall(r'"(\w+)": [\w()]+\.create_namespaced_', kube_py))
     plural = {
         "Service": "services",

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 from crd_schema import ROOT, schema_errors
-from diloco_operator import builders
 from diloco_operator.api import parse_manifest, parse_spec
+from diloco_operator.k8s import builders
 from diloco_operator.planner import ObservedSyncer, plan
 from k8s_roundtrip import roundtrip
 

@@ -105,9 +105,9 @@ def test_plan_writes_goodput_into_status_units() -> None:
 
 
 def test_operator_metrics_add_what_each_pass_gained_and_forget_the_run() -> None:
-    from diloco_operator import run_metrics
     from diloco_operator.api import DilocoRunStatus
-    from diloco_operator.unit_goodput import UnitGoodput
+    from diloco_operator.api.unit_goodput import UnitGoodput
+    from diloco_operator.k8s import run_metrics
     from prometheus_client import REGISTRY
 
     def status(useful: float, total: float) -> DilocoRunStatus:

@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from diloco_operator import handlers, kube, state, syncer_calls
-from diloco_operator.main import parse_args
-from diloco_operator.observe import job_view, node_ready, observe_unit, pod_view
+from diloco_operator.k8s import handlers, kube, state, syncer_calls
+from diloco_operator.k8s.main import parse_args
+from diloco_operator.k8s.observe import job_view, node_ready, observe_unit, pod_view
 from diloco_trainer.auth import unit_token
 
 T = "2026-01-01T00:00:00Z"
@@ -344,7 +344,7 @@ def test_operator_imports_without_jax() -> None:
     import sys
 
     code = (
-        "import sys, diloco_operator.main, diloco_operator.crdgen;"
+        "import sys, diloco_operator.k8s.main, diloco_operator.api.crdgen;"
         "bad = [m for m in sys.modules if m == 'jax' or m.startswith('jax.')];"
         "sys.exit(1 if bad else 0)"
     )

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import yaml
-from diloco_operator import builders
 from diloco_operator.api import parse_spec
-from diloco_operator.main import auto_priority, parse_args
-from diloco_operator.netpolicy import OperatorIdentity, run_objects_with_policy
+from diloco_operator.k8s import builders
+from diloco_operator.k8s.main import auto_priority, parse_args
+from diloco_operator.k8s.netpolicy import OperatorIdentity, run_objects_with_policy
 from diloco_operator.planner import CreateUnit
 from test_crd_chart import CHART, HELM
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from crd_schema import openapi_schema
-from diloco_operator import builders, handlers, kube
 from diloco_operator.api import MAX_UNITS, parse_spec
+from diloco_operator.k8s import builders, handlers, kube
 
 SPEC = {"image": "t", "replicas": 2, "training": {"totalSteps": 5}}
 EMPTY_INDEXES: dict[str, Any] = {

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 from crd_schema import ROOT
-from diloco_operator import builders
 from diloco_operator.api import parse_manifest
-from diloco_operator.crdgen import CRD_FILE
+from diloco_operator.api.crdgen import CRD_FILE
+from diloco_operator.k8s import builders
 from diloco_operator.planner import CreateUnit, desired_units
 from manifest_cases import BROKEN, Case, cases
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
-from diloco_operator import builders
 from diloco_operator.api import parse_spec
+from diloco_operator.k8s import builders
 from diloco_operator.planner import CreateUnit
 from prometheus_client import CollectorRegistry, Metric
 
@@ -37,7 +37,7 @@ def series_names(registry: CollectorRegistry) -> set[str]:
 
 def exported_names() -> set[str]:
     # Importing the operator's modules registers their metrics in the default registry.
-    from diloco_operator import handlers, run_metrics  # noqa: F401
+    from diloco_operator.k8s import handlers, run_metrics  # noqa: F401
     from diloco_trainer.learner.metrics import LearnerMetrics
     from diloco_trainer.syncer.metrics import SyncerMetrics
     from prometheus_client import REGISTRY
@@ -90,7 +90,7 @@ def test_the_dashboard_covers_what_an_operator_watches() -> None:
 
 def test_counters_are_named_as_prometheus_expects() -> None:
     # A counter's series end in _total; nothing else may (a gauge named *_total misleads rate()).
-    from diloco_operator import handlers, run_metrics  # noqa: F401
+    from diloco_operator.k8s import handlers, run_metrics  # noqa: F401
     from diloco_trainer.learner.metrics import LearnerMetrics
     from diloco_trainer.syncer.metrics import SyncerMetrics
     from prometheus_client import REGISTRY

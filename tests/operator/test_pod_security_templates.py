@@ -18,10 +18,10 @@ import pytest
 import yaml
 from crd_schema import ROOT, openapi_schema
 from diloco_operator.api import parse_manifest, parse_spec
-from diloco_operator.field_paths import values_at
-from diloco_operator.pod_baseline import BASELINE_CHECKS
-from diloco_operator.pod_security import SECRET_REFERENCES
-from diloco_operator.pod_template import PodTemplate, apply_template
+from diloco_operator.api.field_paths import values_at
+from diloco_operator.api.pod_baseline import BASELINE_CHECKS
+from diloco_operator.api.pod_security import SECRET_REFERENCES
+from diloco_operator.api.pod_template import PodTemplate, apply_template
 
 CRDCHECK = Path.home() / ".cache" / "diloco-e2e" / "bin" / "crdcheck"
 needs_crdcheck = pytest.mark.skipif(

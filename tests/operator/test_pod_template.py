@@ -12,17 +12,17 @@ from typing import Any
 import pytest
 import yaml
 from crd_schema import ROOT, openapi_schema, schema_errors
-from diloco_operator import builders, crdgen
-from diloco_operator.api import parse_spec
-from diloco_operator.planner import CreateUnit, desired_units
-from diloco_operator.pod_security import container_security_context
-from diloco_operator.pod_template import (
+from diloco_operator.api import crdgen, parse_spec
+from diloco_operator.api.pod_security import container_security_context
+from diloco_operator.api.pod_template import (
     OWNED_MOUNT_PATHS,
     OWNED_VOLUMES,
     PodTemplate,
     PodTemplateMetadata,
     apply_template,
 )
+from diloco_operator.k8s import builders
+from diloco_operator.planner import CreateUnit, desired_units
 from k8s_roundtrip import roundtrip
 
 GCS = {

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import yaml
-from diloco_operator import crdgen
-from diloco_operator.field_paths import cel_joined
-from diloco_operator.pod_security import SECRET_REFERENCES
+from diloco_operator.api import crdgen
+from diloco_operator.api.field_paths import cel_joined
+from diloco_operator.api.pod_security import SECRET_REFERENCES
 from test_crd_chart import CHART, HELM
 from test_pod_security_templates import place
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from diloco_operator import builders
 from diloco_operator.api import UnitFailure, UnitStatus, parse_spec
-from diloco_operator.observe import JobView, observe_unit, pod_view
+from diloco_operator.k8s import builders
+from diloco_operator.k8s.observe import JobView, observe_unit, pod_view
 from diloco_operator.planner import (
     CreateUnit,
     DeleteUnit,

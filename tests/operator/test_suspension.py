@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from diloco_operator import builders, kube, queue_status
 from diloco_operator.api import DilocoRunSpec, DilocoRunStatus, parse_spec
-from diloco_operator.kueue import job_labels, queue_found_condition, queue_name
+from diloco_operator.k8s import builders, kube, queue_status
+from diloco_operator.k8s.kueue import job_labels, queue_found_condition, queue_name
+from diloco_operator.k8s.observe import job_view, observe_unit, pod_view
 from diloco_operator.local.manifest import ManifestError, load_manifest
-from diloco_operator.observe import job_view, observe_unit, pod_view
 from diloco_operator.planner import (
     CreateSyncer,
     CreateUnit,

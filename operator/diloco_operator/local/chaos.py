@@ -1,4 +1,4 @@
-"""Fault delivery for local runs: the schedule's decisions (`diloco_operator.faults`, pure) as
+"""Fault delivery for local runs: the schedule's decisions (`diloco_operator.planner.faults`, pure) as
 signals to the run's processes. `FaultDelivery` remembers what it did (killed units, paused ones
 and when they resume).
 
@@ -13,7 +13,10 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable, Sequence
 
-from diloco_operator.faults import (
+from diloco_operator.local.processes import ProcessTable
+from diloco_operator.local.recorder import Recorder
+from diloco_operator.planner import UnitSlot
+from diloco_operator.planner.faults import (
     DEFAULT_CHAOS,
     FAULT_KINDS,
     ChaosScheduler,
@@ -22,9 +25,6 @@ from diloco_operator.faults import (
     FaultKind,
     ScheduledFault,
 )
-from diloco_operator.local.processes import ProcessTable
-from diloco_operator.local.recorder import Recorder
-from diloco_operator.planner import UnitSlot
 
 
 class FaultDelivery:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_operator.api import DilocoRunSpec, parse_manifest
-from diloco_operator.faults import ChaosSettings, chaos_settings
+from diloco_operator.planner.faults import ChaosSettings, chaos_settings
 from diloco_trainer.config import ConfigError, read_document
 
 __all__ = ["LocalRun", "ManifestError", "chaos_settings", "check_chaos_units", "load_manifest"]

@@ -1,6 +1,6 @@
 """Map the local run's learner processes to the planner's neutral ObservedUnit (pure).
 
-The process counterpart of the Kubernetes backend's `diloco_operator.observe`: the runtime
+The process counterpart of the Kubernetes backend's `diloco_operator.k8s.observe`: the runtime
 summarises each unit's process (`UnitProcess`), and this module decides what the planner sees.
 """
 

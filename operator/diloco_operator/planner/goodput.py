@@ -14,8 +14,8 @@ from __future__ import annotations
 from diloco_trainer.status import LearnerStatus
 
 from diloco_operator.api import UnitStatus
+from diloco_operator.api.unit_goodput import UnitGoodput
 from diloco_operator.planner.timefmt import at
-from diloco_operator.unit_goodput import UnitGoodput
 
 COUNTED_STATES = ("Pending", "Online", "Offline", "Recreating")
 

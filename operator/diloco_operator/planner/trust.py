@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from diloco_trainer.status import SyncerStatus
 
+from diloco_operator.api.status import UnitStatus
 from diloco_operator.planner.failure import Signal
 from diloco_operator.planner.model import QUARANTINED, Action, EmitEvent
-from diloco_operator.status import UnitStatus
 
 
 def quarantine_signal(unit: UnitStatus, report: SyncerStatus | None) -> Signal | None:

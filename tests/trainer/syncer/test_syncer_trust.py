@@ -347,8 +347,8 @@ def test_a_flood_of_heartbeats_is_answered_429_and_the_others_are_served(
 
 def test_the_operator_puts_the_specs_roster_when_the_syncers_is_older() -> None:
     import aiohttp
-    from diloco_operator import builders, state, syncer_calls
     from diloco_operator.api import parse_spec
+    from diloco_operator.k8s import builders, state, syncer_calls
 
     spec = parse_spec({"image": "t", "replicas": 3, "training": {"totalSteps": 5}})
     run = builders.Run("r", "ns", "uid", spec)

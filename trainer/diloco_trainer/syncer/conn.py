@@ -125,6 +125,8 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     (408 when it does not come in time)."""
     loop = asyncio.get_running_loop()
     declared = request.content_length or 0
+    if declared > limit:  # refused before a byte of it is read
+        raise Reject(413, "too_large", f"body of {declared} bytes exceeds {limit}")
     deadline = loop.time() + BODY_BASE_SECONDS + min(declared, limit) / BODY_MIN_RATE
     chunks: list[bytes] = []
     size = 0

@@ -282,11 +282,6 @@ async def params(request: web.Request) -> web.Response:
 async def push(request: web.Request) -> web.Response:
     s = request.app[SYNCER_KEY]
     f = s.fragment(request.match_info["p"])
-    length = request.content_length
-    if length is not None and length > f.max_body:
-        raise Reject(
-            413, "too_large", f"body of {length} bytes exceeds {f.max_body} for fragment {f.index}"
-        )
     body = await read_body(request, f.max_body)
     s.bytes_received += len(body)
     s.metrics.bytes_in.inc(len(body))

@@ -45,7 +45,7 @@ class LearnerRecord:
     tokens_per_sec: float = 0.0
     loss: float | None = None
     step_time: Ema = field(default_factory=lambda: Ema(0.2))
-    _last_hb: tuple[int, int, float] | None = None  # (attempt, step, time) of the previous beat
+    last_beat: tuple[int, int, float] | None = None  # (attempt, step, time) of the previous beat
     refusals: int = 0  # heartbeats and pushes refused as impossible (trust.py)
     last_refusal: str | None = None
 
@@ -109,7 +109,7 @@ class LearnerRegistry:
             # A new attempt must not inherit the dead attempt's last heartbeat: a supervisor
             # would call it stale right after it joined (status falls back to last_seen).
             rec.last_heartbeat = None
-            rec._last_hb = None
+            rec.last_beat = None
         if attempt >= rec.attempt:
             rec.attempt, rec.group = attempt, group
         rec.attempts.setdefault(attempt, [0, 0])
@@ -131,10 +131,10 @@ class LearnerRegistry:
         counts = rec.attempts[attempt]
         counts[0], counts[1] = max(counts[0], step), max(counts[1], tokens)
         if attempt == rec.attempt:
-            prev = rec._last_hb
+            prev = rec.last_beat
             if prev is not None and prev[0] == attempt and step > prev[1] and now > prev[2]:
                 rec.step_time.update((now - prev[2]) / (step - prev[1]))
-            rec._last_hb = (attempt, step, now)
+            rec.last_beat = (attempt, step, now)
             rec.last_heartbeat = now
             rec.tokens_per_sec = tokens_per_sec
             rec.loss = loss

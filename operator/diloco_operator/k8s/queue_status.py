@@ -10,9 +10,9 @@ from typing import Any
 
 import kopf
 
-from diloco_operator import builders, kube
 from diloco_operator.api import DilocoRunStatus
-from diloco_operator.kueue import QueueLookup, queue_found_condition, queue_name
+from diloco_operator.k8s import builders, kube
+from diloco_operator.k8s.kueue import QueueLookup, queue_found_condition, queue_name
 
 log = logging.getLogger("diloco_operator")
 

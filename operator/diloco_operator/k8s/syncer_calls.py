@@ -8,9 +8,9 @@ import logging
 import aiohttp
 from diloco_trainer.status import SyncerStatus
 
-from diloco_operator import builders, kube
+from diloco_operator.k8s import builders, kube
+from diloco_operator.k8s.state import STATE
 from diloco_operator.planner.placement import roster_document
-from diloco_operator.state import STATE
 
 log = logging.getLogger("diloco_operator")
 

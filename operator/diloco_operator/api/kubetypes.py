@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from diloco_trainer.config import Strict
 from pydantic import Field, model_validator
 
-from diloco_operator.kubesyntax import (
+from diloco_operator.api.kubesyntax import (
     INT64_MAX,
     LABEL_VALUE,
     OPTIONAL_QUALIFIED_NAME,

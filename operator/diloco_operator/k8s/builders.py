@@ -15,10 +15,6 @@ from typing import Any
 import yaml
 from diloco_trainer.auth import unit_token
 
-from diloco_operator import kueue
-from diloco_operator.accelerators import (
-    TPU_RESOURCE,
-)
 from diloco_operator.api import (
     API_VERSION,
     KIND,
@@ -30,14 +26,18 @@ from diloco_operator.api import (
     LABEL_UNIT,
     ResourceRequirements,
 )
-from diloco_operator.placement import group_placement, place_learner_pod
+from diloco_operator.api.accelerators import (
+    TPU_RESOURCE,
+)
+from diloco_operator.api.pod_security import TOKEN_KEY, secure_pod
+from diloco_operator.api.pod_template import apply_template
+from diloco_operator.api.unit_group import UnitGroup
+from diloco_operator.k8s import kueue
+from diloco_operator.k8s.placement import group_placement, place_learner_pod
+from diloco_operator.k8s.run_ref import Run
+from diloco_operator.k8s.syncer_standby import add_standby, lock_env
 from diloco_operator.planner import CreateUnit
 from diloco_operator.planner.placement import roster_document
-from diloco_operator.pod_security import TOKEN_KEY, secure_pod
-from diloco_operator.pod_template import apply_template
-from diloco_operator.run_ref import Run
-from diloco_operator.syncer_standby import add_standby, lock_env
-from diloco_operator.unit_group import UnitGroup
 
 CONFIG_DIR = "/etc/diloco"
 CONFIG_FILE = "run.yaml"

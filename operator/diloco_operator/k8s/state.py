@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from diloco_operator import chaos
-from diloco_operator.netpolicy import OperatorIdentity
+from diloco_operator.k8s import chaos
+from diloco_operator.k8s.netpolicy import OperatorIdentity
 
 
 @dataclass

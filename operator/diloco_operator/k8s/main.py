@@ -18,8 +18,8 @@ import kopf
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 from prometheus_client import start_http_server
 
-from diloco_operator import handlers, kube, state
-from diloco_operator.netpolicy import OperatorIdentity
+from diloco_operator.k8s import handlers, kube, state
+from diloco_operator.k8s.netpolicy import OperatorIdentity
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,7 +10,7 @@ from typing import Literal
 from diloco_trainer.config import Strict
 from pydantic import Field, model_validator
 
-from diloco_operator.accelerators import (
+from diloco_operator.api.accelerators import (
     ACCELERATOR_LABEL,
     ACCELERATORS,
     SPOT_LABEL,
@@ -19,9 +19,9 @@ from diloco_operator.accelerators import (
     hosts,
     topology_chips,
 )
-from diloco_operator.kubesyntax import DNS_LABEL, MAX_UNITS
-from diloco_operator.kubetypes import NodeSelector, ResourceRequirements, Toleration
-from diloco_operator.pod_template import PodTemplate
+from diloco_operator.api.kubesyntax import DNS_LABEL, MAX_UNITS
+from diloco_operator.api.kubetypes import NodeSelector, ResourceRequirements, Toleration
+from diloco_operator.api.pod_template import PodTemplate
 
 Accelerator = Literal[
     "tpu-v6e-slice", "tpu-v5p-slice", "tpu-v5-lite-podslice", "tpu-v4-podslice", "tpu7x"

@@ -12,7 +12,7 @@ import contextlib
 from prometheus_client import Counter, Gauge
 
 from diloco_operator.api import DilocoRunStatus
-from diloco_operator.unit_goodput import UnitGoodput
+from diloco_operator.api.unit_goodput import UnitGoodput
 
 LABELS = ["namespace", "run", "unit"]
 USEFUL_SECONDS = Counter(

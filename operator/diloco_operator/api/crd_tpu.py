@@ -6,7 +6,7 @@ arithmetic on the topology's digits, so the CRD does not list hundreds of shapes
 
 from __future__ import annotations
 
-from diloco_operator.accelerators import (
+from diloco_operator.api.accelerators import (
     ACCELERATORS,
     CUBE_EDGE,
     MAX_DIMENSION,

@@ -12,8 +12,8 @@ from typing import Any, Literal
 from diloco_trainer.config import Strict
 from pydantic import ConfigDict, Field
 
-from diloco_operator.kubesyntax import DNS_LABEL, NORMAL_PATH
-from diloco_operator.pod_fields import Name
+from diloco_operator.api.kubesyntax import DNS_LABEL, NORMAL_PATH
+from diloco_operator.api.pod_fields import Name
 
 
 class VolumeMount(Strict):

@@ -10,10 +10,11 @@ import copy
 
 from diloco_trainer.config import PER_BYTE, CompressionConfig, TrainingConfig
 
-from diloco_operator import api, pod_security, pod_template
-from diloco_operator.accelerators import ACCELERATOR_LABEL, SPOT_LABEL, TOPOLOGY_LABEL
-from diloco_operator.crd_tpu import tpu_rules
-from diloco_operator.field_paths import cel_all
+from diloco_operator import api
+from diloco_operator.api import pod_security, pod_template
+from diloco_operator.api.accelerators import ACCELERATOR_LABEL, SPOT_LABEL, TOPOLOGY_LABEL
+from diloco_operator.api.crd_tpu import tpu_rules
+from diloco_operator.api.field_paths import cel_all
 
 _TOTAL_UNITS = (
     "(has(self.replicas) ? self.replicas : 1) + (has(self.unitGroups) ? "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from diloco_operator.field_paths import cel_joined, values_at
+from diloco_operator.api.field_paths import cel_joined, values_at
 
 TOKEN_KEY = "token"
 TOKEN_DIR = "/var/run/diloco/token"

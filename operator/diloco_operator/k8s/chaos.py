@@ -23,11 +23,11 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from diloco_operator import builders, kube
 from diloco_operator.api import GROUP, LABEL_COMPONENT, LABEL_RUN, LABEL_UNIT
-from diloco_operator.faults import ChaosScheduler, Fault, chaos_settings
+from diloco_operator.k8s import builders, kube
+from diloco_operator.planner.faults import ChaosScheduler, Fault, chaos_settings
 
-log = logging.getLogger("diloco_operator.chaos")
+log = logging.getLogger("diloco_operator.k8s.chaos")
 
 PROGRESS_ANNOTATION = f"{GROUP}/chaos-delivered-at"
 

@@ -17,8 +17,8 @@ from typing import Any, Literal
 from diloco_trainer.config import Strict, TrainingConfig, format_validation_error
 from pydantic import Field, ValidationError, ValidationInfo, model_validator
 
-from diloco_operator.chaos_spec import ChaosEvent, ChaosSpec
-from diloco_operator.kubesyntax import (
+from diloco_operator.api.chaos_spec import ChaosEvent, ChaosSpec
+from diloco_operator.api.kubesyntax import (
     CHECKPOINT_PATH,
     DNS_SUBDOMAIN,
     HEARTBEATS_PER_OFFLINE,
@@ -27,15 +27,15 @@ from diloco_operator.kubesyntax import (
     MIN_PERIOD_SECONDS,
     RUN_NAME,
 )
-from diloco_operator.kubetypes import (
+from diloco_operator.api.kubetypes import (
     NodeSelector,
     Quantity,
     ResourceRequirements,
     Toleration,
 )
-from diloco_operator.pod_security import RUN_TOKEN_WHY, run_token_pattern, secret_references
-from diloco_operator.pod_template import PodTemplate
-from diloco_operator.unit_group import UnitGroup
+from diloco_operator.api.pod_security import RUN_TOKEN_WHY, run_token_pattern, secret_references
+from diloco_operator.api.pod_template import PodTemplate
+from diloco_operator.api.unit_group import UnitGroup
 
 GROUP = "diloco.dev"
 VERSION = "v1alpha1"
@@ -281,8 +281,8 @@ class DilocoRunSpec(Strict):
         return next((g for g in self.unit_groups if g.name == name), None)
 
 
-# The status models live in diloco_operator.status; re-exported here, with the spec.
-from diloco_operator.status import (  # noqa: E402
+# The status models live in diloco_operator.api.status; re-exported here, with the spec.
+from diloco_operator.api.status import (  # noqa: E402
     Condition,
     DilocoRunStatus,
     RunPhase,

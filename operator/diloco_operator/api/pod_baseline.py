@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from diloco_operator.field_paths import cel_all, values_at
-from diloco_operator.pod_security import CONTAINER_LISTS
+from diloco_operator.api.field_paths import cel_all, values_at
+from diloco_operator.api.pod_security import CONTAINER_LISTS
 
 # The operator's own pods are "restricted"; a pod template (pod_template.py) may loosen them, but
 # at the default level only as far as the Pod Security Standards' baseline allows, so that a

@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from diloco_operator.api import LABEL_ATTEMPT, LABEL_GROUP, LABEL_INDEX, LABEL_UNIT
-from diloco_operator.kueue import QUEUE_NAME_LABEL
+from diloco_operator.k8s.kueue import QUEUE_NAME_LABEL
 from diloco_operator.planner.model import (
     DISRUPTION_TARGET,
     JOB_FAILED,

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from diloco_trainer.config import Strict
 from pydantic import ConfigDict, Field
 
-from diloco_operator.kubesyntax import DNS_LABEL, ENV_NAME
+from diloco_operator.api.kubesyntax import DNS_LABEL, ENV_NAME
 
 Name = Annotated[str, Field(max_length=253)]
 # uid and gid values as the API server accepts them in a securityContext.

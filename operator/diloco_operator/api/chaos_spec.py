@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from diloco_trainer.config import Strict
 from pydantic import Field
 
-from diloco_operator.kubesyntax import INT64_MAX, MAX_UNITS, MIN_PERIOD_SECONDS
+from diloco_operator.api.kubesyntax import INT64_MAX, MAX_UNITS, MIN_PERIOD_SECONDS
 
 
 class ChaosEvent(Strict):

@@ -20,7 +20,7 @@ from diloco_operator.api import GROUP, LABEL_RUN, PLURAL, VERSION
 
 __all__ = ["ApiException"]
 
-log = logging.getLogger("diloco_operator.kube")
+log = logging.getLogger("diloco_operator.k8s.kube")
 
 
 def load_config() -> None:

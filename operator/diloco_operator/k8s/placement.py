@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco_operator.accelerators import (
+from diloco_operator.api import LABEL_UNIT
+from diloco_operator.api.accelerators import (
     ACCELERATOR_LABEL,
     SPOT_LABEL,
     TOPOLOGY_LABEL,
     TPU_TAINT_KEY,
 )
-from diloco_operator.api import LABEL_UNIT
-from diloco_operator.unit_group import UnitGroup
+from diloco_operator.api.unit_group import UnitGroup
 
 NODEPOOL_LABEL = "cloud.google.com/gke-nodepool"
 

@@ -26,7 +26,6 @@ import aiohttp
 import kopf
 from prometheus_client import Counter, Gauge, Histogram
 
-from diloco_operator import builders, chaos, kube, queue_status, run_metrics
 from diloco_operator.api import (
     GROUP,
     LABEL_COMPONENT,
@@ -36,8 +35,9 @@ from diloco_operator.api import (
     DilocoRunStatus,
     parse_spec,
 )
-from diloco_operator.netpolicy import run_objects_with_policy
-from diloco_operator.observe import (
+from diloco_operator.k8s import builders, chaos, kube, queue_status, run_metrics
+from diloco_operator.k8s.netpolicy import run_objects_with_policy
+from diloco_operator.k8s.observe import (
     CONTROLLER_UID,
     PodView,
     job_view,
@@ -45,6 +45,9 @@ from diloco_operator.observe import (
     observe_unit,
     pod_view,
 )
+from diloco_operator.k8s.refusals import Refusal, create_all, report_refusals
+from diloco_operator.k8s.state import STATE, wake
+from diloco_operator.k8s.syncer_calls import hand_roster, read_run_token, syncer_report
 from diloco_operator.planner import (
     CreateSyncer,
     CreateUnit,
@@ -57,9 +60,6 @@ from diloco_operator.planner import (
     fault_targets,
     plan,
 )
-from diloco_operator.refusals import Refusal, create_all, report_refusals
-from diloco_operator.state import STATE, wake
-from diloco_operator.syncer_calls import hand_roster, read_run_token, syncer_report
 
 log = logging.getLogger("diloco_operator")
 

@@ -8,8 +8,8 @@ from typing import Literal
 from diloco_trainer.config import Strict
 from pydantic import Field
 
-from diloco_operator.kubesyntax import MAX_UNITS
-from diloco_operator.unit_goodput import UnitGoodput
+from diloco_operator.api.kubesyntax import MAX_UNITS
+from diloco_operator.api.unit_goodput import UnitGoodput
 
 RunPhase = Literal["Pending", "Queued", "Running", "Degraded", "Suspended", "Succeeded", "Failed"]
 UnitState = Literal[

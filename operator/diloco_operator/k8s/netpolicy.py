@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_operator.api import LABEL_COMPONENT, LABEL_RUN
-from diloco_operator.builders import LEARNER, SYNCER, Run, _meta, run_objects
+from diloco_operator.k8s.builders import LEARNER, SYNCER, Run, _meta, run_objects
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 

@@ -32,22 +32,22 @@ from typing import Annotated, Any, Literal
 from diloco_trainer.config import Strict
 from pydantic import Field, model_validator
 
-from diloco_operator.kubesyntax import LABEL_VALUE, QUALIFIED_NAME, keys_rule
-from diloco_operator.pod_baseline import (
+from diloco_operator.api.kubesyntax import LABEL_VALUE, QUALIFIED_NAME, keys_rule
+from diloco_operator.api.pod_baseline import (
     LEVEL_FIELD,
     PRIVILEGED,
     baseline_cel_rules,
     baseline_problems,
     system_priority_problems,
 )
-from diloco_operator.pod_fields import (
+from diloco_operator.api.pod_fields import (
     EnvVar,
     ExtraContainer,
     LocalObjectReference,
     PodSecurityContext,
 )
-from diloco_operator.pod_security import CACHE_DIR, TOKEN_DIR, container_security_context
-from diloco_operator.pod_volumes import Volume, VolumeMount
+from diloco_operator.api.pod_security import CACHE_DIR, TOKEN_DIR, container_security_context
+from diloco_operator.api.pod_volumes import Volume, VolumeMount
 
 OWNED_PREFIX = "diloco.dev/"
 OWNED_LABELS = (
