@@ -1,4 +1,5 @@
-"""kopf handlers: thin adapters between the cluster and the planner.
+"""kopf handlers: thin adapters between the cluster and the planner (what each planner action does
+to the cluster is the table in actions.py).
 
 Watches (as kopf indexes, so no extra API reads per pass): learner Jobs and Pods and syncer
 Deployments of every run (label-selected), and Nodes. One asyncio daemon per DilocoRun runs
@@ -36,7 +37,7 @@ from diloco_operator.api import (
     parse_spec,
 )
 from diloco_operator.k8s import builders, chaos, kube, queue_status, run_metrics
-from diloco_operator.k8s.netpolicy import run_objects_with_policy
+from diloco_operator.k8s.actions import ACTIONS, apply
 from diloco_operator.k8s.observe import (
     CONTROLLER_UID,
     PodView,
@@ -45,26 +46,14 @@ from diloco_operator.k8s.observe import (
     observe_unit,
     pod_view,
 )
-from diloco_operator.k8s.refusals import Refusal, create_all, report_refusals
+from diloco_operator.k8s.refusals import report_refusals
 from diloco_operator.k8s.state import STATE, wake
-from diloco_operator.k8s.syncer_calls import hand_roster, read_run_token, syncer_report
-from diloco_operator.planner import (
-    CreateSyncer,
-    CreateUnit,
-    DeleteUnit,
-    EmitEvent,
-    ObservedSyncer,
-    Plan,
-    ScaleSyncer,
-    SuspendUnit,
-    fault_targets,
-    plan,
-)
+from diloco_operator.k8s.syncer_calls import hand_roster, syncer_report
+from diloco_operator.planner import ObservedSyncer, Plan, fault_targets, plan
 
 log = logging.getLogger("diloco_operator")
 
 PASSES = Counter("diloco_operator_reconcile_passes_total", "Reconcile passes", ["outcome"])
-ACTIONS = Counter("diloco_operator_actions_total", "Actions applied", ["action", "reason"])
 PASS_SECONDS = Histogram("diloco_operator_reconcile_seconds", "Duration of one reconcile pass")
 RUNS = Gauge("diloco_operator_runs", "DilocoRuns with a running reconcile loop")
 UNITS_ONLINE = Gauge("diloco_operator_units_online", "Units online", ["namespace", "run"])
@@ -193,47 +182,6 @@ def learner_pod_deleted(
         deleted_at = pod_view({"metadata": dict(meta)}).deleted_at
         STATE.deleted_pods[labels.get(CONTROLLER_UID, "")][name] = deleted_at
         wake(namespace, labels.get(LABEL_RUN))
-
-
-async def apply(run: builders.Run, the_plan: Plan, body: Any) -> list[Refusal] | None:
-    """Apply the plan's actions; the creations refused (None when nothing was created)."""
-    refused: list[Refusal] | None = None
-    for action in the_plan.actions:
-        if isinstance(action, CreateSyncer | CreateUnit):
-            if isinstance(action, CreateSyncer):
-                objs = run_objects_with_policy(run, STATE.options.network_policy)
-                metric = ("create_syncer", "")
-            else:
-                run_token = await read_run_token(run)
-                if run_token is None:
-                    log.info("unit=%s waits for the run's token Secret", action.name)
-                    continue
-                objs = builders.unit_objects(run, action, run_token)
-                metric = ("create_unit", f"attempt{min(action.attempt, 1)}")
-            problem = await create_all(run, objs)
-            refused = (refused or []) + ([(action, problem)] if problem else [])
-            ACTIONS.labels(*(metric if problem is None else ("refused", problem.reason))).inc()
-        elif isinstance(action, DeleteUnit):
-            await kube.delete_unit(run.namespace, action.name)
-            ACTIONS.labels("delete_unit", action.reason).inc()
-        elif isinstance(action, SuspendUnit):
-            await kube.suspend_job(run.namespace, action.name, action.suspend)
-            ACTIONS.labels("suspend_unit" if action.suspend else "resume_unit", "").inc()
-        elif isinstance(action, ScaleSyncer):
-            await kube.scale_deployment(run.namespace, run.syncer_name, action.replicas)
-            ACTIONS.labels("scale_syncer", str(action.replicas)).inc()
-        elif isinstance(action, EmitEvent):
-            kopf.event(body, type=action.type, reason=action.reason, message=action.message[:1024])
-            log.log(
-                logging.WARNING if action.type == "Warning" else logging.INFO,
-                "event run=%s reason=%s unit=%s message=%s",
-                run.name,
-                action.reason,
-                action.unit,
-                action.message,
-            )
-            ACTIONS.labels("event", action.reason).inc()
-    return refused
 
 
 def observed_units(namespace: str, name: str, indexes: dict[str, Any]) -> list[Any]:
