@@ -89,10 +89,24 @@ def fake_gcs_server(binary: Path, log: Path, buckets: tuple[str, ...] = ()) -> I
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-             "-backend", "memory", "-external-url", url, "-log-level", "warn"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                str(binary),
+                "-scheme",
+                "http",
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(port),
+                "-backend",
+                "memory",
+                "-external-url",
+                url,
+                "-log-level",
+                "warn",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     server = FakeGcs(url, proc)
     try:
         deadline = time.monotonic() + 20

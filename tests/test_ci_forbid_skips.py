@@ -16,8 +16,12 @@ def _pytest(folder: Path, body: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(CI), "PYTEST_ADDOPTS": "-p forbid_skips"}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(folder)],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_run_with_a_skip_fails_naming_the_test_and_the_reason(tmp_path: Path) -> None:

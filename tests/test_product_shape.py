@@ -214,8 +214,11 @@ def test_an_annotation_only_import_closes_a_cycle(tmp_path: Path) -> None:
     (package / "part.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.core import Core\n"
     )
-    known = {"pkg": package / "__init__.py", "pkg.core": package / "core.py",
-             "pkg.part": package / "part.py"}  # fmt: skip
+    known = {
+        "pkg": package / "__init__.py",
+        "pkg.core": package / "core.py",
+        "pkg.part": package / "part.py",
+    }
     graph = {name: imports_of(name, path, known) for name, path in known.items()}
     assert cycles(graph) == [["pkg.core", "pkg.part"]]
 

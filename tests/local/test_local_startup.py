@@ -206,13 +206,30 @@ def source(shard, num_shards, *, seed, batch_size, split, position, gate):
 # In the order they start; `initial_params` of the syncer may hold the workload check (when it
 # is the first to need the model) or come after it.
 SYNCER_PHASES = [
-    "config", "checkpoint_load", "imports", "workload_check", "model_build", "data_index",
-    "journal_replay", "server_start", "compile", "first_checkpoint",
-]  # fmt: skip
+    "config",
+    "checkpoint_load",
+    "imports",
+    "workload_check",
+    "model_build",
+    "data_index",
+    "journal_replay",
+    "server_start",
+    "compile",
+    "first_checkpoint",
+]
 LEARNER_PHASES = [
-    "imports", "jax_init", "workload_check", "model_build", "data_index", "initial_params",
-    "join", "pull", "first_batch", "compile", "first_step",
-]  # fmt: skip
+    "imports",
+    "jax_init",
+    "workload_check",
+    "model_build",
+    "data_index",
+    "initial_params",
+    "join",
+    "pull",
+    "first_batch",
+    "compile",
+    "first_step",
+]
 
 
 def _phases(log: Path) -> tuple[list[str], list[str]]:
@@ -241,21 +258,31 @@ def test_the_real_programs_log_their_phases_and_a_slow_data_index_is_named(
     gate = tmp_path / "gate"
     training = {
         "model": {"entrypoint": "slow_start_data:build"},
-        "data": {"entrypoint": "slow_start_data:source", "args": {"gate": str(gate)}, "batchSize": 4},
+        "data": {
+            "entrypoint": "slow_start_data:source",
+            "args": {"gate": str(gate)},
+            "batchSize": 4,
+        },
         "fragments": 1,
         "innerSteps": 1,
         "totalSteps": 1000,
         "eval": {"everySeconds": None},
-    }  # fmt: skip
+    }
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(training))
     logs = tmp_path / "logs"
     procs = ProcessTable()
     syncer = SyncerProcess(
-        procs, Recorder(time.time()), argv=SYNCER_ARGV, config=config,
-        checkpoint_dir=tmp_path / "ckpt", logs_dir=logs, roster={"unit-0": "default"}, max_restarts=0,
+        procs,
+        Recorder(time.time()),
+        argv=SYNCER_ARGV,
+        config=config,
+        checkpoint_dir=tmp_path / "ckpt",
+        logs_dir=logs,
+        roster={"unit-0": "default"},
+        max_restarts=0,
         start_timeout=300.0,
-    )  # fmt: skip
+    )
     learner_log = logs / "unit-0.log"
     learner = StartupWatch.from_end(learner_log, time.monotonic())
     env = child_env(dict(os.environ))
@@ -264,11 +291,22 @@ def test_the_real_programs_log_their_phases_and_a_slow_data_index_is_named(
         syncer.start(time.time())
         procs.spawn(
             "unit-0",
-            [*LEARNER_ARGV, "--config", str(config), "--syncer", syncer.client.base_url,
-             "--unit", "0", "--unit-name", "unit-0", "--max-steps", "2"],
+            [
+                *LEARNER_ARGV,
+                "--config",
+                str(config),
+                "--syncer",
+                syncer.client.base_url,
+                "--unit",
+                "0",
+                "--unit-name",
+                "unit-0",
+                "--max-steps",
+                "2",
+            ],
             env,
             learner_log,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + 120
         while (_current(syncer.startup), _current(learner)) != ("data_index", "data_index"):
             assert procs.poll() == {}, (syncer.log_path.read_text(), learner_log.read_text())

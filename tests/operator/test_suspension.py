@@ -154,13 +154,13 @@ def test_suspending_a_queued_run_deletes_its_jobs_and_recreates_them_on_resume()
     # Kueue resumes a suspended Job whose Workload is admitted: deleting gives the quota back.
     spec = make_spec()
     observed, status = online(spec, queue=QUEUE)
-    p = plan("r", spec.model_copy(update={"suspend": True}), observed, status, T0 + 5,
-             syncer=SYNCER_UP)  # fmt: skip
+    p = plan(
+        "r", spec.model_copy(update={"suspend": True}), observed, status, T0 + 5, syncer=SYNCER_UP
+    )
     assert sorted(a.name for a in p.of_type(DeleteUnit)) == ["r-default-0", "r-default-1"]
     assert {a.reason for a in p.of_type(DeleteUnit)} == {"RunSuspended"}
     assert not p.of_type(SuspendUnit)
-    p = plan("r", spec.model_copy(update={"suspend": True}), [], p.status, T0 + 6,
-             syncer=SYNCER_UP)  # fmt: skip
+    p = plan("r", spec.model_copy(update={"suspend": True}), [], p.status, T0 + 6, syncer=SYNCER_UP)
     assert not p.of_type(CreateUnit)
     p = plan("r", spec, [], p.status, T0 + 30, syncer=SYNCER_UP)
     assert sorted((a.name, a.attempt) for a in p.of_type(CreateUnit)) == [
@@ -267,8 +267,12 @@ def job(suspend: bool = False, resumed: str | None = "2026-01-01T00:01:00Z") -> 
         "diloco.dev/attempt": "0",
         "kueue.x-k8s.io/queue-name": QUEUE,
     }
-    meta = {"name": "r-default-0", "uid": "u1", "creationTimestamp": "2026-01-01T00:00:00Z",
-            "labels": labels}  # fmt: skip
+    meta = {
+        "name": "r-default-0",
+        "uid": "u1",
+        "creationTimestamp": "2026-01-01T00:00:00Z",
+        "labels": labels,
+    }
     # The Job controller's Suspended condition: True while suspended, False once resumed.
     cond = {"type": "Suspended", "status": "False" if resumed else "True"}
     if resumed:
@@ -294,8 +298,11 @@ def pod(name: str, created: str, deleted: str | None = None, grace: int = 30) ->
         meta["deletionTimestamp"] = at.isoformat().replace("+00:00", "Z")
         meta["deletionGracePeriodSeconds"] = grace
     conditions = [{"type": "Ready", "status": "True"}]
-    return {"metadata": meta, "spec": {"nodeName": "n1"},
-            "status": {"phase": "Running", "conditions": conditions}}  # fmt: skip
+    return {
+        "metadata": meta,
+        "spec": {"nodeName": "n1"},
+        "status": {"phase": "Running", "conditions": conditions},
+    }
 
 
 SUSPENDED_AT = "2026-01-01T00:00:40Z"  # the Job controller deletes the pods (grace 30 s)
@@ -304,8 +311,12 @@ RESUMED_AT = "2026-01-01T00:01:00Z"  # the Job's Suspended condition turns False
 
 def test_a_suspended_job_is_observed_suspended_with_its_queue_whatever_its_pods_do() -> None:
     leftover = pod_view(pod("r-default-0-0-a", "2026-01-01T00:00:30Z", SUSPENDED_AT))
-    o = observe_unit(job_view(job(suspend=True, resumed=None)), [leftover], {"n1": True},
-                     {"r-default-0-0-a": leftover.deleted_at})  # fmt: skip
+    o = observe_unit(
+        job_view(job(suspend=True, resumed=None)),
+        [leftover],
+        {"n1": True},
+        {"r-default-0-0-a": leftover.deleted_at},
+    )
     assert (o.phase, o.failure, o.queue) == ("Suspended", None, QUEUE)
 
 
@@ -314,8 +325,9 @@ def test_a_job_unsuspended_but_not_yet_resumed_by_its_controller_is_still_suspen
     # still being deleted and must not count as failures (seen on a real control plane).
     unsuspended = {**job(resumed=None), "spec": {"completions": 1, "suspend": False}}
     leftover = pod_view(pod("r-default-0-0-a", "2026-01-01T00:00:30Z", SUSPENDED_AT))
-    o = observe_unit(job_view(unsuspended), [leftover], {"n1": True},
-                     {"r-default-0-0-a": leftover.deleted_at})  # fmt: skip
+    o = observe_unit(
+        job_view(unsuspended), [leftover], {"n1": True}, {"r-default-0-0-a": leftover.deleted_at}
+    )
     assert (o.phase, o.failure) == ("Suspended", None)
 
 

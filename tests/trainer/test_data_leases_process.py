@@ -63,10 +63,23 @@ class Run:
         log = self.tmp / "syncer.log"
         self.syncer_log_offset = log.stat().st_size if log.exists() else 0
         proc = subprocess.Popen(
-            [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(self.config),
-             "--host", "127.0.0.1", "--port", str(self.port), "--checkpoint-dir", str(self.ckpt)],
-            env=self.env, stdout=subprocess.DEVNULL, stderr=log.open("ab"),
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "diloco_trainer.syncer.main",
+                "--config",
+                str(self.config),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--checkpoint-dir",
+                str(self.ckpt),
+            ],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("ab"),
+        )
         self.procs.append(proc)
         return proc
 
@@ -91,10 +104,19 @@ class Run:
         if unit >= 2:
             env["DILOCO_NUM_UNITS"] = str(unit + 1)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "diloco_trainer.learner.main", "--config", str(self.config),
-             "--log-level", "DEBUG"],
-            env=env, stdout=subprocess.DEVNULL, stderr=self.log(unit, attempt).open("wb"),
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "diloco_trainer.learner.main",
+                "--config",
+                str(self.config),
+                "--log-level",
+                "DEBUG",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log(unit, attempt).open("wb"),
+        )
         self.procs.append(proc)
         return proc
 

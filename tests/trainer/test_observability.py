@@ -135,10 +135,15 @@ def test_a_learner_serves_its_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
     port = free_port()
     try:
         opts = LearnerOptions(
-            syncer=f"http://127.0.0.1:{server.port}", token=unit_token(TOKEN, "obs-default-0"),
-            unit=0, num_units=1, unit_name="obs-default-0", log_every=4, max_steps=16,
+            syncer=f"http://127.0.0.1:{server.port}",
+            token=unit_token(TOKEN, "obs-default-0"),
+            unit=0,
+            num_units=1,
+            unit_name="obs-default-0",
+            log_every=4,
+            max_steps=16,
             metrics_port=port,
-        )  # fmt: skip
+        )
         result = run_learner(cfg, opts)
     finally:
         server.close()

@@ -87,9 +87,13 @@ def _batches(workload: Workload, cfg: TrainingConfig, unit: int, units: int) -> 
     for epoch in range(1 << 30):
         for shard in range(unit, cfg.data.shards, units):
             yield from workload.source(
-                shard, cfg.data.shards, seed=epoch, batch_size=cfg.data.batch_size,
-                split="train", position=0,
-            )  # fmt: skip
+                shard,
+                cfg.data.shards,
+                seed=epoch,
+                batch_size=cfg.data.batch_size,
+                split="train",
+                position=0,
+            )
 
 
 def lock_step(cfg: TrainingConfig, units: int, steps: int, delay: int = 2) -> list[float]:
@@ -127,14 +131,20 @@ def lock_step(cfg: TrainingConfig, units: int, steps: int, delay: int = 2) -> li
                 continue
             tokens = cfg.inner_steps * workload.tokens_per_step
             deltas = [
-                Contribution({n: glob[n] - np.asarray(params[n][u]) for n in frag},
-                             cfg.inner_steps, tokens)
+                Contribution(
+                    {n: glob[n] - np.asarray(params[n][u]) for n in frag}, cfg.inner_steps, tokens
+                )
                 for u in range(units)
-            ]  # fmt: skip
+            ]
             new, outer_states[p] = merge_and_step(
-                outer, {n: glob[n] for n in frag}, outer_states[p], deltas,
-                cfg.merge.method, cfg.merge.token_weighting, 1.0,
-            )  # fmt: skip
+                outer,
+                {n: glob[n] for n in frag},
+                outer_states[p],
+                deltas,
+                cfg.merge.method,
+                cfg.merge.token_weighting,
+                1.0,
+            )
             glob.update({n: np.array(v) for n, v in new.items()})
             arriving.append((step + delay, {n: glob[n] for n in frag}))
         for due in [a for a in arriving if a[0] <= step]:

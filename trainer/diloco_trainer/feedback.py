@@ -31,10 +31,11 @@ class PushFeedback:
         """`delta` plus what earlier pushes of `fragment` owe: the values to quantize."""
         owed = self._owed.get(fragment, {})
         return {
-            name: np.asarray(value, dtype=np.float32) + owed[name] if name in owed
+            name: np.asarray(value, dtype=np.float32) + owed[name]
+            if name in owed
             else np.asarray(value, dtype=np.float32)
             for name, value in delta.items()
-        }  # fmt: skip
+        }
 
     def settle(self, fragment: int, sent: Tensors, applied: Tensors) -> None:
         """Record a push the syncer accepted: it owes what `applied` lacks of `sent`."""

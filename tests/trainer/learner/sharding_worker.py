@@ -72,14 +72,17 @@ class RecordingLink:
 def main() -> None:
     cfg = TrainingConfig.model_validate(
         {
-            "totalSteps": 1000, "seed": 3, "innerSteps": STEPS, "fragments": 2,
+            "totalSteps": 1000,
+            "seed": 3,
+            "innerSteps": STEPS,
+            "fragments": 2,
             "data": {"batchSize": 8, "maxBytes": 262144},
             "model": {"dModel": 64, "nLayers": 2, "nHeads": 4, "seqLen": 32},
             "innerOptimizer": {"lr": 3e-3, "warmupSteps": 2},
             "sharding": {"mode": MODE, "minShardBytes": MIN_SHARD_BYTES},
             "install": INSTALL or "replace",
         }
-    )  # fmt: skip
+    )
     program = build_step_program(cfg, 1)
     mesh = program.mesh
     host = init_params(cfg.model, cfg.seed)

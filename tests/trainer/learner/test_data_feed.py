@@ -14,14 +14,31 @@ from diloco_trainer.wire import DataLease
 BATCHES_PER_SHARD = 3
 
 
-def source(shard: int, num_shards: int, *, seed: int, batch_size: int, split: str,
-           position: int, **args: Any) -> Iterator[dict[str, np.ndarray]]:  # fmt: skip
+def source(
+    shard: int,
+    num_shards: int,
+    *,
+    seed: int,
+    batch_size: int,
+    split: str,
+    position: int,
+    **args: Any,
+) -> Iterator[dict[str, np.ndarray]]:
     """Batch rows say (seed, shard, batch index, row)."""
     assert split == "train" and num_shards == 4
     for b in range(position, BATCHES_PER_SHARD):
         rows = np.arange(batch_size)
-        yield {"x": np.stack([np.full(batch_size, seed), np.full(batch_size, shard),
-                              np.full(batch_size, b), rows], axis=1)}  # fmt: skip
+        yield {
+            "x": np.stack(
+                [
+                    np.full(batch_size, seed),
+                    np.full(batch_size, shard),
+                    np.full(batch_size, b),
+                    rows,
+                ],
+                axis=1,
+            )
+        }
 
 
 class Claims:
@@ -37,9 +54,15 @@ class Claims:
 
 def feed(lease: DataLease, claims: Claims | None, published: list[DataLease]) -> DataFeed:
     return DataFeed(
-        source, lease, num_shards=4, run_seed=7, batch_size=4, rows=slice(2, 4), claim=claims,
+        source,
+        lease,
+        num_shards=4,
+        run_seed=7,
+        batch_size=4,
+        rows=slice(2, 4),
+        claim=claims,
         on_position=published.append,
-    )  # fmt: skip
+    )
 
 
 def test_the_feed_reads_its_shard_then_the_claimed_one() -> None:
@@ -87,5 +110,12 @@ def test_a_source_with_nothing_for_a_fresh_shard_is_an_error() -> None:
         return []
 
     with pytest.raises(ValueError, match=r"data\.shards"):
-        DataFeed(empty, DataLease(0, 0, 0), num_shards=4, run_seed=0, batch_size=4,
-                 rows=slice(0, 4), claim=None)  # fmt: skip
+        DataFeed(
+            empty,
+            DataLease(0, 0, 0),
+            num_shards=4,
+            run_seed=0,
+            batch_size=4,
+            rows=slice(0, 4),
+            claim=None,
+        )

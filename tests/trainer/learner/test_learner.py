@@ -74,8 +74,15 @@ class FlakyClient:
     def __init__(self) -> None:
         self.pushes: list[tuple[int, int, int, list[float]]] = []
 
-    def push(self, fragment: int, base_version: int, delta: dict[str, np.ndarray],
-             c_steps: int, c_tokens: int, step: int = 0) -> PushReply:  # fmt: skip
+    def push(
+        self,
+        fragment: int,
+        base_version: int,
+        delta: dict[str, np.ndarray],
+        c_steps: int,
+        c_tokens: int,
+        step: int = 0,
+    ) -> PushReply:
         self.pushes.append((fragment, step, c_steps, delta["a"].tolist()))
         if len(self.pushes) == 1:
             raise SyncerUnavailable("timed out")

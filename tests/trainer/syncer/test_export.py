@@ -13,8 +13,10 @@ from diloco_trainer.syncer.checkpoint import CheckpointStore, Snapshot
 
 
 def _snapshot(value: float, outer_step: int) -> Snapshot:
-    params = {"params.Dense_0.kernel": np.full((2, 3), value, np.float32),
-              "params.Dense_0.bias": np.full(3, -value, np.float32)}  # fmt: skip
+    params = {
+        "params.Dense_0.kernel": np.full((2, 3), value, np.float32),
+        "params.Dense_0.bias": np.full(3, -value, np.float32),
+    }
     return Snapshot(
         params=params,
         outer_state=[[np.ones((2, 3), np.float32), np.ones(3, np.float32)]],  # momentum
@@ -47,10 +49,14 @@ def test_a_checkpoint_directory_exports_its_newest_checkpoint_without_momentum(
     assert sorted(tensors) == ["params.Dense_0.bias", "params.Dense_0.kernel"]
     np.testing.assert_array_equal(tensors["params.Dense_0.kernel"], np.full((2, 3), 2.0))
     assert meta == {
-        "format": "diloco-export/1", "run": "mine", "outerStep": "2", "versions": "[2]",
-        "checkpointSeq": "2", "configHash": "abc123",
+        "format": "diloco-export/1",
+        "run": "mine",
+        "outerStep": "2",
+        "versions": "[2]",
+        "checkpointSeq": "2",
+        "configHash": "abc123",
         "checkpoint": str((store.root / "ckpt-0000000002").resolve()),
-    }  # fmt: skip
+    }
 
 
 def test_a_local_run_folder_and_a_single_checkpoint_are_sources_too(

@@ -59,8 +59,11 @@ def test_one_bad_delta_is_clipped_or_left_out_and_the_merge_stays_the_honest_one
     everyone, the_honest = round_of(bad)
     screened = robust.screen(RobustConfig())(robust.start(UNITS, everyone, None), True)
     assert {u: v.action for u, v in screened.verdicts.items()} == {
-        "a": "kept", "b": "kept", "c": "kept", "bad": action,
-    }  # fmt: skip
+        "a": "kept",
+        "b": "kept",
+        "c": "kept",
+        "bad": action,
+    }
     merged = merge_fragment(screened.contributions)
     plain = merge_fragment(everyone)
     reference = merge_fragment(the_honest)
@@ -101,7 +104,13 @@ def test_a_nearly_orthogonal_round_drops_nobody_and_two_units_are_clipped_by_his
 def test_others_cosines_match_a_direct_computation() -> None:
     everyone, _ = round_of("flipped")
     got = robust.others_cosines(everyone, token_weighting=False)
-    units = [{k: v / np.sqrt(sum(float(np.sum(x * x)) for x in c.delta.values())) for k, v in c.delta.items()} for c in everyone]  # fmt: skip
+    units = [
+        {
+            k: v / np.sqrt(sum(float(np.sum(x * x)) for x in c.delta.values()))
+            for k, v in c.delta.items()
+        }
+        for c in everyone
+    ]
     for i, unit in enumerate(units):
         rest = {k: sum(u[k] for j, u in enumerate(units) if j != i) for k in unit}
         assert got[i] == pytest.approx(cosine(unit, rest), abs=1e-5)

@@ -177,8 +177,16 @@ def _valid_push(
 
 
 def _meta(p: int = 0, base: int = 0) -> dict[str, str]:
-    return {"kind": "push", "fragment": str(p), "baseVersion": str(base), "cSteps": "1", "cTokens": "8",
-            "scheme": "none", "unit": "unit-0", "attempt": "0"}  # fmt: skip
+    return {
+        "kind": "push",
+        "fragment": str(p),
+        "baseVersion": str(base),
+        "cSteps": "1",
+        "cTokens": "8",
+        "scheme": "none",
+        "unit": "unit-0",
+        "attempt": "0",
+    }
 
 
 def _with(live: LiveSyncer, p: int, **changes: np.ndarray | None) -> bytes:
@@ -383,8 +391,10 @@ def test_a_dead_attempts_unmerged_push_adds_to_its_successors(live: LiveSyncer) 
     dead.push(0, 0, late, c_steps=2, c_tokens=128, step=7)
     pending = live.syncer.frags[0].pending["unit-0"]
     assert (pending.header.attempt, pending.header.c_steps, pending.header.c_tokens) == (
-        1, 10, 640,
-    )  # fmt: skip
+        1,
+        10,
+        640,
+    )
     for name, value in pending.delta.items():
         np.testing.assert_allclose(value, d_dead[name] + d_new[name] + late[name], rtol=1e-6)
     assert live.syncer.frags[0].version == 0  # still one unit: below the quorum of 2
@@ -451,16 +461,39 @@ def test_heartbeats_count_across_attempts_and_complete_the_run(live: LiveSyncer)
     status = other.status()
     _, served = live.raw("GET", "/v1/status")  # the wire document the model is read from
     assert set(served) == {
-        "run", "outerStep", "steps", "tokens", "loss", "trainLoss", "complete", "finalLoss",
-        "finalEval", "time", "fragments", "learners", "bytesReceived", "bytesSent", "health",
-        "checkpoint", "rosterRevision",
-    }  # fmt: skip
+        "run",
+        "outerStep",
+        "steps",
+        "tokens",
+        "loss",
+        "trainLoss",
+        "complete",
+        "finalLoss",
+        "finalEval",
+        "time",
+        "fragments",
+        "learners",
+        "bytesReceived",
+        "bytesSent",
+        "health",
+        "checkpoint",
+        "rosterRevision",
+    }
     assert status.steps == 90 and status.tokens == 90 * 64
     assert status.learners["unit-0"].step == 60 and status.learners["unit-0"].attempt == 1
     assert set(served["learners"]["unit-0"]) == {
-        "attempt", "group", "lastHeartbeat", "ageSeconds", "step", "tokens", "tokensPerSec", "loss",
-        "refused", "lastRefusal", "quarantined",
-    }  # fmt: skip
+        "attempt",
+        "group",
+        "lastHeartbeat",
+        "ageSeconds",
+        "step",
+        "tokens",
+        "tokensPerSec",
+        "loss",
+        "refused",
+        "lastRefusal",
+        "quarantined",
+    }
     assert status.learners["unit-1"].loss is None
     assert status.train_loss == pytest.approx(2.5)
     assert status.loss is None and status.complete is False
@@ -812,9 +845,16 @@ def test_a_restarted_learner_continues_its_lr_schedule_and_counts_its_own_steps(
     first.push(0, 0, fragment_delta(live, 0), 120, tokens, step=120)
     first.heartbeat(120, tokens, 1.0, 3.0)
     opts = LearnerOptions(
-        syncer=live.url, token=unit_token(TOKEN, "unit-0"), unit=0, num_units=1, unit_name="unit-0", attempt=1,
-        log_every=2, max_steps=40, slowdown=3.0,
-    )  # fmt: skip
+        syncer=live.url,
+        token=unit_token(TOKEN, "unit-0"),
+        unit=0,
+        num_units=1,
+        unit_name="unit-0",
+        attempt=1,
+        log_every=2,
+        max_steps=40,
+        slowdown=3.0,
+    )
     with caplog.at_level(logging.INFO, logger="diloco_trainer.learner"):
         result = run_learner(cfg, opts)
     assert result.steps == 40 and result.tokens == 40 * cfg.tokens_per_step
@@ -852,9 +892,16 @@ def test_a_learner_behind_the_run_moves_its_lr_schedule_up_to_the_runs_progress(
         client.push(0, 0, fragment_delta(live, 0), steps, tokens, step=steps)
         assert client.heartbeat(steps, tokens, 1.0, 3.0).budget_done == pytest.approx(run_share)
     opts = LearnerOptions(
-        syncer=live.url, token=unit_token(TOKEN, "unit-0"), unit=0, num_units=2, unit_name="unit-0", attempt=1,
-        log_every=2, max_steps=40, slowdown=3.0,
-    )  # fmt: skip
+        syncer=live.url,
+        token=unit_token(TOKEN, "unit-0"),
+        unit=0,
+        num_units=2,
+        unit_name="unit-0",
+        attempt=1,
+        log_every=2,
+        max_steps=40,
+        slowdown=3.0,
+    )
     with caplog.at_level(logging.INFO, logger="diloco_trainer.learner"):
         assert run_learner(cfg, opts).steps == 40
     text = caplog.text
@@ -984,8 +1031,15 @@ def test_pushes_are_encoded_as_the_learners_own_config_says(live: LiveSyncer) ->
         "POST", "/v1/join", json.dumps({"unit": "unit-0", "attempt": 0}).encode(), unit="unit-0"
     )
     assert set(joined) == {
-        "run", "layout", "versions", "complete", "outerStep", "resumeStep", "shapes", "dataLease",
-    }  # fmt: skip
+        "run",
+        "layout",
+        "versions",
+        "complete",
+        "outerStep",
+        "resumeStep",
+        "shapes",
+        "dataLease",
+    }
     quantized = live.client("unit-0")
     plain = SyncerClient(live.url, unit_token(TOKEN, "unit-1"), "unit-1", 0)  # no compression
     delta = fragment_delta(live, 0)

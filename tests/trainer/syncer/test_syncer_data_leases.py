@@ -111,9 +111,15 @@ def test_claims_hand_out_the_next_shard_and_repeat_their_answer(live: LiveSyncer
 
 @pytest.mark.parametrize(
     "finished",
-    [None, {"epoch": 0, "shard": 4, "position": 0}, {"epoch": -1, "shard": 0, "position": 0},
-     {"epoch": 0, "shard": True, "position": 0}, {"epoch": 0, "shard": 0}, [0, 0, 0]],
-)  # fmt: skip
+    [
+        None,
+        {"epoch": 0, "shard": 4, "position": 0},
+        {"epoch": -1, "shard": 0, "position": 0},
+        {"epoch": 0, "shard": True, "position": 0},
+        {"epoch": 0, "shard": 0},
+        [0, 0, 0],
+    ],
+)
 def test_a_bad_claim_is_refused_and_changes_nothing(live: LiveSyncer, finished: Any) -> None:
     live.client("unit-0").join()
     body = json.dumps({"unit": "unit-0", "attempt": 0, "finished": finished}).encode()

@@ -30,8 +30,14 @@ __all__ = ["procs"]  # the fixture, imported for its use below
 
 # ~20 MB of parameters and as much outer momentum: an upload takes long enough to be caught
 # half done (the byte vocabulary is what makes it big; the model is never run here).
-BIG_MODEL = {"preset": "tiny", "vocabSize": 8192, "dModel": 512, "nLayers": 1, "nHeads": 4,
-             "seqLen": 8}  # fmt: skip
+BIG_MODEL = {
+    "preset": "tiny",
+    "vocabSize": 8192,
+    "dModel": 512,
+    "nLayers": 1,
+    "nHeads": 4,
+    "seqLen": 8,
+}
 
 
 def _smallest_fragment(learner: SyncerClient) -> tuple[int, dict[str, np.ndarray]]:
@@ -133,11 +139,22 @@ def test_sigkill_mid_upload_then_restart_resumes_from_the_last_committed_checkpo
 
 def _start_syncer(config: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(config),
-         "--host", "127.0.0.1", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "diloco_trainer.syncer.main",
+            "--config",
+            str(config),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ],
         env={**env, "JAX_PLATFORMS": "cpu", "DILOCO_TOKEN": TOKEN},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_no_credential_or_no_bucket_exits_2_naming_the_field(
@@ -147,10 +164,17 @@ def test_no_credential_or_no_bucket_exits_2_naming_the_field(
     # No emulator, no key file, no gcloud login, and the metadata server (what Workload
     # Identity answers through on GKE) at a closed loopback port: no credential anywhere.
     closed = f"127.0.0.1:{free_port()}"
-    bare = {k: v for k, v in os.environ.items()
-            if k not in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS")}  # fmt: skip
-    bare.update(HOME=str(tmp_path), CLOUDSDK_CONFIG=str(tmp_path / "gcloud"),
-                GCE_METADATA_HOST=closed, GCE_METADATA_IP=closed)  # fmt: skip
+    bare = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS")
+    }
+    bare.update(
+        HOME=str(tmp_path),
+        CLOUDSDK_CONFIG=str(tmp_path / "gcloud"),
+        GCE_METADATA_HOST=closed,
+        GCE_METADATA_IP=closed,
+    )
     # The two syncers are independent (the second has the server but a bucket that does not
     # exist): they run side by side, each mostly its single-threaded start.
     started = [_start_syncer(config, bare), _start_syncer(config, dict(os.environ))]

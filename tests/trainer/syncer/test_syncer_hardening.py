@@ -136,8 +136,16 @@ def test_out_of_range_counters_are_refused_at_the_wire_and_never_stored(
     assert status == 200 and body["steps"] == lead and body["tokens"] == lead
     assert live.raw("GET", "/metrics")[0] == 200
     live.client("unit-0").join()
-    meta = {"kind": "push", "fragment": "0", "baseVersion": "0", "cSteps": str(10**20),
-            "cTokens": "8", "scheme": "none", "unit": "unit-0", "attempt": "0"}  # fmt: skip
+    meta = {
+        "kind": "push",
+        "fragment": "0",
+        "baseVersion": "0",
+        "cSteps": str(10**20),
+        "cTokens": "8",
+        "scheme": "none",
+        "unit": "unit-0",
+        "attempt": "0",
+    }
     status, reply = live.raw(
         "POST", "/v1/fragments/0/push", encode_tensors(fragment_delta(live, 0), meta), unit="unit-0"
     )

@@ -50,10 +50,22 @@ class SyncerProcess:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "DILOCO_TOKEN": TOKEN}
         where = [] if ckpt is None else ["--checkpoint-dir", str(ckpt)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(config),
-             "--host", "127.0.0.1", "--port", str(port), *where],
-            stdout=subprocess.DEVNULL, stderr=log.open("ab"), env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "diloco_trainer.syncer.main",
+                "--config",
+                str(config),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *where,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("ab"),
+            env=env,
+        )
         self.port = self._wait_port()
         self.url = f"http://127.0.0.1:{self.port}"
 

@@ -106,12 +106,25 @@ def serving_and_standby(
         del os.environ["DILOCO_SYNCER_LOCK"]
     standby_log = tmp_path / "standby.log"
     standby = subprocess.Popen(
-        [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(config),
-         "--host", "127.0.0.1", "--port", str(first.port), "--checkpoint-dir", str(ckpt),
-         "--lock", str(lock)],
-        stdout=subprocess.DEVNULL, stderr=standby_log.open("ab"),
+        [
+            sys.executable,
+            "-m",
+            "diloco_trainer.syncer.main",
+            "--config",
+            str(config),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(first.port),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--lock",
+            str(lock),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=standby_log.open("ab"),
         env={**os.environ, "JAX_PLATFORMS": "cpu", "DILOCO_TOKEN": TOKEN},
-    )  # fmt: skip
+    )
     try:
         yield first, standby, standby_log, lock
     finally:

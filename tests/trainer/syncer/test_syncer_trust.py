@@ -321,9 +321,11 @@ def test_a_flood_of_heartbeats_is_answered_429_and_the_others_are_served(
     started = time.monotonic()
     for _ in range(2000):
         status, reply = live.raw(
-            "POST", "/v1/heartbeat", json.dumps({"unit": "flood", "step": 1, "tokens": tps}).encode(),
+            "POST",
+            "/v1/heartbeat",
+            json.dumps({"unit": "flood", "step": 1, "tokens": tps}).encode(),
             unit="flood",
-        )  # fmt: skip
+        )
         codes[status] = codes.get(status, 0) + 1
         retry = retry or (reply if status == 429 else None)
     rate = rates_for(live.syncer.cfg)["heartbeat"]
@@ -397,7 +399,10 @@ def test_a_unit_sending_flipped_deltas_is_left_out_then_quarantined() -> None:
                 n: rng.normal(scale=0.01, size=s).astype(np.float32) for n, s in shapes.items()
             }
             for unit in units:
-                own = {n: v + rng.normal(scale=0.01, size=v.shape).astype(np.float32) for n, v in signal.items()}  # fmt: skip
+                own = {
+                    n: v + rng.normal(scale=0.01, size=v.shape).astype(np.float32)
+                    for n, v in signal.items()
+                }
                 delta = {n: -v for n, v in own.items()} if unit == "flip" else own
                 header = PushHeader(0, rnd, 5, 5 * tps, "none", unit, 0, step=5 * (rnd + 1))
                 body = encode_push(header, delta)[0]

@@ -51,9 +51,15 @@ def test_init_from_seeds_a_fresh_run_and_export_gives_the_trained_model_back(
     weights = _starting_weights(probe, weights_file)
     config = write_config(
         tmp_path / "run.yaml",
-        model={"preset": "tiny", "dModel": 16, "nLayers": 1, "nHeads": 2, "seqLen": 8,
-               "initFrom": str(weights_file)},
-    )  # fmt: skip
+        model={
+            "preset": "tiny",
+            "dModel": 16,
+            "nLayers": 1,
+            "nHeads": 2,
+            "seqLen": 8,
+            "initFrom": str(weights_file),
+        },
+    )
     syncer = start(procs, config, ckpt, log)
     learner = SyncerClient(syncer.url, unit_token(TOKEN, "unit-0"), "unit-0", 0, timeout=5)
     join = learner.join()
@@ -106,15 +112,35 @@ def test_a_syncer_with_unfit_weights_exits_2_before_serving(tmp_path: Path) -> N
     _starting_weights(wide, weights_file)
     config = write_config(
         tmp_path / "run.yaml",
-        model={"preset": "tiny", "dModel": 16, "nLayers": 1, "nHeads": 2, "seqLen": 8,
-               "initFrom": str(weights_file)},
-    )  # fmt: skip
+        model={
+            "preset": "tiny",
+            "dModel": 16,
+            "nLayers": 1,
+            "nHeads": 2,
+            "seqLen": 8,
+            "initFrom": str(weights_file),
+        },
+    )
     done = subprocess.run(
-        [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(config),
-         "--host", "127.0.0.1", "--port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"),
-         "--token", TOKEN],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "diloco_trainer.syncer.main",
+            "--config",
+            str(config),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--token",
+            TOKEN,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert "event=listening" not in done.stderr
     assert (
@@ -132,9 +158,15 @@ def test_a_missing_or_corrupt_init_file_exits_2_naming_the_field(
     for path, reason in ((tmp_path / "absent.safetensors", "no such file"), (broken, "readable")):
         config = write_config(
             tmp_path / "run.yaml",
-            model={"preset": "tiny", "dModel": 16, "nLayers": 1, "nHeads": 2, "seqLen": 8,
-                   "initFrom": str(path)},
-        )  # fmt: skip
+            model={
+                "preset": "tiny",
+                "dModel": 16,
+                "nLayers": 1,
+                "nHeads": 2,
+                "seqLen": 8,
+                "initFrom": str(path),
+            },
+        )
         code = syncer_main.main(
             ["--config", str(config), "--token", "t", "--checkpoint-dir", str(tmp_path / "c")]
         )

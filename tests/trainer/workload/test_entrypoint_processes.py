@@ -53,8 +53,18 @@ def _local_run(folder: Path) -> list[str]:
     }
     path = folder / "run.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    return [sys.executable, "-m", "diloco_operator.cli", "local", "run", str(path),
-            "--report-dir", str(folder / "report"), "--max-seconds", "30"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "diloco_operator.cli",
+        "local",
+        "run",
+        str(path),
+        "--report-dir",
+        str(folder / "report"),
+        "--max-seconds",
+        "30",
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -185,9 +185,14 @@ def test_learner_and_syncer_count_the_same_tokens(outside: str, caplog: Any) -> 
     live = LiveSyncer(Syncer(cfg, TOKEN, run="tokens", store=None, eval_fn=None))
     try:
         opts = LearnerOptions(
-            syncer=live.url, token=unit_token(TOKEN, "unit-0"), unit=0, num_units=1,
-            unit_name="unit-0", log_every=100, max_steps=9,
-        )  # fmt: skip
+            syncer=live.url,
+            token=unit_token(TOKEN, "unit-0"),
+            unit=0,
+            num_units=1,
+            unit_name="unit-0",
+            log_every=100,
+            max_steps=9,
+        )
         with caplog.at_level(logging.INFO, logger="diloco.syncer"):
             result = run_learner(cfg, opts)
             time.sleep(0.3)  # the pushes and heartbeats still in flight

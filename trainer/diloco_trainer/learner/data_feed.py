@@ -89,8 +89,11 @@ class DataFeed(Iterator[Any]):
         self._ahead = next(self._batches, None)
         log.info(
             "event=data_shard epoch=%d shard=%d position=%d empty=%s",
-            lease.epoch, lease.shard, lease.position, self._ahead is None,
-        )  # fmt: skip
+            lease.epoch,
+            lease.shard,
+            lease.position,
+            self._ahead is None,
+        )
         if self._ahead is None and lease.position == 0:
             raise ValueError(
                 f"data: the source gave no batch for shard {lease.shard} of {self.num_shards} "
@@ -135,8 +138,10 @@ class DataFeed(Iterator[Any]):
         self.lease = DataLease(self.lease.epoch, self.lease.shard, self.lease.position + 1)
         log.debug(
             "event=data_batch epoch=%d shard=%d position=%d",
-            self.lease.epoch, self.lease.shard, self.lease.position - 1,
-        )  # fmt: skip
+            self.lease.epoch,
+            self.lease.shard,
+            self.lease.position - 1,
+        )
         self._ahead = next(self._batches, None)
         if self._ahead is None:
             self._start_claim()  # overlaps the step that trains `batch`
@@ -170,7 +175,12 @@ def unit_feed(
         client.data_position = at
 
     return DataFeed(
-        source, lease, num_shards=cfg.data.shards, run_seed=cfg.seed,
-        batch_size=cfg.data.batch_size, rows=slice(first, first + rows), claim=claim,
+        source,
+        lease,
+        num_shards=cfg.data.shards,
+        run_seed=cfg.seed,
+        batch_size=cfg.data.batch_size,
+        rows=slice(first, first + rows),
+        claim=claim,
         on_position=publish if claim is not None else lambda at: None,
-    )  # fmt: skip
+    )

@@ -285,8 +285,11 @@ def _start(
         global_params.update(joined.params)
         log.info(
             "event=joined unit=%s attempt=%d versions=%s resume_step=%d",
-            opts.name, opts.attempt, versions, resume_step,
-        )  # fmt: skip
+            opts.name,
+            opts.attempt,
+            versions,
+            resume_step,
+        )
     resume_step = broadcast_int(resume_step)
     startup = {
         p: (versions[p], {n: global_params[n] for n in layout[p]}) for p in range(len(layout))

@@ -66,9 +66,14 @@ class Reporter:
         if link is not None and opts.metrics_port > 0:
             flops = workload.flops_per_token if workload is not None else None
             metrics = start_learner_metrics(
-                flops, opts.name, opts.group, opts.metrics_port,
-                jax.devices()[0].device_kind, jax.device_count(), os.environ,
-            )  # fmt: skip
+                flops,
+                opts.name,
+                opts.group,
+                opts.metrics_port,
+                jax.devices()[0].device_kind,
+                jax.device_count(),
+                os.environ,
+            )
         hint_after = HINT_AFTER_PERIODS * cfg.inner_steps
         tokens = workload.tokens_per_step if workload is not None else cfg.tokens_per_step
         return cls(opts, client, link, metrics, progress, clock, tokens, hint_after)
@@ -84,63 +89,59 @@ class Reporter:
         elapsed = time.monotonic() - self.window_start
         progress.tokens_per_sec = self.window_steps * tokens_per_step / max(elapsed, 1e-9)
         self.window_start, self.window_steps = time.monotonic(), 0
-        clock, overwritten = self.clock, frags.counters.overwritten_share(step)
-        log_progress(
-            self.opts, step, progress, frags.versions, self.link, clock.position(step),
-            clock.learning_rate(step), overwritten,
-        )  # fmt: skip
+        overwritten = frags.counters.overwritten_share(step)
+        self.log_progress(step, frags.versions, overwritten)
         if not self.hinted and step >= self.hint_after and rebase_worth_trying(overwritten, frags):
             self.hinted = True
             log.warning(
                 "event=install_hint unit=%s step=%d overwritten_share=%.3f: installs dropped "
                 "this share of the unit's steps before a push sent them; `install: rebase` keeps "
                 "them (docs/design.md, Installs: replace or rebase)",
-                self.opts.name, step, overwritten,
-            )  # fmt: skip
+                self.opts.name,
+                step,
+                overwritten,
+            )
         if metrics:  # the model's own (float() waits for the step: only on logged steps)
             log.info(
-                "event=model_metrics unit=%s step=%d %s", self.opts.name, step,
+                "event=model_metrics unit=%s step=%d %s",
+                self.opts.name,
+                step,
                 " ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items())),
-            )  # fmt: skip
+            )
         if self.metrics is not None and self.link is not None:
             self.metrics.progress(
-                float(loss), progress.tokens_per_sec, self.link.stats,
-                self.client.bytes_sent, self.client.bytes_received, overwritten,
-            )  # fmt: skip
+                float(loss),
+                progress.tokens_per_sec,
+                self.link.stats,
+                self.client.bytes_sent,
+                self.client.bytes_received,
+                overwritten,
+            )
+
+    def log_progress(self, step: int, versions: list[int], overwritten: float) -> None:
+        """step/tokens: this attempt's (what heartbeats report); schedule_step: the unit's step
+        in its LR schedule (earlier attempts included, never behind the run: `ScheduleClock`);
+        lr: the LR of the last step; overwritten: the share of its fragment-steps so far that
+        installs replaced before a push carried them."""
+        progress, clock = self.progress, self.clock
+        loss = float(progress.loss) if progress.loss is not None else float("nan")
+        log.info(
+            "event=progress unit=%s step=%d schedule_step=%d lr=%.3g tokens=%d loss=%.4f "
+            "tokens_per_sec=%.0f versions=%s pending_pushes=%d overwritten_share=%.3f",
+            self.opts.name,
+            step,
+            clock.position(step),
+            clock.learning_rate(step),
+            progress.tokens,
+            loss,
+            progress.tokens_per_sec,
+            ",".join(map(str, versions)),
+            self.link.pending_pushes() if self.link is not None else 0,
+            overwritten,
+        )
 
 
 def rebase_worth_trying(overwritten: float, frags: FragmentBook) -> bool:
     """Whether this learner, under replace, drops enough steps at installs for `install: rebase`
     to be worth a try."""
     return not frags.rebase and overwritten > REBASE_HINT_SHARE
-
-
-def log_progress(
-    opts: LearnerOptions,
-    step: int,
-    progress: Progress,
-    versions: list[int],
-    link: Any,
-    schedule_step: int,
-    lr: float,
-    overwritten: float,
-) -> None:
-    """step/tokens: this attempt's (what heartbeats report); schedule_step: the unit's step in
-    its LR schedule (earlier attempts included, never behind the run: `ScheduleClock`); lr: the
-    LR of the last step; overwritten: the share of its fragment-steps so far that installs
-    replaced before a push carried them."""
-    loss = float(progress.loss) if progress.loss is not None else float("nan")
-    log.info(
-        "event=progress unit=%s step=%d schedule_step=%d lr=%.3g tokens=%d loss=%.4f "
-        "tokens_per_sec=%.0f versions=%s pending_pushes=%d overwritten_share=%.3f",
-        opts.name,
-        step,
-        schedule_step,
-        lr,
-        progress.tokens,
-        loss,
-        progress.tokens_per_sec,
-        ",".join(map(str, versions)),
-        link.pending_pushes() if link is not None else 0,
-        overwritten,
-    )

@@ -58,10 +58,10 @@ def warm_up(cfg: TrainingConfig, num_units: int) -> StepProgram:
     workload = program.workload
     params = program.place(workload.initial_params())
     opt_state = init_opt_state(program.optimizer, params, program.mesh)
-    batch = next(iter(workload.source(
+    batches = workload.source(
         0, num_units, seed=cfg.seed, batch_size=cfg.data.batch_size, split="train", position=0
-    )))  # fmt: skip
-    batch = shard_batch(batch, program.mesh)
+    )
+    batch = shard_batch(next(iter(batches)), program.mesh)
     _, _, loss, _ = program.train_step(params, opt_state, batch, step_key(cfg.seed, 0))
     jax.block_until_ready(loss)
     log.info("event=standby_ready seconds=%.2f pid=%d", time.monotonic() - started, os.getpid())

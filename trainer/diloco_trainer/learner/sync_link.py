@@ -69,9 +69,14 @@ def combine(older: PendingPush, newer: PendingPush) -> PendingPush:
     counters = (older.c_steps + newer.c_steps, older.c_tokens + newer.c_tokens)
     if newer.base is older.theta:
         return PendingPush(
-            newer.fragment, newer.base_version, older.base, newer.theta, *counters,
-            newer.step, older.carry,
-        )  # fmt: skip
+            newer.fragment,
+            newer.base_version,
+            older.base,
+            newer.theta,
+            *counters,
+            newer.step,
+            older.carry,
+        )
     carry = fragment_delta(older)
     if newer.carry is not None:
         carry = {k: v + newer.carry[k] for k, v in carry.items()}

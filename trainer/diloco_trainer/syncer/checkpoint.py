@@ -180,8 +180,10 @@ class CheckpointStore:
             except CheckpointError as exc:
                 log.error(
                     "event=checkpoint_unreadable path=%s/%s reason=%r",
-                    self.location.url, name, str(exc),
-                )  # fmt: skip
+                    self.location.url,
+                    name,
+                    str(exc),
+                )
                 continue
             self._verified.add(name)
             return name
@@ -235,8 +237,10 @@ class CheckpointStore:
         except ValueError as exc:
             log.warning(
                 "event=fragment_journal_unreadable path=%s/%s error=%r",
-                self.location.url, fragment_file(index), str(exc),
-            )  # fmt: skip
+                self.location.url,
+                fragment_file(index),
+                str(exc),
+            )
             return None
 
     def recorded_versions(self) -> list[int] | None:
@@ -360,8 +364,12 @@ class CheckpointStore:
             log.log(
                 logging.ERROR if problems else logging.INFO,
                 "event=checkpoint_loaded seq=%d path=%s/%s outer_step=%d rolled_back_past=%d",
-                seq, self.location.url, name, snap.outer_step, len(problems),
-            )  # fmt: skip
+                seq,
+                self.location.url,
+                name,
+                snap.outer_step,
+                len(problems),
+            )
             return snap
         self._refuse_foreign_content(problems)
         return None

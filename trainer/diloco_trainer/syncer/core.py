@@ -60,9 +60,16 @@ class Syncer(SyncerState):
         # `restore` lets the caller read (and vet) the checkpoint before paying for model init.
         snap = restore if restore is not None else (store.load_latest() if store else None)
         super().__init__(
-            cfg, token, run, store, init_fn, eval_fn,
-            fresh=snap is None, max_units=max_units, roster=roster,
-        )  # fmt: skip
+            cfg,
+            token,
+            run,
+            store,
+            init_fn,
+            eval_fn,
+            fresh=snap is None,
+            max_units=max_units,
+            roster=roster,
+        )
         if snap is not None:
             persist.restore(self, snap)
         for f in self.frags:

@@ -80,9 +80,13 @@ class LeaseBook:
             log.log(
                 logging.INFO if retry else logging.WARNING,
                 "event=%s unit=%s epoch=%d shard=%d held_epoch=%d held_shard=%d",
-                "data_claim_repeated" if retry else "data_claim_ignored", unit,
-                finished.epoch, finished.shard, current.epoch, current.shard,
-            )  # fmt: skip
+                "data_claim_repeated" if retry else "data_claim_ignored",
+                unit,
+                finished.epoch,
+                finished.shard,
+                current.epoch,
+                current.shard,
+            )
             return current
         if current is not None:
             self._finish(unit, current)
@@ -118,9 +122,14 @@ class LeaseBook:
         self.revision += 1
         self.moves += 1
         log.log(
-            level, "event=%s unit=%s epoch=%d shard=%d position=%d",
-            event, unit, lease.epoch, lease.shard, lease.position,
-        )  # fmt: skip
+            level,
+            "event=%s unit=%s epoch=%d shard=%d position=%d",
+            event,
+            unit,
+            lease.epoch,
+            lease.shard,
+            lease.position,
+        )
 
     def _next_lease(self, unit: str, alive: Collection[str]) -> DataLease:
         taken = self._taken(self.epoch)
@@ -137,8 +146,12 @@ class LeaseBook:
             lease = self.held.pop(owner)
             log.warning(
                 "event=data_lease_reassigned from=%s to=%s epoch=%d shard=%d position=%d",
-                owner, unit, lease.epoch, lease.shard, lease.position,
-            )  # fmt: skip
+                owner,
+                unit,
+                lease.epoch,
+                lease.shard,
+                lease.position,
+            )
             return lease
         self.epoch += 1
         self.finished = set()

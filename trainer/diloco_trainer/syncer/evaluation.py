@@ -88,6 +88,10 @@ async def _final_evaluation(s: SyncerState) -> None:
     s.final_eval = "done"
     log.info(
         "event=final_eval outer_step=%d versions=%s loss=%.4f settled=%s waited=%.3f",
-        step, list(versions), loss, str(settled).lower(), waited,
-    )  # fmt: skip
+        step,
+        list(versions),
+        loss,
+        str(settled).lower(),
+        waited,
+    )
     await persist.save_checkpoint(s, force=True)

@@ -89,8 +89,11 @@ class Gate:
         self.learners.get(unit).refused(f"{kind}: {refusal.message}")
         log.warning(
             "event=claim_refused unit=%s kind=%s rule=%s message=%r",
-            unit, kind, refusal.reason, refusal.message,
-        )  # fmt: skip
+            unit,
+            kind,
+            refusal.reason,
+            refusal.message,
+        )
         return Reject(422, "implausible", refusal.message)
 
     def check_heartbeat(self, unit: str, attempt: int, step: int, tokens: int, now: float) -> None:

@@ -95,8 +95,13 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             syncer.metrics.pushes.labels("rejected", exc.reason).inc()
         log.warning(
             "event=rejected method=%s path=%s status=%d reason=%s message=%r peer=%s",
-            request.method, request.path, exc.status, exc.reason, exc.message, request.remote,
-        )  # fmt: skip
+            request.method,
+            request.path,
+            exc.status,
+            exc.reason,
+            exc.message,
+            request.remote,
+        )
         return json_error(exc.status, exc.reason, exc.message)
     except web.HTTPRequestEntityTooLarge as exc:
         syncer.metrics.pushes.labels("rejected", "too_large").inc()
@@ -118,8 +123,11 @@ def _throttle(syncer: Syncer, unit: str, request: web.Request) -> web.Response |
     if syncer.gate.limits.should_log(unit, now):
         log.warning(
             "event=rate_limited unit=%s kind=%s retry_after=%.2f peer=%s (logged once a minute)",
-            unit, kind, wait, request.remote,
-        )  # fmt: skip
+            unit,
+            kind,
+            wait,
+            request.remote,
+        )
     response = json_error(
         429, "rate_limited", f"{kind} requests of unit {unit!r} too frequent: retry in {wait:.2f}s"
     )
@@ -166,8 +174,12 @@ async def join(request: web.Request) -> web.Response:
     await _journal_leases(s, moves)
     log.info(
         "event=join unit=%s attempt=%d group=%s versions=%s resume_step=%d",
-        unit, attempt, group, s.versions(), resume_step,
-    )  # fmt: skip
+        unit,
+        attempt,
+        group,
+        s.versions(),
+        resume_step,
+    )
     # The learner holds the same config (compression, innerSteps, ...); the reply carries only
     # what the run's state decides.
     return _json(

@@ -276,9 +276,16 @@ def main(argv: list[str] | None = None) -> int:
         enable_compilation_cache()  # a restart or a standby skips compiling the merge and the eval
     try:
         syncer = Syncer(
-            cfg, token, run=name, store=store, restore=snapshot, max_units=max_units,
-            init_fn=init_fn, standby=not serving, roster=roster,
-        )  # fmt: skip
+            cfg,
+            token,
+            run=name,
+            store=store,
+            restore=snapshot,
+            max_units=max_units,
+            init_fn=init_fn,
+            standby=not serving,
+            roster=roster,
+        )
         if lock is not None and not serving and not stand_by(syncer, lock, store, terminated):
             syncer.close()
             return 0

@@ -176,8 +176,11 @@ def resume_numbering(s: SyncerState) -> list[int]:
             if journal[f.index] > f.version:
                 log.warning(
                     "event=versions_lost fragment=%d checkpointed=%d published=%d resume=%d",
-                    f.index, f.version, journal[f.index], journal[f.index] + 1,
-                )  # fmt: skip
+                    f.index,
+                    f.version,
+                    journal[f.index],
+                    journal[f.index] + 1,
+                )
                 f.version = journal[f.index] + 1
         versions = s.versions()
     if s.store is not None:
@@ -201,8 +204,10 @@ def _record_versions_until_written(s: SyncerState, versions: list[int]) -> None:
             delay = retry_delay(failures)
             log.warning(
                 "event=version_journal_failed failures=%d retry_in=%.1f error=%r",
-                failures, delay, str(exc),
-            )  # fmt: skip
+                failures,
+                delay,
+                str(exc),
+            )
             time.sleep(delay)
 
 

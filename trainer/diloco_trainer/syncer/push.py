@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from diloco_trainer.syncer.fragment import (
     SEEN_PER_FRAGMENT,
     FragmentState,
+    MeasuredPush,
     Pending,
     Reject,
     decode_measured,
@@ -33,22 +34,7 @@ async def accept_push(
 ) -> dict[str, Any]:
     """Decode, check and queue one push. `caller`: the authenticated unit, which must be
     the payload's (None skips that check: in-process callers)."""
-    if len(body) > f.max_body:
-        raise Reject(
-            413,
-            "too_large",
-            f"body of {len(body)} bytes exceeds {f.max_body} for fragment {f.index}",
-        )
-    loop = asyncio.get_running_loop()
-    s.decoding += 1
-    try:
-        measured = await loop.run_in_executor(s.pools.decode, decode_measured, body)
-    except PayloadMismatch as exc:
-        raise Reject(422, "mismatch", str(exc)) from exc
-    except WireError as exc:
-        raise Reject(400, "malformed", str(exc)) from exc
-    finally:
-        s.decoding -= 1
+    measured = await decode_body(s, f, body)
     header, delta = measured.header, measured.delta
     check_sender(s, header, caller)
     # Content first: a payload that can never be merged is refused even when its key
@@ -62,12 +48,7 @@ async def accept_push(
         else (header.unit, header.attempt, header.base_version, header.c_steps)
     )
     if key in f.seen and header.fragment == f.index:
-        return {
-            "accepted": True,
-            "duplicate": True,
-            "version": f.version,
-            "pending": len(f.pending),
-        }
+        return _accepted(f, duplicate=True)
     now = time.time()
     header = check_counters(s, header, now)
     validate_version(f, header, s.cfg.max_staleness)
@@ -90,14 +71,48 @@ async def accept_push(
     if header.quant_error is not None:
         s.metrics.quant_error.observe(header.quant_error)
     log.info(
-        "event=push_accepted fragment=%d unit=%s attempt=%d base=%d version=%d c_steps=%d c_tokens=%d pending=%d scheme=%s",
-        f.index, header.unit, header.attempt, header.base_version, f.version,
-        header.c_steps, header.c_tokens, len(f.pending), header.scheme,
-    )  # fmt: skip
+        "event=push_accepted fragment=%d unit=%s attempt=%d base=%d version=%d c_steps=%d "
+        "c_tokens=%d pending=%d scheme=%s",
+        f.index,
+        header.unit,
+        header.attempt,
+        header.base_version,
+        f.version,
+        header.c_steps,
+        header.c_tokens,
+        len(f.pending),
+        header.scheme,
+    )
     schedule_merge(s, f)
+    return _accepted(f, duplicate=False)
+
+
+async def decode_body(s: SyncerState, f: FragmentState, body: bytes) -> MeasuredPush:
+    """The push body decoded and measured off the event loop; Reject when it is larger than the
+    fragment allows, or unreadable."""
+    if len(body) > f.max_body:
+        raise Reject(
+            413,
+            "too_large",
+            f"body of {len(body)} bytes exceeds {f.max_body} for fragment {f.index}",
+        )
+    loop = asyncio.get_running_loop()
+    s.decoding += 1
+    try:
+        return await loop.run_in_executor(s.pools.decode, decode_measured, body)
+    except PayloadMismatch as exc:
+        raise Reject(422, "mismatch", str(exc)) from exc
+    except WireError as exc:
+        raise Reject(400, "malformed", str(exc)) from exc
+    finally:
+        s.decoding -= 1
+
+
+def _accepted(f: FragmentState, duplicate: bool) -> dict[str, Any]:
+    """The reply to an accepted push: the fragment's version and queue as they stand."""
     return {
         "accepted": True,
-        "duplicate": False,
+        "duplicate": duplicate,
         "version": f.version,
         "pending": len(f.pending),
     }

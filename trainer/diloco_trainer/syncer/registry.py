@@ -321,6 +321,9 @@ def _counter(value: Any, unit: str, name: str) -> int | None:
     log.error(
         "event=checkpoint_counter_dropped unit=%s field=%s value=%.40r reason=not an integer "
         "in 0..%d",
-        unit, name, value, MAX_COUNTER,
-    )  # fmt: skip
+        unit,
+        name,
+        value,
+        MAX_COUNTER,
+    )
     return None

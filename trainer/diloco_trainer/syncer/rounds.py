@@ -88,9 +88,12 @@ def schedule_merge(s: SyncerState, f: FragmentState) -> None:
         for u in missing
     ]
     grace = grace_window(
-        s.cfg.grace.mode, s.cfg.grace.max_seconds, lateness, slack,
+        s.cfg.grace.mode,
+        s.cfg.grace.max_seconds,
+        lateness,
+        slack,
         whole_slack=s.cfg.phase_lock,
-    )  # fmt: skip
+    )
     s.metrics.grace_seconds.observe(grace)
     f.all_in = asyncio.Event()
     f.merge_task = asyncio.get_running_loop().create_task(_merge_after(s, f, grace))
@@ -111,8 +114,11 @@ async def _merge_after(s: SyncerState, f: FragmentState, grace: float) -> None:
         delay = retry_delay(f.merge_failures)
         log.exception(
             "event=merge_failed fragment=%d failures=%d retry_in=%.1f pending=%d",
-            f.index, f.merge_failures, delay, len(f.pending),
-        )  # fmt: skip
+            f.index,
+            f.merge_failures,
+            delay,
+            len(f.pending),
+        )
         await asyncio.sleep(delay)  # still the fragment's merge task: no merge meanwhile
     finally:
         f.merge_task = None
@@ -146,8 +152,10 @@ async def _merge(s: SyncerState, f: FragmentState) -> None:
         log.error(
             "event=merge_refused fragment=%d version=%d reason=non_finite units=%s "
             "action=contributions_dropped",
-            f.index, f.version, ",".join(sorted(pending)),
-        )  # fmt: skip
+            f.index,
+            f.version,
+            ",".join(sorted(pending)),
+        )
         return
     new_params, new_state, publication, norm = computed
     new_version = f.version + 1
@@ -166,9 +174,14 @@ async def _merge(s: SyncerState, f: FragmentState) -> None:
     log.info(
         "event=merged fragment=%d version=%d contributions=%d share=%.3f units=%s seconds=%.4f "
         "screens=%s",
-        f.index, f.version, len(contributions), share, ",".join(sorted(pending)), elapsed,
+        f.index,
+        f.version,
+        len(contributions),
+        share,
+        ",".join(sorted(pending)),
+        elapsed,
         verdict_summary(screened),
-    )  # fmt: skip
+    )
 
 
 async def _screened(s: SyncerState, f: FragmentState, pending: dict[str, Pending]) -> robust.Round:
@@ -194,8 +207,11 @@ def judge(s: SyncerState, f: FragmentState, pending: dict[str, Pending], r: robu
             s.metrics.quarantined.inc()
             log.warning(
                 "event=quarantined unit=%s attempt=%d fragment=%d reason=%r",
-                unit, attempt, f.index, reason,
-            )  # fmt: skip
+                unit,
+                attempt,
+                f.index,
+                reason,
+            )
     kept = [robust.delta_norm(c) for c in r.contributions]
     if kept:
         median = float(np.median(kept))
@@ -204,10 +220,11 @@ def judge(s: SyncerState, f: FragmentState, pending: dict[str, Pending], r: robu
 
 def verdict_summary(r: robust.Round) -> str:
     return ",".join(
-        f"{u}:{v.action}" + ("" if v.norm_ratio is None else f"/{v.norm_ratio:.2f}")
+        f"{u}:{v.action}"
+        + ("" if v.norm_ratio is None else f"/{v.norm_ratio:.2f}")
         + ("" if v.cosine is None else f"/{v.cosine:.2f}")
         for u, v in sorted(r.verdicts.items())
-    )  # fmt: skip
+    )
 
 
 async def _merge_steps(
@@ -241,8 +258,12 @@ async def _merge_steps(
         comp = s.cfg.compression
         publication = await loop.run_in_executor(
             s.pools.merge,
-            publication.advance, new_params, new_version, comp.downlink, comp.block_size,
-        )  # fmt: skip
+            publication.advance,
+            new_params,
+            new_version,
+            comp.downlink,
+            comp.block_size,
+        )
     return new_params, new_state, publication, norm
 
 

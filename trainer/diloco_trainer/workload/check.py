@@ -32,8 +32,7 @@ from diloco_trainer.workload.entrypoints import (
     MODEL_FIELD,
     build_data_source,
     build_model,
-    data_field,
-    first_batches,
+    eval_batches,
 )
 from diloco_trainer.workload.pytree import LeafNameError, flatten, unflatten
 
@@ -203,10 +202,7 @@ def _check_model(cfg: TrainingConfig, spec: str, key: Any) -> tuple[Model, Any, 
 
 def _check_data(cfg: TrainingConfig) -> tuple[DataSource, Batch]:
     source = build_data_source(cfg)
-    (batch,) = first_batches(
-        source, 1, data_field(cfg), shard=0, num_shards=1, seed=cfg.seed,
-        batch_size=cfg.data.batch_size, split="eval", position=0,
-    )  # fmt: skip
+    (batch,) = eval_batches(source, 1, cfg)
     _check_batch(batch, cfg.data.batch_size)
     return source, batch
 

@@ -103,3 +103,19 @@ def first_batches(source: Callable[..., Any], count: int, field: str, **call: An
     raise EntrypointError(
         f"{field}: the {call.get('split')} split gave {len(out)} batches, {count} needed"
     )
+
+
+def eval_batches(source: Callable[..., Any], count: int, cfg: TrainingConfig) -> list[Batch]:
+    """The first `count` batches of the held-out split, the whole of it (shard 0 of 1) from its
+    start: the same batches for every caller, or an error naming where the data comes from."""
+    return first_batches(
+        source,
+        count,
+        data_field(cfg),
+        shard=0,
+        num_shards=1,
+        seed=cfg.seed,
+        batch_size=cfg.data.batch_size,
+        split="eval",
+        position=0,
+    )

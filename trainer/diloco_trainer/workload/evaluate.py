@@ -11,7 +11,7 @@ import numpy as np
 from diloco_trainer.api import Batch
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.workload.check import Workload, prepared
-from diloco_trainer.workload.entrypoints import data_field, first_batches
+from diloco_trainer.workload.entrypoints import eval_batches
 
 
 class Evaluator:
@@ -26,10 +26,7 @@ class Evaluator:
 
     def batches(self, count: int) -> list[Batch]:
         if len(self._batches) < count:
-            self._batches = first_batches(
-                self.workload.source, count, data_field(self.cfg), shard=0, num_shards=1,
-                seed=self.cfg.seed, batch_size=self.cfg.data.batch_size, split="eval", position=0,
-            )  # fmt: skip
+            self._batches = eval_batches(self.workload.source, count, self.cfg)
         return self._batches[:count]
 
     def __call__(self, params: Mapping[str, Any], count: int | None = None) -> float:
