@@ -144,7 +144,7 @@ class MainContainer(Strict):
 
 class PodTemplate(Strict):
     """Pod customisation merged into the pods the operator builds; operator-owned fields are
-    refused (docs/operator.md, "Pod template overrides")."""
+    refused (docs/operator.md, "Who may put what in a pod template")."""
 
     pod_security: Literal["baseline", "privileged"] = Field(
         "baseline",

@@ -5,7 +5,8 @@ serves; the other loads the checkpoint, compiles its merge, and waits on the loc
 the fragment journal (journal.py). The kernel releases a lock the moment its holder dies, SIGKILL
 included, so the standby starts serving within a second: it reads only the journal entries and
 the newest checkpoint's manifest it has not seen, binds the port the dead one held, and serves the
-very versions the learners hold (docs/design.md, "Warm standby syncer").
+very versions the learners hold (docs/design.md, "A syncer kill costs neither versions nor
+time").
 
 The lock must be on a filesystem local to both processes (one machine, or one pod's emptyDir):
 flock over a network filesystem is not to be trusted.
