@@ -12,32 +12,33 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from bench.common import FRAGMENTS, REPORT, BenchContext, Section, log
+from bench.lib.common import FRAGMENTS, REPORT, BenchContext, Section, log
 
-# (name, title, runner module); order = order in the report.
+# (section name, module that runs it); order = order in the report. Each module is named after
+# its section, in the package of its theme.
 BENCHES: list[tuple[str, str]] = [
-    ("simulator", "bench.goodput_sim"),
-    ("syncer", "bench.syncer_bench"),
-    ("communication", "bench.comm_bench"),
-    ("overhead", "bench.overhead_bench"),
-    ("entrypoint", "bench.entrypoint_bench"),
-    ("parity", "bench.parity_bench"),
-    ("parity_chaos", "bench.parity_chaos"),
-    ("parity_trend", "bench.parity_trend"),
-    ("install", "bench.install_bench"),
-    ("bytes_loss", "bench.bytes_loss"),
-    ("bytes_loss_narrow", "bench.bytes_narrow"),
-    ("ablations", "bench.ablation_bench"),
-    ("bad_unit", "bench.bad_unit"),
-    ("goodput_real", "bench.goodput_real"),
-    ("chaos_loss", "bench.chaos_loss"),
-    ("syncer_failover", "bench.syncer_failover"),
-    ("mixed_speed", "bench.mixed_speed"),
-    ("gpu", "bench.gpu_bench"),
-    ("sharding", "bench.sharding_bench"),
-    ("operator", "bench.operator_bench"),
-    ("real_pods", "bench.real_pods"),
-    ("soak", "bench.soak"),
+    ("simulator", "bench.faults.simulator"),
+    ("syncer", "bench.speed.syncer"),
+    ("communication", "bench.bytes.communication"),
+    ("overhead", "bench.speed.overhead"),
+    ("entrypoint", "bench.speed.entrypoint"),
+    ("parity", "bench.quality.parity"),
+    ("parity_chaos", "bench.quality.parity_chaos"),
+    ("parity_trend", "bench.quality.parity_trend"),
+    ("install", "bench.quality.install"),
+    ("bytes_loss", "bench.bytes.bytes_loss"),
+    ("bytes_loss_narrow", "bench.bytes.bytes_loss_narrow"),
+    ("ablations", "bench.quality.ablations"),
+    ("bad_unit", "bench.faults.bad_unit"),
+    ("goodput_real", "bench.faults.goodput_real"),
+    ("chaos_loss", "bench.faults.chaos_loss"),
+    ("syncer_failover", "bench.faults.syncer_failover"),
+    ("mixed_speed", "bench.speed.mixed_speed"),
+    ("gpu", "bench.speed.gpu"),
+    ("sharding", "bench.speed.sharding"),
+    ("operator", "bench.cluster.operator"),
+    ("real_pods", "bench.cluster.real_pods"),
+    ("soak", "bench.faults.soak"),
 ]
 
 HEADER = """# Benchmarks
@@ -46,25 +47,25 @@ Written by `make bench` (`python -m bench.run`; `--quick` for the short variant,
 one section). Every comparison is a ratio of two things measured side by side in the same run, on
 the same machine; absolute times are context only. Sections: {names}.
 
-| target (issues 2, 4, 6) | section |
+| target | section |
 |---|---|
 | decoupled M=4 loss / data-parallel loss at equal tokens <= 1.02 (<= 1.03 under chaos) | parity, parity_chaos, ablations |
-| parity <= 1.00 (issue 21): how the gap moves with M=8, model width and budget | parity_trend |
-| parity <= 1.00 (issue 21): does keeping the steps made during a merge (`install: rebase`) close the decoupled runs' gap | install |
+| parity <= 1.00: how the gap moves with M=8, model width and budget | parity_trend |
+| parity <= 1.00: does keeping the steps made during a merge (`install: rebase`) close the decoupled runs' gap | install |
 | bytes per token >= 400x below data-parallel with int4 | communication |
-| >= 1000x fewer bytes per token than data-parallel, sent and received, at loss <= 1.02 of it (issue 21): on the parity model; on the narrower model where the product reaches parity, over three seeds | bytes_loss, bytes_loss_narrow |
+| >= 1000x fewer bytes per token than data-parallel, sent and received, at loss <= 1.02 of it: on the parity model; on the narrower model where the product reaches parity, over three seeds | bytes_loss, bytes_loss_narrow |
 | goodput >= 90% at one kill per unit per minute | goodput_real |
 | chaos vs no chaos: final loss within 3% | chaos_loss |
-| syncer SIGKILL: serving again within 3 s, no published version lost; harsh schedule within 5% of calm loss at goodput >= 90% (issue 18) | syncer_failover |
+| syncer SIGKILL: serving again within 3 s, no published version lost; harsh schedule within 5% of calm loss at goodput >= 90% | syncer_failover |
 | simulator within 3 points of each published goodput figure | simulator |
 | learner overhead <= 3% | overhead |
-| model entrypoint path costs <= 2% tokens/s vs the built-in path (issue 17) | entrypoint |
-| syncer merge + outer step >= 50% of memory-copy bandwidth at 10M, RDA (issue 21) | syncer |
+| model entrypoint path costs <= 2% tokens/s vs the built-in path | entrypoint |
+| syncer merge + outer step >= 50% of memory-copy bandwidth at 10M, RDA | syncer |
 | pod failure -> Offline <= 2 s, -> replacement <= 5 s beyond backoff; RSS < 300 MiB at 50x16 | operator |
-| real pods: learner killed -> replacement training again, median <= 15 s beyond backoff (issue 16) | real_pods |
-| FSDP unit on 8 devices: same loss curve as replicated, ~1/8 the per-device parameter + optimizer bytes; an over-budget model trains sharded (issue 17) | sharding |
+| real pods: learner killed -> replacement training again, median <= 15 s beyond backoff | real_pods |
+| FSDP unit on 8 devices: same loss curve as replicated, ~1/8 the per-device parameter + optimizer bytes; an over-budget model trains sharded | sharding |
 | one bad unit of four (9.9x deltas with huge counters, noise, flipped signs): loss within 2% of a calm run; the defences move a calm run by <= 0.5% | bad_unit |
-| 100 random faults over one local run (unit and syncer SIGKILLs, pauses, a full checkpoint disk, a learner sending garbage): 0 published versions lost, 0 pushes of a superseded attempt, 0 garbage accepted, run completes with loss within 3% of a calm run (issue 18) | soak |
+| 100 random faults over one local run (unit and syncer SIGKILLs, pauses, a full checkpoint disk, a learner sending garbage): 0 published versions lost, 0 pushes of a superseded attempt, 0 garbage accepted, run completes with loss within 3% of a calm run | soak |
 """
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.common import syncer_log_events
-from bench.soak_logs import kill_loss, stale_pushes
+from bench.faults.soak_logs import kill_loss, stale_pushes
+from bench.lib.syncer_logs import syncer_log_events
 
 PREFIX = "level=INFO logger=diloco.syncer"
 
@@ -84,8 +84,9 @@ def test_a_standby_killed_as_it_takes_over_hands_on_to_the_next_without_loss(
         0,
     ) and first.successor_warm
     assert (second.killed_log, second.successor_log) == (
-        "syncer-standby-1.log", "syncer-standby-2.log",
-    )  # fmt: skip
+        "syncer-standby-1.log",
+        "syncer-standby-2.log",
+    )
     assert (second.published, second.served, second.lost) == ((3, 0), (3, 0), 0)
     assert not second.successor_warm
     assert second.serving_after is not None and abs(second.serving_after - 2.15) < 1e-6

@@ -4,7 +4,7 @@ Only the unit's leader (JAX process 0) serves them: its counters are the unit's 
 unit's global batch, pushes and bytes go through its link), so a multi-host unit is counted once.
 Counters only move forward from what this process saw; a restarted attempt starts them at 0,
 which Prometheus reads as a counter reset. MFU is the model's training FLOPs per token (6N plus
-the attention matmuls, as bench/gpu_bench.py counts them) times tokens/s, over the peak bf16
+the attention matmuls, as bench/speed/gpu.py counts them) times tokens/s, over the peak bf16
 FLOP/s of the unit's chips: known for the TPU generations in PEAK_BF16_FLOPS, else given by
 DILOCO_PEAK_FLOPS (per device); without either the MFU gauge stays absent.
 """

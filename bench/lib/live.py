@@ -1,0 +1,248 @@
+"""Real pieces for the benchmarks: a `diloco-syncer` process on a loopback port, in-process
+learner runs against it (`run_learner`, real HTTP) with their progress records, and whole runs of
+a manifest on the local runtime (`diloco local run`) with what their report folder says."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from diloco_trainer.auth import unit_token
+from diloco_trainer.config import TrainingConfig
+from diloco_trainer.learner.options import LearnerOptions
+from diloco_trainer.status import SyncerStatus
+
+from bench.lib.common import log
+
+TOKEN = "bench-token"
+IMAGE = "elastic-diloco-trainer:cpu"  # a manifest's image; the local runtime runs no container
+
+
+def learner_config(scheme: str = "int4", inner_steps: int = 50) -> TrainingConfig:
+    """The tiny model, batch 16, for one learner against a live syncer until the bench stops it
+    (the learner-speed and traffic sections)."""
+    return TrainingConfig.model_validate(
+        {
+            "model": {"preset": "tiny"},
+            "data": {"batchSize": 16, "maxBytes": 4_000_000},
+            "innerSteps": inner_steps,
+            "fragments": 4,
+            "compression": {"scheme": scheme},
+            "totalSteps": 10_000_000,  # never reached: the benchmark stops the learner
+            "eval": {"everySeconds": None},
+            "checkpoint": {"everySeconds": 600},
+            "heartbeatSeconds": 1.0,
+        }
+    )
+
+
+def only_learner(url: str, **options: Any) -> LearnerOptions:
+    """The options of unit 0, the run's only learner, against the syncer at `url`."""
+    token = unit_token(TOKEN, "unit-0")
+    return LearnerOptions(syncer=url, token=token, unit=0, num_units=1, **options)
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM, then SIGKILL if the process has not exited within `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class SyncerProc:
+    url: str
+    proc: subprocess.Popen[bytes]
+    workdir: Path
+
+    def status(self) -> SyncerStatus:
+        req = urllib.request.Request(
+            f"{self.url}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return SyncerStatus.from_json(json.loads(resp.read()))
+
+
+@contextmanager
+def syncer(cfg: TrainingConfig, nice: int = 0) -> Iterator[SyncerProc]:
+    """Start `diloco-syncer` for `cfg` on 127.0.0.1, wait for /healthz, stop it with SIGTERM."""
+    with tempfile.TemporaryDirectory(prefix="diloco-bench-") as tmp:
+        work = Path(tmp)
+        config = work / "run.yaml"
+        # Not to_wire(): it drops None values, and None is meaningful here (eval.everySeconds:
+        # null disables the syncer's evaluation, which would otherwise compete for the CPU).
+        config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True)))
+        port = free_port()
+        log_file = (work / "syncer.log").open("wb")
+        cmd = [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(config)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--token", TOKEN]
+        cmd += ["--checkpoint-dir", str(work / "ckpt"), "--log-level", "WARNING"]
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        proc = subprocess.Popen(
+            ["nice", "-n", str(nice), *cmd] if nice else cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(url, proc, work / "syncer.log")
+            yield SyncerProc(url, proc, work)
+        finally:
+            stop(proc, 30)
+            log_file.close()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"syncer exited with {proc.returncode}: {log_path.read_text()[-2000:]}"
+            )
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("syncer did not become healthy within 120 s")
+
+
+_PROGRESS = re.compile(r"event=progress .*?step=(\d+) ")
+
+
+class ProgressRecorder(logging.Handler):
+    """Collects (wall time, step) from the learner's `event=progress` log records."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.points: list[tuple[float, int]] = []
+        self._lock2 = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        m = _PROGRESS.search(record.getMessage())
+        if m:
+            with self._lock2:
+                self.points.append((record.created, int(m.group(1))))
+
+    def steady_steps_per_sec(self, skip: int = 2) -> float:
+        """Steps/s between the `skip`-th progress record and the last (compile and the first
+        syncs excluded)."""
+        pts = self.points[skip:]
+        if len(pts) < 2:
+            raise RuntimeError(f"too few progress records ({len(self.points)}) to time the learner")
+        (t0, s0), (t1, s1) = pts[0], pts[-1]
+        return (s1 - s0) / (t1 - t0)
+
+
+@contextmanager
+def recording() -> Iterator[ProgressRecorder]:
+    rec = ProgressRecorder()
+    logger = logging.getLogger("diloco_trainer.learner.report")
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(rec)
+    try:
+        yield rec
+    finally:
+        logger.removeHandler(rec)
+        logger.setLevel(old_level)
+
+
+@contextmanager
+def local_run(
+    doc: dict[str, Any],
+    max_seconds: float,
+    spares: int,
+    chaos: bool = False,
+    extra_args: Sequence[str] = (),
+    alongside: Callable[[Path], AbstractContextManager[None]] | None = None,
+) -> Iterator[tuple[Path, int]]:
+    """Run the manifest `doc` with `diloco local run` (no live display) in a temporary folder;
+    yield its report folder and exit code while the folder still exists. `alongside(report)`,
+    if given, is entered just before the run starts and left when it has ended (the soak's
+    faults that the runtime's chaos cannot deliver)."""
+    with tempfile.TemporaryDirectory(prefix="bench-local-") as tmp:
+        path = Path(tmp) / "run.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        report = Path(tmp) / "report"
+        cmd = [sys.executable, "-m", "diloco_operator.cli", "local", "run", str(path)]
+        cmd += ["--report-dir", str(report), "--no-live", "--max-seconds", str(max_seconds)]
+        cmd += ["--spares", str(spares)] + (["--chaos"] if chaos else []) + list(extra_args)
+        with alongside(report) if alongside is not None else nullcontext():
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_seconds + 300)
+        keep = os.environ.get("DILOCO_BENCH_KEEP")
+        if keep:  # a folder to copy each run's report (logs, events) into, for a look later
+            kept = Path(keep) / f"{doc['metadata']['name']}-{time.strftime('%H%M%S')}"
+            shutil.copytree(report, kept, dirs_exist_ok=True)
+            log(f"report kept in {kept}")
+        if not (report / "summary.json").exists():
+            raise RuntimeError(f"local run failed ({proc.returncode}): {proc.stderr[-1500:]}")
+        yield report, proc.returncode
+
+
+def local_training(tokens: int, checkpoint_seconds: float, eval_seconds: float) -> dict[str, Any]:
+    """The `training` block of the local runs: tiny model, batch 8 from the stdlib corpus, H=20,
+    P=4, quorum 1, seed 0, `tokens` to train, checkpoints and evaluations (4 batches) every so
+    many seconds."""
+    return {
+        "model": {"preset": "tiny"},
+        "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 4_000_000},
+        "innerSteps": 20,
+        "fragments": 4,
+        "quorum": 1,
+        "totalTokens": tokens,
+        "seed": 0,
+        "heartbeatSeconds": 1,
+        "checkpoint": {"everySeconds": checkpoint_seconds},
+        "eval": {"everySeconds": eval_seconds, "batches": 4},
+    }
+
+
+def run_document(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """A DilocoRun manifest named `name` with `spec`."""
+    return {
+        "apiVersion": "diloco.dev/v1alpha1",
+        "kind": "DilocoRun",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def read_summary(report: Path) -> dict[str, Any]:
+    """A local run's summary.json."""
+    summary: dict[str, Any] = json.loads((report / "summary.json").read_text())
+    return summary
+
+
+def read_events(report: Path) -> list[dict[str, Any]]:
+    """A local run's events.jsonl, one dict per event, in order."""
+    return [json.loads(x) for x in (report / "events.jsonl").read_text().splitlines()]
