@@ -1,4 +1,4 @@
-"""The soak bench's reading of syncer logs (bench/soak_logs.py): versions lost per syncer kill
+"""The soak bench's reading of syncer logs (bench/faults/soak_logs.py): versions lost per syncer kill
 and pushes of superseded attempts, on log lines written as the syncer writes them."""
 
 from __future__ import annotations
