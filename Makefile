@@ -28,8 +28,8 @@ lint: venv
 
 typecheck: venv
 	$(BIN)/mypy
-	# The e2e cluster harness: its scripts import each other as top-level modules.
-	MYPYPATH=e2e/cluster $(BIN)/mypy --explicit-package-bases e2e/cluster/harness.py e2e/cluster/smoke.py
+	# The e2e cluster harness: its modules import each other as top-level modules.
+	MYPYPATH=e2e/cluster $(BIN)/mypy --explicit-package-bases e2e/cluster/*.py
 	# The e2e suite: pytest puts e2e/ and e2e/tests/ on the path (conftest, runs).
 	MYPYPATH=e2e:e2e/tests $(BIN)/mypy --explicit-package-bases e2e/conftest.py e2e/tests/*.py
 

@@ -483,16 +483,17 @@ def run_summaries(c: harness._ClusterBase, ns: str) -> str:
 
 def syncer_log_tails(c: harness._ClusterBase, ns: str, lines: int = 12) -> str:
     """The last lines of every container of every syncer pod (real pods log; KWOK's do not)."""
-    got = kubectl(c, "get", "pods", "-n", ns, "-l", "app.kubernetes.io/component=syncer",
-                  "-o", "json", check=False)  # fmt: skip
+    syncers = "app.kubernetes.io/component=syncer"
+    got = kubectl(c, "get", "pods", "-n", ns, "-l", syncers, "-o", "json", check=False)
     if got.returncode != 0:
         return got.stderr
     parts = []
     for pod in json.loads(got.stdout).get("items", []):
         name = pod["metadata"]["name"]
         for container in pod["spec"]["containers"]:
-            log = kubectl(c, "logs", "-n", ns, name, "-c", container["name"],
-                          f"--tail={lines}", check=False)  # fmt: skip
+            log = kubectl(
+                c, "logs", "-n", ns, name, "-c", container["name"], f"--tail={lines}", check=False
+            )
             text = "\n".join(line[:300] for line in log.stdout.splitlines())
             parts.append(f"--- {name}/{container['name']} log tail ---\n{text}{log.stderr[:300]}")
     return "\n".join(parts)

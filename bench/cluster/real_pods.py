@@ -1,7 +1,7 @@
 """Real pods on the e2e cluster's real node: apply -> first training step in the run's status, and
 a killed learner -> its replacement training again (docs/e2e.md, "The real node").
 
-The scenario is the real-workload e2e module itself (`e2e/tests/test_06_real_workload.py`), run
+The scenario is the real-workload e2e module itself (`e2e/tests/test_09_real_workload.py`), run
 by pytest on a fresh local cluster: a chaos kill from the manifest, a SIGKILL inside a learner's
 container and a deleted pod, each timed from the fault to the new pod having joined with the
 global parameters. The module writes what it measured to DILOCO_E2E_TIMINGS; this section reads it.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.lib.common import REPO, BenchContext, Section, log, md_table, median
 
-MODULE = "e2e/tests/test_06_real_workload.py"
+MODULE = "e2e/tests/test_09_real_workload.py"
 TARGET_S = 15.0
 
 

@@ -334,7 +334,7 @@ round's seed at uniform random times between the calm run's last first `unit-onl
 training) plus 10% of its time to its budget, and 75% of that time (a fault drawn after the soak
 run's end is not delivered): {windows}. The runs are on the local runtime (`diloco local run --chaos`, real processes, a warm standby
 syncer); operator restarts and duplicate pods on Kubernetes are covered by the e2e suite
-(test_03_chaos `test_operator_sigkilled_mid_change_no_duplicates`, test_04_ha_failover), not here.
+(test_03_chaos `test_operator_sigkilled_mid_change_no_duplicates`, test_05_ha_failover), not here.
 
 {faults}
 

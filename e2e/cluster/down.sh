@@ -4,4 +4,4 @@
 # Usage: e2e/cluster/down.sh [--state-dir DIR]
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-exec python3 "$HERE/harness.py" down --no-build "$@"
+exec python3 "$HERE/cli.py" down --no-build "$@"

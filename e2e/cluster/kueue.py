@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
+from procs import Processes, free_port, proc_alive
 
 NAMESPACE = "kueue-system"
 SERVICE = "kueue-webhook-service"
@@ -43,6 +44,7 @@ MUTATING = "kueue-mutating-webhook-configuration"
 VALIDATING = "kueue-validating-webhook-configuration"
 CONVERTED = ("localqueues", "clusterqueues", "workloads", "cohorts", "multikueueclusters")
 SERVED_PATH_PARTS = ("-batch-v1-job", "-kueue-x-k8s-io-")
+BUILD_SH = Path(__file__).resolve().parent / "build.sh"
 
 
 class Cluster(Protocol):
@@ -69,29 +71,36 @@ def _openssl(cwd: Path, *args: str) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
+def _addext(*extensions: str) -> list[str]:
+    return [arg for ext in extensions for arg in ("-addext", ext)]
+
+
 def make_certs(d: Path) -> dict[str, bytes]:
     """ca.crt/ca.key (RSA, PKCS#1) and tls.crt/tls.key for the webhook service and 127.0.0.1."""
     d.mkdir(parents=True, exist_ok=True)
     _openssl(d, "genrsa", "-traditional", "-out", "ca.key", "2048")
     _openssl(
         d,
-        "req", "-x509", "-new", "-key", "ca.key", "-out", "ca.crt", "-days", "3650",
-        "-subj", "/O=kueue/CN=kueue-ca",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,digitalSignature,keyEncipherment",
-        "-addext", "subjectAltName=DNS:kueue-ca",
-    )  # fmt: skip
+        *["req", "-x509", "-new", "-key", "ca.key", "-out", "ca.crt", "-days", "3650"],
+        *["-subj", "/O=kueue/CN=kueue-ca"],
+        *_addext(
+            "basicConstraints=critical,CA:TRUE",
+            "keyUsage=critical,keyCertSign,digitalSignature,keyEncipherment",
+            "subjectAltName=DNS:kueue-ca",
+        ),
+    )
     _openssl(d, "genrsa", "-traditional", "-out", "tls.key", "2048")
     _openssl(
         d,
-        "req", "-x509", "-new", "-key", "tls.key", "-out", "tls.crt", "-days", "365",
-        "-CA", "ca.crt", "-CAkey", "ca.key",
-        "-subj", f"/CN={SERVICE}.{NAMESPACE}.svc",
-        "-addext", "basicConstraints=critical,CA:FALSE",
-        "-addext", "keyUsage=critical,digitalSignature,keyEncipherment",
-        "-addext", "extendedKeyUsage=serverAuth",
-        "-addext", f"subjectAltName=DNS:{SERVICE}.{NAMESPACE}.svc,IP:127.0.0.1",
-    )  # fmt: skip
+        *["req", "-x509", "-new", "-key", "tls.key", "-out", "tls.crt", "-days", "365"],
+        *["-CA", "ca.crt", "-CAkey", "ca.key", "-subj", f"/CN={SERVICE}.{NAMESPACE}.svc"],
+        *_addext(
+            "basicConstraints=critical,CA:FALSE",
+            "keyUsage=critical,digitalSignature,keyEncipherment",
+            "extendedKeyUsage=serverAuth",
+            f"subjectAltName=DNS:{SERVICE}.{NAMESPACE}.svc,IP:127.0.0.1",
+        ),
+    )
     for key in ("ca.key", "tls.key"):
         (d / key).chmod(0o600)
     return {name: (d / name).read_bytes() for name in ("ca.crt", "ca.key", "tls.crt", "tls.key")}
@@ -175,8 +184,8 @@ def install(c: Cluster, home: Path, port: int, certs: dict[str, bytes]) -> None:
         "metadata": {"name": SECRET, "namespace": NAMESPACE},
         "data": {k: base64.b64encode(v).decode() for k, v in certs.items()},
     }
-    hooks = webhook_configurations((home / "config" / "webhooks.yaml").read_text(), port,
-                                   certs["ca.crt"])  # fmt: skip
+    manifests = (home / "config" / "webhooks.yaml").read_text()
+    hooks = webhook_configurations(manifests, port, certs["ca.crt"])
     c.kubectl("apply", "-f", "-", input=as_list([secret, *hooks]))
     names = [f"customresourcedefinition/{crd['metadata']['name']}" for crd in crds]
     c.kubectl("wait", "--for=condition=Established", "--timeout=60s", *names)
@@ -228,3 +237,33 @@ def wait_ready(c: Cluster, alive: Callable[[], bool], log: Path, timeout: float 
         time.sleep(0.5)
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
     raise RuntimeError(f"kueue did not become ready within {timeout:.0f}s; log tail:\n{tail}")
+
+
+def running(c: Cluster, procs: Processes) -> bool:
+    """This cluster's Kueue runs and its webhooks answer."""
+    pid = procs.recorded_pid("kueue")
+    return pid is not None and proc_alive(pid) and webhooks_answer(c)
+
+
+def start(c: Cluster, procs: Processes, home: Path, kubeconfig: Path, timeout: float) -> float:
+    """Install Kueue (CRDs, certificate, webhooks) for a manager run as a process of `procs`,
+    start it and wait for its webhooks; returns the seconds that took after the start."""
+    binary = ensure_built(BUILD_SH, home)
+    port, health = free_port(), free_port()
+    state = procs.state_dir / "kueue"
+    certs = make_certs(state / "certs")
+    config = state / "config.yaml"
+    config.write_text(json.dumps(manager_config(port, health, state / "certs")))
+    install(c, home, port, certs)
+    procs.spawn("kueue", argv(binary, config, kubeconfig), env=env(kubeconfig))
+    proc = procs.popen["kueue"]
+    return wait_ready(c, lambda: proc.poll() is None, procs.log_path("kueue"), timeout)
+
+
+def stop(c: Cluster, procs: Processes, timeout: float) -> None:
+    """Remove the webhook configurations (nothing would serve them), then stop the manager."""
+    uninstall_webhooks(c)
+    pid = procs.recorded_pid("kueue")
+    if pid is not None:
+        procs.terminate([pid], {pid: "kueue"}, timeout)
+    procs.forget("kueue")

@@ -15,14 +15,11 @@ failing, unless DILOCO_E2E_REQUIRE=1 (CI sets it where e2e must run).
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 
+import harness
 import pytest
-
-try:
-    from . import harness
-except ImportError:  # loaded as a top-level module
-    import harness  # type: ignore[no-redef]
 
 
 def _must_run() -> bool:
@@ -37,7 +34,7 @@ def k8s_cluster() -> Iterator[harness._ClusterBase]:
         and not (os.environ.get("DILOCO_E2E_KUBECONFIG") or os.environ.get("KUBECONFIG"))
     ):
         missing = [p for p in harness.expected_binaries().all_paths() if not p.exists()]
-        if missing and not harness.shutil.which("go"):
+        if missing and not shutil.which("go"):
             pytest.skip(
                 f"control-plane binaries not built and no Go to build them "
                 f"(run e2e/cluster/build.sh); missing {missing[0]}"

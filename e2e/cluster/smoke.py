@@ -101,8 +101,25 @@ def indexed_job(name: str, backoff: int) -> dict:
 
 
 def run_checks(c: Cluster) -> None:
+    v6e, v5p = check_nodes(c)
+    c.kubectl("create", "namespace", NS)
+    wait(
+        "default ServiceAccount in the namespace",
+        lambda: c.kubectl("get", "sa", "default", "-n", NS, check=False).returncode == 0,
+    )
+    check_rbac(c)
+    running = check_indexed_job(c, v6e)
+    check_failed_pod_fails_the_job(c, running[0]["metadata"]["name"])
+    check_chaos_label_fails_a_pod(c)
+    check_node_not_ready_and_back(c, v5p[0])
+    check_deployment(c)
+    c.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=120s", timeout=130)
+    say("ok: namespace deleted (pods finalized by kwok, garbage collector)")
+
+
+def check_nodes(c: Cluster) -> tuple[set[str], list[str]]:
+    """Every node Ready; the TPU nodes labelled, tainted and with 4 chips; (v6e, v5p) names."""
     k = c.kubectl
-    # nodes
     nodes = c.kubectl_json("get", "nodes")["items"]
     say(
         f"{len(nodes)} nodes:\n"
@@ -133,14 +150,12 @@ def run_checks(c: Cluster) -> None:
                 "spec"
             ]["taints"], n["spec"]
     say("ok: nodes Ready, TPU labels, google.com/tpu=4 allocatable, TPU taint")
+    return v6e, v5p
 
-    k("create", "namespace", NS)
-    wait(
-        "default ServiceAccount in the namespace",
-        lambda: k("get", "sa", "default", "-n", NS, check=False).returncode == 0,
-    )
 
-    # RBAC enforced for a service account (a real signed token), admin is cluster-admin
+def check_rbac(c: Cluster) -> None:
+    """RBAC enforced for a service account (a real signed token), admin is cluster-admin."""
+    k = c.kubectl
     k("create", "serviceaccount", "nobody", "-n", NS)
     token = k("create", "token", "nobody", "-n", NS).stdout.strip()
     r = _as_token(c, token, "get", "pods", "-n", NS)
@@ -162,7 +177,10 @@ def run_checks(c: Cluster) -> None:
     )
     assert k("auth", "can-i", "*", "*").stdout.strip() == "yes"
 
-    # Indexed Job on the v6e slice
+
+def check_indexed_job(c: Cluster, v6e: set[str]) -> list[dict[str, Any]]:
+    """An Indexed Job on the v6e slice: one pod per node, indexes 0 and 1, Running for good."""
+    k = c.kubectl
     k("apply", "-f", "-", input=json.dumps(indexed_job("learners", backoff=0)))
     running = wait(
         "Indexed Job pods Running",
@@ -190,9 +208,12 @@ def run_checks(c: Cluster) -> None:
     assert all(p["status"]["phase"] == "Running" for p in pods(c, "app=learners")), (
         "Job pods must stay Running (no auto-complete)"
     )
+    return running
 
-    # a pod made Failed by a status patch -> the Job controller fails the Job (backoffLimit 0)
-    victim = running[0]["metadata"]["name"]
+
+def check_failed_pod_fails_the_job(c: Cluster, victim: str) -> None:
+    """A pod made Failed by a status patch -> the Job controller fails the Job (backoffLimit 0)."""
+    k = c.kubectl
     t = time.monotonic()
     k(
         "patch",
@@ -232,7 +253,10 @@ def run_checks(c: Cluster) -> None:
         timeout=60,
     )
 
-    # a Job with retries recreates a failed pod; kwok's chaos label fails a pod
+
+def check_chaos_label_fails_a_pod(c: Cluster) -> None:
+    """A Job with retries recreates a failed pod; kwok's chaos label fails a pod."""
+    k = c.kubectl
     k("apply", "-f", "-", input=json.dumps(indexed_job("retry", backoff=3)))
     ps = wait(
         "retry Job pods Running",
@@ -257,8 +281,10 @@ def run_checks(c: Cluster) -> None:
         timeout=90,
     )
 
-    # node NotReady via kwok's chaos stage label, and back
-    n = v5p[0]
+
+def check_node_not_ready_and_back(c: Cluster, n: str) -> None:
+    """Node NotReady via kwok's chaos stage label, and back."""
+    k = c.kubectl
     t = time.monotonic()
     k("label", "node", n, f"{harness.NODE_NOT_READY_LABEL}=true")
     wait(f"node {n} NotReady", lambda: ready(node(c, n)) == "False", timeout=60)
@@ -284,7 +310,10 @@ def run_checks(c: Cluster) -> None:
         timeout=90,
     )
 
-    # a Deployment on the CPU pool (deployment + replicaset controllers, scheduler)
+
+def check_deployment(c: Cluster) -> None:
+    """A Deployment on the CPU pool (deployment + replicaset controllers, scheduler)."""
+    k = c.kubectl
     k(
         "create",
         "deployment",
@@ -298,8 +327,6 @@ def run_checks(c: Cluster) -> None:
     p = pods(c, "app=syncer")[0]
     assert p["spec"]["nodeName"].startswith("gke-e2e-default-pool"), p["spec"]["nodeName"]
     say(f"ok: Deployment available on {p['spec']['nodeName']}")
-    k("delete", "namespace", NS, "--wait=true", "--timeout=120s", timeout=130)
-    say("ok: namespace deleted (pods finalized by kwok, garbage collector)")
 
 
 def _as_token(c: Cluster, token: str, *args: str) -> subprocess.CompletedProcess[str]:

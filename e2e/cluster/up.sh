@@ -7,4 +7,4 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 "$HERE/build.sh" >/dev/null
-exec python3 "$HERE/harness.py" up --no-build "$@"
+exec python3 "$HERE/cli.py" up --no-build "$@"

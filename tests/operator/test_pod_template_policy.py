@@ -2,7 +2,7 @@
 reference is checked against the rights of the user who writes the run (the API server's own
 authorizer, no webhook). Rendered with helm; evaluated by vapcheck, which runs kube-apiserver's
 own ValidatingAdmissionPolicy code with a table of grants in place of RBAC. The real API server
-with real RBAC: e2e/tests/test_08_pod_template_policy.py."""
+with real RBAC: e2e/tests/test_11_pod_template_policy.py."""
 
 from __future__ import annotations
 

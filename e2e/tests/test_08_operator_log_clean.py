@@ -1,6 +1,7 @@
-"""After everything above (runs, chaos, scaling, a SIGKILL and restart): the operator never hit an
-RBAC denial with the chart's ServiceAccount, never failed a reconcile pass and never crashed a
-handler. Runs last (file order) so it covers the whole session."""
+"""After the modules before it in file order (runs, chaos, scaling, a SIGKILL and restart, HA,
+refused children, retained checkpoints): the operator never hit an RBAC denial with the chart's
+ServiceAccount, never failed a reconcile pass and never crashed a handler. What the modules after
+it make the operator do (real workload, suspend and Kueue) is not covered."""
 
 from __future__ import annotations
 
@@ -19,5 +20,5 @@ def test_operator_log_is_clean(operator: Operator) -> None:
         if ("forbidden" in line.lower() and "exceeded quota" not in line)
         or "reconcile failed" in line
         or "Traceback" in line
-    ]  # (test_04_refused_children provokes a quota refusal on purpose: that 403 is no RBAC gap)
+    ]  # (test_06_refused_children provokes a quota refusal on purpose: that 403 is no RBAC gap)
     assert not bad, "\n".join(bad[:20])

@@ -132,8 +132,9 @@ def test_suspend_and_resume_without_a_queue(
     assert job_facts(cluster, namespace, run) == before  # suspended in place, not recreated
 
     patch_suspend(cluster, namespace, run, False)
-    wait_for("2 units Online again", lambda: all_units_online(cluster, namespace, run, 2),
-             timeout=90)  # fmt: skip
+    wait_for(
+        "2 units Online again", lambda: all_units_online(cluster, namespace, run, 2), timeout=90
+    )
     assert (
         cluster.kubectl_json("get", "deploy", f"{run}-syncer", "-n", namespace)["spec"]["replicas"]
         == 1
@@ -285,8 +286,9 @@ def test_queued_admitted_preempted_and_admitted_again(
 
     # The urgent Job gone: the unit is admitted again, the same Job, the same attempt.
     kubectl(cluster, "delete", "job", "urgent", "-n", namespace, "--wait=true")
-    wait_for("2 units Online again", lambda: all_units_online(cluster, namespace, run, 2),
-             timeout=90)  # fmt: skip
+    wait_for(
+        "2 units Online again", lambda: all_units_online(cluster, namespace, run, 2), timeout=90
+    )
     assert job_facts(cluster, namespace, run) == before
     assert len(events(cluster, namespace, run, "UnitQueued")) >= 3
     nothing_counted(cluster, namespace, run)
@@ -304,8 +306,11 @@ def test_queued_admitted_preempted_and_admitted_again(
         timeout=60,
     )
     patch_suspend(cluster, namespace, run, False)
-    wait_for("2 units Online after the resume", lambda: all_units_online(cluster, namespace, run, 2),
-             timeout=90)  # fmt: skip
+    wait_for(
+        "2 units Online after the resume",
+        lambda: all_units_online(cluster, namespace, run, 2),
+        timeout=90,
+    )
     assert {attempt for _, attempt in job_facts(cluster, namespace, run).values()} == {"1"}
     nothing_counted(cluster, namespace, run)
     delete_run(cluster, namespace, run)
@@ -329,7 +334,8 @@ def test_a_queue_that_does_not_exist_is_reported(
     assert "no-such-queue" in found["message"]
     warned = events(cluster, namespace, run, "LocalQueueNotFound")
     assert warned and warned[0]["type"] == "Warning"
-    wait_for("the unit Queued", lambda: unit_states(cluster, namespace, run) == ["Queued"],
-             timeout=60)  # fmt: skip
+    wait_for(
+        "the unit Queued", lambda: unit_states(cluster, namespace, run) == ["Queued"], timeout=60
+    )
     nothing_counted(cluster, namespace, run)
     delete_run(cluster, namespace, run)

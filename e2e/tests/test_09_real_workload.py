@@ -1,8 +1,8 @@
 """Real pods: the trainer image trains inside Kubernetes, end to end (docs/e2e.md).
 
-On the local cluster's real node (e2e/cluster/node.py: containerd, kubelet, kube-proxy, CoreDNS)
-the chart runs the operator in-cluster from its image, and a CPU DilocoRun's learner and syncer
-pods are real containers of the trainer image. The namespace enforces the "restricted" Pod
+On the local cluster's real node (e2e/cluster/real_node.py: containerd, kubelet, kube-proxy,
+CoreDNS) the chart runs the operator in-cluster from its image, and a CPU DilocoRun's learner and
+syncer pods are real containers of the trainer image. The namespace enforces the "restricted" Pod
 Security profile. In order, one run:
 
 1. the learners reach the syncer through its Service by DNS and train: `kubectl get dlr` shows
@@ -36,8 +36,7 @@ import pytest
 import runs
 from conftest import CHART, RELEASE, SYSTEM_NS, Operator, get_json, kubectl, say, wait_for
 
-from e2e.cluster import harness
-from e2e.cluster import node as real_node
+from e2e.cluster import harness, real_node
 
 # The first test also waits for the cluster, the node and (after a source change) the images.
 pytestmark = pytest.mark.timeout(1500)
@@ -62,7 +61,7 @@ def real(cluster: harness._ClusterBase) -> dict[str, Any]:
     if not info.get("real_node") or not info.get("images"):
         if os.environ.get("DILOCO_E2E_REQUIRE"):
             pytest.fail("DILOCO_E2E_REQUIRE: the cluster has no real node (needs root)")
-        pytest.skip("the cluster has no real node (e2e/cluster/node.py needs root)")
+        pytest.skip("the cluster has no real node (e2e/cluster/real_node.py needs root)")
     return info
 
 
@@ -109,17 +108,20 @@ def incluster(
     operator.stop()
     t0 = time.monotonic()
     _helm(cluster, "upgrade", RELEASE, str(CHART), "-n", SYSTEM_NS, "--reuse-values", "-f", str(vf))
-    kubectl(cluster, "scale", "deploy", "-n", SYSTEM_NS, "-l",
-            f"app.kubernetes.io/instance={RELEASE}", "--replicas=1")  # fmt: skip
+    _scale_chart_operator(cluster, 1)
     pod = wait_for("the in-cluster operator pod Ready", lambda: _operator_pod(cluster), 180)
     say(f"in-cluster operator {pod} ready in {time.monotonic() - t0:.1f}s")
     try:
         yield pod
     finally:
-        kubectl(cluster, "scale", "deploy", "-n", SYSTEM_NS, "-l",
-                f"app.kubernetes.io/instance={RELEASE}", "--replicas=0")  # fmt: skip
+        _scale_chart_operator(cluster, 0)
         wait_for("the in-cluster operator gone", lambda: not _operator_pods(cluster), 120)
         operator.start()
+
+
+def _scale_chart_operator(c: harness._ClusterBase, replicas: int) -> None:
+    selector = f"app.kubernetes.io/instance={RELEASE}"
+    kubectl(c, "scale", "deploy", "-n", SYSTEM_NS, "-l", selector, f"--replicas={replicas}")
 
 
 def _operator_pods(c: harness._ClusterBase) -> list[dict[str, Any]]:
@@ -190,9 +192,9 @@ def manifest(image: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def restricted(cluster: harness._ClusterBase, namespace: str) -> str:
-    kubectl(cluster, "label", "namespace", namespace,
-            "pod-security.kubernetes.io/enforce=restricted",
-            "pod-security.kubernetes.io/enforce-version=latest")  # fmt: skip
+    enforce = "pod-security.kubernetes.io/enforce"
+    labels = [f"{enforce}=restricted", f"{enforce}-version=latest"]
+    kubectl(cluster, "label", "namespace", namespace, *labels)
     return namespace
 
 
@@ -293,15 +295,10 @@ def container_pid(
 ) -> int:
     """The host PID of a container's main process (default: the pod's first container), from
     the node's containerd."""
-    assert isinstance(cluster, harness.LocalCluster)
     statuses = pod["status"]["containerStatuses"]
     status = next(c for c in statuses if c["name"] == container) if container else statuses[0]
     cid = status["containerID"].removeprefix("containerd://")
-    sock = cluster.state_dir / "node" / "containerd.sock"
-    out = subprocess.run(
-        ["ctr", "--address", str(sock), "-n", "k8s.io", "tasks", "ls"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+    out = ctr(cluster, "tasks", "ls")
     for line in out.splitlines()[1:]:
         task, pid, *_ = line.split()
         if task == cid:
@@ -310,14 +307,16 @@ def container_pid(
 
 
 def node_containers(cluster: harness._ClusterBase, ns: str) -> list[str]:
+    pod_namespace = 'labels."io.kubernetes.pod.namespace"'
+    return ctr(cluster, "containers", "ls", "-q", f"{pod_namespace}=={ns}").split()
+
+
+def ctr(cluster: harness._ClusterBase, *args: str) -> str:
+    """The stdout of `ctr` against the real node's containerd (namespace k8s.io)."""
     assert isinstance(cluster, harness.LocalCluster)
     sock = cluster.state_dir / "node" / "containerd.sock"
-    out = subprocess.run(
-        ["ctr", "--address", str(sock), "-n", "k8s.io", "containers", "ls", "-q",
-         f"labels.\"io.kubernetes.pod.namespace\"=={ns}"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    return out.split()
+    argv = ["ctr", "--address", str(sock), "-n", "k8s.io", *args]
+    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,8 +474,10 @@ def test_syncer_pod_deleted_resumes_from_its_checkpoint_volume(
     m = re.search(r"event=checkpoint_loaded .*?outer_step=(\d+)", log)
     assert m, log[-2000:]
     restored = int(m.group(1))
-    say(f"syncer deleted at outer step {before}; the new one restored {restored} "
-        f"({time.monotonic() - t0:.1f}s)")  # fmt: skip
+    say(
+        f"syncer deleted at outer step {before}; the new one restored {restored} "
+        f"({time.monotonic() - t0:.1f}s)"
+    )
     # at most one checkpoint period lost: learners push every innerSteps, a period holds a few
     assert restored > 0
     assert restored >= before - 4 * UNITS * 2, (before, restored)
@@ -496,8 +497,10 @@ def test_run_completes_and_children_go_with_it(
     done = wait_for(
         "finalLoss in status", lambda: (s := st(cluster, ns)).get("finalLoss") and s, 180
     )
-    say(f"run Succeeded: outerStep {done.get('outerStep')}, tokens {done.get('tokens')}, "
-        f"finalLoss {done['finalLoss']}")  # fmt: skip
+    say(
+        f"run Succeeded: outerStep {done.get('outerStep')}, tokens {done.get('tokens')}, "
+        f"finalLoss {done['finalLoss']}"
+    )
     say(f"status at the end:\n{json.dumps(done, indent=1)[:3000]}")
     run["timings"]["final_status"] = done
     run["timings"]["get_dlr"] = kubectl(cluster, "get", "dlr", RUN, "-n", ns).stdout
@@ -528,5 +531,5 @@ def test_run_completes_and_children_go_with_it(
     timings = {k: v for k, v in run["timings"].items() if k != "applied"}
     say(f"timings: {json.dumps(timings)}")
     out = os.environ.get("DILOCO_E2E_TIMINGS")
-    if out:  # bench/real_pods.py reads them
+    if out:  # bench/cluster/real_pods.py reads them
         Path(out).write_text(json.dumps(timings))

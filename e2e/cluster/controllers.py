@@ -1,0 +1,74 @@
+"""kube-controller-manager (every controller, service-account tokens signed with the cluster's key,
+the CA signing CSRs) and kube-scheduler, each serving its health on its own loopback port."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from apiserver import PKI, SERVICE_CIDR
+from procs import Processes, http_ok
+
+
+def controller_manager_argv(binary: Path, pki: PKI, port: int, cert_dir: Path) -> list[str]:
+    kc = pki.path("kube-controller-manager.kubeconfig")
+    return [
+        str(binary),
+        f"--kubeconfig={kc}",
+        f"--authentication-kubeconfig={kc}",
+        f"--authorization-kubeconfig={kc}",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={port}",
+        f"--cert-dir={cert_dir}",
+        "--leader-elect=false",
+        "--controllers=*",
+        "--use-service-account-credentials=true",
+        f"--service-account-private-key-file={pki.path('sa.key')}",
+        f"--root-ca-file={pki.path('ca.crt')}",
+        f"--cluster-signing-cert-file={pki.path('ca.crt')}",
+        f"--cluster-signing-key-file={pki.path('ca.key')}",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        "--cluster-name=diloco-e2e",
+        "--profiling=false",
+    ]
+
+
+def scheduler_argv(binary: Path, pki: PKI, port: int, cert_dir: Path) -> list[str]:
+    kc = pki.path("kube-scheduler.kubeconfig")
+    return [
+        str(binary),
+        f"--kubeconfig={kc}",
+        f"--authentication-kubeconfig={kc}",
+        f"--authorization-kubeconfig={kc}",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={port}",
+        f"--cert-dir={cert_dir}",
+        "--leader-elect=false",
+        "--profiling=false",
+    ]
+
+
+def start(
+    procs: Processes, controller_manager: Path, scheduler: Path, pki: PKI, ports: dict[str, int]
+) -> None:
+    """Start both; wait_healthy() waits for them (other components start meanwhile)."""
+    st = procs.state_dir
+    procs.spawn(
+        "kube-controller-manager",
+        controller_manager_argv(
+            controller_manager, pki, ports["controller_manager"], st / "kube-controller-manager"
+        ),
+    )
+    procs.spawn(
+        "kube-scheduler",
+        scheduler_argv(scheduler, pki, ports["scheduler"], st / "kube-scheduler"),
+    )
+
+
+def wait_healthy(procs: Processes, ports: dict[str, int], deadline: float) -> None:
+    procs.wait("kube-controller-manager", _healthz(ports["controller_manager"]), deadline)
+    procs.wait("kube-scheduler", _healthz(ports["scheduler"]), deadline)
+
+
+def _healthz(port: int) -> Callable[[], bool]:
+    return lambda: http_ok(f"https://127.0.0.1:{port}/healthz", b"ok", insecure=True)
