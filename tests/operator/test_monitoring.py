@@ -125,6 +125,36 @@ def run_pods() -> dict[str, dict[str, Any]]:
     return {"syncer": syncer, "learner": learner}
 
 
+# The Job controller labels every pod of an Indexed Job with its completion index (Kubernetes
+# 1.28+); the learner of index 0 is the unit's leader, the only host that serves its metrics.
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+
+
+def learner_pod_labels(index: int) -> dict[str, str]:
+    """The labels of a multi-host unit's learner pod `index`, as the Job controller creates it."""
+    run = builders.Run(
+        "r",
+        "ml",
+        "uid",
+        parse_spec(
+            {
+                "image": "t:1",
+                "unitGroups": [
+                    {"name": "v6e", "tpu": {"accelerator": "tpu-v6e-slice", "topology": "2x4"}}
+                ],
+                "training": {"totalSteps": 10},
+            }
+        ),
+    )
+    unit = CreateUnit("r-v6e-0", "v6e", 0, 0, 0, 1, 2)
+    template = builders.unit_job(run, unit)["spec"]["template"]
+    return {**template["metadata"]["labels"], COMPLETION_INDEX: str(index)}
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
 def ports(template: dict[str, Any]) -> set[str]:
     return {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
 
@@ -155,11 +185,55 @@ def test_run_monitors_select_the_operators_pods_on_their_metrics_ports() -> None
                 if d["kind"] == kind and d["metadata"]["name"].endswith(component + "s")
             )
             selector = monitor["spec"]["selector"]["matchLabels"]
-            assert selector.items() <= template["metadata"]["labels"].items(), (kind, component)
+            labels = template["metadata"]["labels"]
+            if component == "learner":  # the leader's pod, as the Job controller labels it
+                labels = {**labels, COMPLETION_INDEX: "0"}
+            assert selects(selector, labels), (kind, component)
             endpoints = monitor["spec"].get("podMetricsEndpoints") or monitor["spec"]["endpoints"]
             assert {e["port"] for e in endpoints} <= ports(template), (kind, component)
     assert ("ServiceMonitor", "t-diloco-operator") in kinds
     assert ("PodMonitoring", "t-diloco-operator") in kinds
+
+
+@pytest.mark.parametrize("scope", [[], ["--set", "clusterWide=true"]])
+def test_learner_monitors_scrape_the_unit_leader_only(scope: list[str]) -> None:
+    # Only process 0 of a unit serves learner metrics: the other hosts of a slice would be
+    # targets that are always down.
+    docs = rendered(*scope)
+    learners = [d for d in docs if d["metadata"]["name"].endswith("-learners")]
+    assert {d["kind"] for d in learners} >= {"PodMonitor"}
+    assert len(learners) == 2  # the Prometheus operator's and GMP's
+    for monitor in learners:
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        assert selects(selector, learner_pod_labels(0)), monitor["kind"]
+        assert not selects(selector, learner_pod_labels(1)), monitor["kind"]
+    syncers = [d for d in docs if d["metadata"]["name"].endswith("-syncers")]
+    for monitor in syncers:
+        assert COMPLETION_INDEX not in monitor["spec"]["selector"]["matchLabels"]
+
+
+def operator_monitors(docs: list[dict[str, Any]]) -> set[str]:
+    return {
+        d["kind"]
+        for d in docs
+        if d["kind"] in ("ServiceMonitor", "PodMonitoring")
+        and d["metadata"]["name"] == "t-diloco-operator"
+    }
+
+
+def test_operator_monitors_render_only_with_the_operators_metrics() -> None:
+    # metrics.enabled=false: the operator serves no metrics port and the metrics Service is not
+    # rendered, so a monitor of it would select nothing; the run pods' monitors stay (they serve
+    # whatever the operator does).
+    assert operator_monitors(rendered()) == {"ServiceMonitor", "PodMonitoring"}
+    off = rendered("--set", "metrics.enabled=false")
+    assert operator_monitors(off) == set()
+    assert not [d for d in off if d["kind"] == "Service"]
+    deployment = next(d for d in off if d["kind"] == "Deployment")
+    assert "--metrics-port=0" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    runs = {(d["kind"], d["metadata"]["name"]) for d in off if d["metadata"]["name"].endswith("s")}
+    assert ("PodMonitor", "t-diloco-operator-learners") in runs
+    assert ("PodMonitoring", "t-diloco-operator-syncers") in runs
 
 
 def run_monitor_scopes(docs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -3,10 +3,13 @@
 {{- end -}}
 
 {{- define "diloco-operator.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 
@@ -83,6 +86,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: ["configmaps", "persistentvolumeclaims"]
   verbs: ["get", "create"]
+# The syncer's PodDisruptionBudget: drains and the autoscaler leave the syncer pod alone.
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create"]
 # Events about runs and units.
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
@@ -112,6 +119,9 @@ selector:
   matchLabels:
     app.kubernetes.io/name: diloco
     app.kubernetes.io/component: {{ .component.name }}
+    {{- range $key, $value := .component.only }}
+    {{ $key }}: {{ $value | quote }}
+    {{- end }}
 endpoints:
   - port: {{ .component.port }}
     path: /metrics
