@@ -17,6 +17,7 @@ MODELS = {
     ("v1", "ConfigMap"): "V1ConfigMap",
     ("v1", "PersistentVolumeClaim"): "V1PersistentVolumeClaim",
     ("apps/v1", "Deployment"): "V1Deployment",
+    ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
 }
 
 

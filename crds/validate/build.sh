@@ -3,11 +3,11 @@
 # crdcheck: validates crds/*.yaml exactly as kube-apiserver does on create (structural
 # schema, CEL compilation and cost) and DilocoRun manifests against it (schema, list-maps, CEL,
 # unknown fields). objcheck (objcheck/, built from k8s.io/kubernetes like the e2e apiserver):
-# validates the Jobs, Services, Deployments, Secrets, ConfigMaps and PVCs the builders produce
-# with kube-apiserver's create validation. vapcheck (vapcheck/, in crdcheck's module) evaluates
-# the chart's ValidatingAdmissionPolicy with kube-apiserver's own policy code against a table of
-# authorization grants. All share the e2e Go build cache, so after e2e/cluster/build.sh they
-# build in a minute or two.
+# validates the Jobs, Services, Deployments, Secrets, ConfigMaps, PVCs, NetworkPolicies and
+# PodDisruptionBudgets the builders produce with kube-apiserver's create validation. vapcheck
+# (vapcheck/, in crdcheck's module) evaluates the chart's ValidatingAdmissionPolicy with
+# kube-apiserver's own policy code against a table of authorization grants. All share the e2e
+# Go build cache, so after e2e/cluster/build.sh they build in a minute or two.
 #   crds/validate/build.sh && ~/.cache/diloco-e2e/bin/crdcheck crds/diloco.dev_dilocoruns.yaml examples/*.yaml
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"

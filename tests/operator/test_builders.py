@@ -78,6 +78,7 @@ def test_every_object_round_trips_through_the_kubernetes_models() -> None:
         "Secret",
         "ConfigMap",
         "PersistentVolumeClaim",
+        "PodDisruptionBudget",
         "Deployment",
     }
     for obj in objs:
@@ -387,3 +388,80 @@ def test_the_serving_lock_is_on_the_claim_else_in_the_pod_for_a_standby(
     for c in containers:
         assert container_env(c).get("DILOCO_SYNCER_LOCK") == lock
     assert len(containers) == (2 if standby else 1)
+
+
+SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
+
+
+@pytest.mark.parametrize("standby", [True, False])
+def test_the_syncer_is_kept_from_node_consolidation_and_drains(standby: bool) -> None:
+    run = make_run(syncer={"standby": standby})
+    objs = builders.run_objects(run)
+    kinds = [o["kind"] for o in objs]
+    # Created with the syncer's objects, before its Deployment: the pod never runs without it.
+    assert kinds.count("PodDisruptionBudget") == 1
+    assert kinds.index("PodDisruptionBudget") < kinds.index("Deployment")
+    budget = objs[kinds.index("PodDisruptionBudget")]
+    deployment = objs[kinds.index("Deployment")]
+    # A child of the run under a name a restarted operator finds again (a create meets a 409).
+    assert budget["metadata"]["name"] == "mix-syncer" == run.syncer_name
+    assert budget["metadata"]["ownerReferences"] == [builders.owner_reference(run)]
+    assert budget["metadata"]["labels"]["diloco.dev/run"] == "mix"
+    # No voluntary eviction: the standby is a container of the same pod, so it goes with it.
+    assert budget["spec"]["maxUnavailable"] == 0 and "minAvailable" not in budget["spec"]
+    # ... but a syncer that is not ready (starting, crash-looping) never blocks a drain for good.
+    assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    selector = budget["spec"]["selector"]["matchLabels"]
+    assert selector == deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    learner = builders.unit_job(run, create(run, "mix-cpu-0"))["spec"]["template"]
+    assert not selector.items() <= learner["metadata"]["labels"].items()
+    # The cluster autoscaler does not move it to consolidate nodes.
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[SAFE_TO_EVICT] == "false"
+    assert SAFE_TO_EVICT not in learner["metadata"].get("annotations", {})
+    assert roundtrip(budget) == budget
+
+
+def test_a_syncer_template_may_let_the_autoscaler_move_it() -> None:
+    template = {"metadata": {"annotations": {SAFE_TO_EVICT: "true", "team": "ml"}}}
+    run = make_run(syncer={"template": template})
+    annotations = builders.syncer_deployment(run)["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[SAFE_TO_EVICT] == "true" and annotations["team"] == "ml"
+
+
+V6E_2X4 = {"accelerator": "tpu-v6e-slice", "topology": "2x4"}  # 2 hosts of 4 chips
+V5P_2X2X1 = {"accelerator": "tpu-v5p-slice", "topology": "2x2x1"}  # 1 host
+
+
+@pytest.mark.parametrize(
+    ("group", "exclusive"),
+    [
+        ({"tpu": V6E_2X4}, True),  # a multi-host unit keeps to one slice by default
+        ({"tpu": V6E_2X4, "exclusiveTopology": False}, False),  # unless told otherwise
+        ({"tpu": {**V6E_2X4, "chipsPerHost": 8}}, False),  # the same shape on one 8-chip host
+        ({"tpu": V5P_2X2X1}, False),
+        ({"tpu": V5P_2X2X1, "exclusiveTopology": True}, True),
+        ({}, False),  # a CPU/GPU unit: one pod
+    ],
+)
+def test_multi_host_units_keep_to_one_slice_by_default(
+    group: dict[str, Any], exclusive: bool
+) -> None:
+    run = make_run(replicas=2, unitGroups=[{"name": "g", **group}], training={"totalSteps": 5})
+    assert run.spec.unit_groups[0].exclusive_topology is exclusive
+    pod = builders.unit_job(run, create(run, "mix-g-0"))["spec"]["template"]["spec"]
+    if exclusive:
+        # every host of the unit in one node pool, and no other unit's pods there
+        rule = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert rule == [
+            {
+                "labelSelector": {"matchLabels": {"diloco.dev/unit": "mix-g-0"}},
+                "topologyKey": "cloud.google.com/gke-nodepool",
+            }
+        ]
+        assert "podAntiAffinity" in pod["affinity"]
+    else:
+        assert "affinity" not in pod
+    # The resolved value is what the manifest reads back as: a round trip keeps it.
+    assert parse_spec(run.spec.to_wire()) == run.spec

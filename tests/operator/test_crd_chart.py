@@ -50,6 +50,8 @@ NEEDED = {
     ("", "configmaps", "create"),
     ("", "persistentvolumeclaims", "get"),
     ("", "persistentvolumeclaims", "create"),
+    ("policy", "poddisruptionbudgets", "get"),  # the syncer's budget (builders.run_objects)
+    ("policy", "poddisruptionbudgets", "create"),
     # Only with networkPolicy.enabled (the per-run NetworkPolicy).
     ("networking.k8s.io", "networkpolicies", "get"),
     ("networking.k8s.io", "networkpolicies", "create"),
@@ -90,6 +92,39 @@ def test_values_files_match_the_schema() -> None:
         jsonschema.validate(bad, schema)
 
 
+# `.Values.<key>` and `$.Values.<key>` in any template or helper: the top-level keys it reads.
+VALUES_READ = re.compile(r"\.Values\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def keys_the_templates_read() -> set[str]:
+    return {
+        key
+        for path in (CHART / "templates").iterdir()
+        for key in VALUES_READ.findall(path.read_text())
+    }
+
+
+def test_every_value_the_templates_read_is_allowed_by_the_schema() -> None:
+    # The schema refuses unknown top-level keys (additionalProperties: false): a key a template
+    # reads but the schema lacks can never be set (helm install --set nameOverride=x failed).
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    read = keys_the_templates_read()
+    assert {"image", "nameOverride", "fullnameOverride"} <= read
+    assert sorted(read - set(schema["properties"])) == []
+    # ... and nothing in the schema is dead: every key it allows is read somewhere.
+    assert sorted(set(schema["properties"]) - read) == []
+
+
+@pytest.mark.parametrize("key", ["nameOverride", "fullnameOverride"])
+def test_name_overrides_are_dns_labels(key: str) -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for good in ("", "x", "my-operator", "a" * 63):
+        jsonschema.validate({**values("values.yaml"), key: good}, schema)
+    for bad in ("Not_A_Label", "-x", "x-", "a" * 64, 5):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**values("values.yaml"), key: bad}, schema)
+
+
 def namespaced_rules() -> list[dict[str, Any]]:
     text = (CHART / "templates" / "_helpers.tpl").read_text()
     block = text.split('define "diloco-operator.namespacedRules"', 1)[1]
@@ -112,6 +147,22 @@ def test_rbac_is_exactly_what_the_code_uses() -> None:
     assert '"*"' not in (CHART / "templates" / "rbac.yaml").read_text()
 
 
+def built_children() -> list[dict[str, Any]]:
+    """Every child the operator builds for a run with an operator-made checkpoint claim and the
+    network policy, and for one of its units."""
+    from diloco_operator.api import parse_spec
+    from diloco_operator.k8s import builders
+    from diloco_operator.k8s.netpolicy import OperatorIdentity, run_objects_with_policy
+    from diloco_operator.planner import CreateUnit
+
+    run = builders.Run("r", "ns", "uid", parse_spec({"image": "t", "training": {"totalSteps": 5}}))
+    unit = CreateUnit("r-default-0", "default", 0, 0, 0, 1, 1)
+    return [
+        *run_objects_with_policy(run, OperatorIdentity("ops")),
+        *builders.unit_objects(run, unit, "run-secret"),
+    ]
+
+
 def test_every_kind_the_operator_creates_is_granted() -> None:
     kube_py = (OPERATOR / "k8s" / "kube.py").read_text()
     created = set(re.findall(r'"(\w+)": [\w()]+\.create_namespaced_', kube_py))
@@ -123,8 +174,12 @@ def test_every_kind_the_operator_creates_is_granted() -> None:
         "Deployment": "deployments",
         "Job": "jobs",
         "NetworkPolicy": "networkpolicies",
+        "PodDisruptionBudget": "poddisruptionbudgets",
     }
     assert created == set(plural)
+    # ... and every kind the builders make for a run is one kube.create can create.
+    built = {o["kind"] for o in built_children()}
+    assert sorted(built - created) == []
     creatable = {r for (_, r, v) in NEEDED if v == "create"}
     assert {plural[k] for k in created} <= creatable
     # A create that meets an existing object reads it (kube.ours): every created kind is gettable.
@@ -163,3 +218,29 @@ def test_helm_lint_and_template(extra: list[str]) -> None:
     ).stdout
     kinds = [d["kind"] for d in yaml.safe_load_all(out) if d]
     assert "Deployment" in kinds and "CustomResourceDefinition" in kinds and "ClusterRole" in kinds
+
+
+@pytest.mark.skipif(HELM is None, reason="helm neither on PATH nor built (make e2e-deps)")
+def test_helm_accepts_the_name_overrides() -> None:
+    assert HELM is not None
+
+    def names(*extra: str) -> tuple[set[str], set[str]]:
+        subprocess.run([HELM, "lint", str(CHART), *extra], check=True, capture_output=True)
+        out = subprocess.run(
+            [HELM, "template", "t", str(CHART), *extra],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        docs = [d for d in yaml.safe_load_all(out) if d]
+        deployment = next(d for d in docs if d["kind"] == "Deployment")
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        return {deployment["metadata"]["name"]}, {labels["app.kubernetes.io/name"]}
+
+    assert names() == ({"t-diloco-operator"}, {"diloco-operator"})
+    assert names("--set", "nameOverride=x") == ({"t-x"}, {"x"})
+    assert names("--set", "fullnameOverride=op") == ({"op"}, {"diloco-operator"})
+    refused = subprocess.run(
+        [HELM, "lint", str(CHART), "--set", "nameOverride=Not_A_Label"], capture_output=True
+    )
+    assert refused.returncode != 0

@@ -273,6 +273,7 @@ def test_one_pass_creates_children_then_writes_status_once(monkeypatch: pytest.M
         "ConfigMap/r-config",
         "PersistentVolumeClaim/r-checkpoints",
         "Service/r-syncer",
+        "PodDisruptionBudget/r-syncer",
         "Deployment/r-syncer",
         "Service/r-default-0",
         "Secret/r-default-0-token",

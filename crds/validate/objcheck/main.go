@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 
+	apimachineryvalidation "k8s.io/apimachinery/pkg/api/validation"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation/field"
@@ -26,6 +27,9 @@ import (
 	"k8s.io/kubernetes/pkg/apis/networking"
 	_ "k8s.io/kubernetes/pkg/apis/networking/install"
 	networkingvalidation "k8s.io/kubernetes/pkg/apis/networking/validation"
+	"k8s.io/kubernetes/pkg/apis/policy"
+	_ "k8s.io/kubernetes/pkg/apis/policy/install"
+	policyvalidation "k8s.io/kubernetes/pkg/apis/policy/validation"
 )
 
 func main() {
@@ -99,6 +103,11 @@ func main() {
 		case *networking.NetworkPolicy:
 			name = o.Name
 			errs = networkingvalidation.ValidateNetworkPolicy(o, networkingvalidation.NetworkPolicyValidationOptions{})
+		case *policy.PodDisruptionBudget:
+			name = o.Name
+			// The registry validates the metadata, the strategy the spec.
+			errs = apimachineryvalidation.ValidateObjectMeta(&o.ObjectMeta, true, apimachineryvalidation.NameIsDNSSubdomain, field.NewPath("metadata"))
+			errs = append(errs, policyvalidation.ValidatePodDisruptionBudget(o, policyvalidation.PodDisruptionBudgetValidationOptions{})...)
 		default:
 			fmt.Printf("UNKNOWN %v\n", gvk)
 			bad++

@@ -85,8 +85,11 @@ class UnitGroup(Strict):
     tolerations: list[Toleration] | None = Field(
         None, max_length=16, description="Extra taints this group's pods tolerate."
     )
-    exclusive_topology: bool = Field(
-        False, description="One unit per node pool: pods of other units are kept off it."
+    exclusive_topology: bool | None = Field(
+        None,
+        description="One unit per node pool: all hosts of a unit share one node pool (one "
+        "slice) and pods of other units are kept off it. Default: true for a unit of more "
+        "than one host (a multi-host TPU slice), false for one host.",
     )
     spot: bool = Field(
         False,
@@ -98,6 +101,15 @@ class UnitGroup(Strict):
         description="Pod customisation merged into this group's pods (labels, annotations, "
         "volumes, env, sidecars, ...); operator-owned fields are refused.",
     )
+
+    @model_validator(mode="after")
+    def _exclusive_by_default_across_hosts(self) -> UnitGroup:
+        # A unit's hosts must be the hosts of one slice: the scheduler alone may place them on
+        # two node pools of the same shape, and the slice never forms. Unset means "keep the
+        # unit to one slice" wherever it spans several hosts; an explicit false stays false.
+        if self.exclusive_topology is None:
+            self.exclusive_topology = self.hosts > 1
+        return self
 
     @model_validator(mode="after")
     def _selector_not_owned(self) -> UnitGroup:

@@ -2,8 +2,8 @@
 `kubernetes` package's models).
 
 Per learner unit: a headless Service (the pods' DNS subdomain) and an Indexed Job with one pod
-per TPU host. Per run: the syncer Deployment + Service, the bearer-token Secret, the ConfigMap
-holding the config file both programs read, and the checkpoint PVC.
+per TPU host. Per run: the syncer Deployment + Service + PodDisruptionBudget, the bearer-token
+Secret, the ConfigMap holding the config file both programs read, and the checkpoint PVC.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from diloco_operator.api.unit_group import UnitGroup
 from diloco_operator.k8s import kueue
 from diloco_operator.k8s.placement import group_placement, place_learner_pod
 from diloco_operator.k8s.run_ref import Run
+from diloco_operator.k8s.syncer_disruption import disruption_budget, keep_on_its_node
 from diloco_operator.k8s.syncer_standby import add_standby, lock_env
 from diloco_operator.planner import CreateUnit
 from diloco_operator.planner.placement import roster_document
@@ -220,6 +221,7 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
     )
     if spec.syncer.standby:
         add_standby(template, port)
+    keep_on_its_node(template)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -230,10 +232,19 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
             # is replaced at once, and the serving lock on the claim (syncer_standby) keeps the
             # new pod's syncer waiting until the old one has exited.
             "strategy": {"type": "Recreate"},
-            "selector": {"matchLabels": {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER}},
+            "selector": {"matchLabels": _syncer_selector(run)},
             "template": template,
         },
     }
+
+
+def _syncer_selector(run: Run) -> dict[str, str]:
+    return {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER}
+
+
+def syncer_disruption_budget(run: Run) -> dict[str, Any]:
+    """The syncer pod's PodDisruptionBudget (syncer_disruption.py): no eviction moves it."""
+    return disruption_budget(_meta(run, run.syncer_name, SYNCER), _syncer_selector(run))
 
 
 def syncer_service(run: Run) -> dict[str, Any]:
@@ -384,7 +395,8 @@ def run_objects(run: Run, token: str | None = None) -> list[dict[str, Any]]:
     claim = checkpoint_claim(run)
     if claim is not None:
         objs.append(claim)
-    objs += [syncer_service(run), syncer_deployment(run)]
+    # The budget before the Deployment: the syncer pod is never without it.
+    objs += [syncer_service(run), syncer_disruption_budget(run), syncer_deployment(run)]
     return objs
 
 

@@ -31,6 +31,7 @@ def load_config() -> None:
         config.load_kube_config()
     _apis.cache_clear()
     _networking.cache_clear()
+    _policy.cache_clear()
 
 
 @functools.cache
@@ -53,6 +54,11 @@ def _networking() -> client.NetworkingV1Api:
     return client.NetworkingV1Api(_apis()[0].api_client)
 
 
+@functools.cache
+def _policy() -> client.PolicyV1Api:
+    return client.PolicyV1Api(_apis()[0].api_client)
+
+
 def warm_up() -> None:
     _apis()
 
@@ -67,6 +73,7 @@ def _creator(kind: str) -> Callable[..., Any]:
         "Deployment": apps.create_namespaced_deployment,
         "Job": batch.create_namespaced_job,
         "NetworkPolicy": _networking().create_namespaced_network_policy,
+        "PodDisruptionBudget": _policy().create_namespaced_pod_disruption_budget,
     }
     return creators[kind]
 
@@ -89,6 +96,7 @@ def _reader(kind: str) -> Callable[..., Any]:
         "Deployment": apps.read_namespaced_deployment,
         "Job": batch.read_namespaced_job,
         "NetworkPolicy": _networking().read_namespaced_network_policy,
+        "PodDisruptionBudget": _policy().read_namespaced_pod_disruption_budget,
     }
     return readers[kind]
 
