@@ -21,6 +21,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 COORDINATOR_PORT = 8476
+# Set by the Job controller in every pod of an Indexed Job: the pod's completion index, which
+# GKE's TPU webhook and the operator both turn into TPU_WORKER_ID.
+COMPLETION_INDEX = "JOB_COMPLETION_INDEX"
 T = TypeVar("T")
 
 
@@ -31,20 +34,52 @@ class DistributedArgs:
     process_id: int
 
 
+def _index(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def worker_id(env: Mapping[str, str]) -> int:
+    """This host's index in its slice: TPU_WORKER_ID, which GKE injects into the pods of a TPU
+    slice (and the operator sets to the same value), else the Job completion index it is made
+    from. Where both are present they must agree: with two hosts claiming one process id and
+    none claiming another, jax.distributed cannot form the unit, and says so only after its
+    timeout."""
+    tpu, completion = _index(env, "TPU_WORKER_ID"), _index(env, COMPLETION_INDEX)
+    if tpu is not None and completion is not None and tpu != completion:
+        raise ValueError(
+            f"TPU_WORKER_ID {tpu} is not this pod's Job completion index {completion} "
+            f"({COMPLETION_INDEX}): the hosts of the unit would not agree on who is who"
+        )
+    found = tpu if tpu is not None else completion
+    if found is None:
+        raise ValueError(
+            f"TPU_WORKER_ID (or {COMPLETION_INDEX}) is not set: each host of a multi-host unit "
+            "needs its index in the slice"
+        )
+    return found
+
+
 def distributed_args(env: Mapping[str, str]) -> DistributedArgs | None:
     """Arguments for jax.distributed.initialize, or None for a single-host unit.
 
-    TPU_WORKER_HOSTNAMES is the comma-separated host list of the slice (index = worker id), and
-    TPU_WORKER_ID this host's index; the first host coordinates.
+    The names are GKE's: its TPU webhook injects TPU_WORKER_HOSTNAMES (the slice's hosts, comma
+    separated, in worker-id order) and TPU_WORKER_ID (from the completion index) into the pods
+    of an Indexed Job with a subdomain that asks for TPU chips. The operator sets both itself to
+    the same values (`{unit}-{i}.{unit}` and the completion index), so a pod has one identity
+    whichever of the two it ends up with, and the operator's where GKE adds nothing (another
+    cluster, the tests). A single host (GKE writes `localhost` there) has no peers. The first
+    host coordinates.
     """
     hosts = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
     if len(hosts) <= 1:
         return None
-    raw_id = env.get("TPU_WORKER_ID", "")
-    try:
-        worker = int(raw_id)
-    except ValueError:
-        raise ValueError(f"TPU_WORKER_ID must be an integer, got {raw_id!r}") from None
+    worker = worker_id(env)
     if not 0 <= worker < len(hosts):
         raise ValueError(f"TPU_WORKER_ID {worker} outside 0..{len(hosts) - 1}")
     return DistributedArgs(f"{hosts[0]}:{COORDINATOR_PORT}", len(hosts), worker)
