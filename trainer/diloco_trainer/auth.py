@@ -36,9 +36,14 @@ def unit_token(secret: str, unit: str) -> str:
 
 @dataclass(frozen=True)
 class Caller:
-    """Who sent a request: a learner unit (`unit` set) or the run's operator (`unit` None)."""
+    """Who sent a request: a learner unit (`unit` set) or the run's operator (`unit` None).
+    `credential`: the id of the join credential a unit of an away cluster proved itself with
+    (join_credentials.py); None for a home unit's token. `observer`: the away operator under
+    its credential (join_credentials.OBSERVER), which may only read the run's status."""
 
     unit: str | None
+    credential: str | None = None
+    observer: bool = False
 
     @property
     def operator(self) -> bool:

@@ -1,8 +1,9 @@
 """Synchronous client of the syncer (stdlib http.client), safe to use from several threads.
 
 Each thread gets its own keep-alive connection, so a long-poll in one thread never blocks a push
-in another. Errors: `SyncerUnavailable` (connection trouble or 5xx: retry with backoff) and
-`SyncerRejected` (4xx: the server's message; retrying the same request will not help).
+in another. Errors: `SyncerUnavailable` (connection trouble or 5xx: retry with backoff; its
+`SyncerUntrusted` when an https syncer's certificate does not verify, naming the address and
+why) and `SyncerRejected` (4xx: the server's message; retrying the same request will not help).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import ssl
 import threading
 import time
 import urllib.parse
@@ -23,7 +25,9 @@ from diloco_trainer.auth import UNIT_HEADER
 from diloco_trainer.config import CompressionConfig
 from diloco_trainer.downlink import apply_step, checksum
 from diloco_trainer.feedback import push_feedback
+from diloco_trainer.join_credentials import JOIN_HEADER
 from diloco_trainer.status import SyncerStatus
+from diloco_trainer.tls import ClientTrust
 from diloco_trainer.wire import (
     DATA_POSITION_HEADER,
     MAX_COUNTER,
@@ -43,7 +47,10 @@ class SyncerError(Exception):
 
 
 class SyncerUnavailable(SyncerError):
-    """The syncer could not be reached or failed (5xx); retry later."""
+    """The syncer could not be reached or failed (5xx); retry later, at the earliest after
+    `retry_after` seconds."""
+
+    retry_after: float = 0.0
 
 
 class SyncerBusy(SyncerUnavailable):
@@ -52,6 +59,14 @@ class SyncerBusy(SyncerUnavailable):
     def __init__(self, message: str, retry_after: float) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class SyncerUntrusted(SyncerUnavailable):
+    """The syncer's certificate does not verify (another CA, another name, expired). Retried,
+    not fatal: a rotated CA bundle or certificate may fix it without a restart; slowly,
+    because until someone fixes it every try fails the same way."""
+
+    retry_after = 10.0
 
 
 class SyncerRejected(SyncerError):
@@ -105,13 +120,23 @@ class SyncerClient:
         group: str = "default",
         timeout: float = 10.0,
         compression: CompressionConfig | None = None,
+        trust: ClientTrust | None = None,
+        join: str = "",
     ) -> None:
+        """`trust`: whom an https syncer must prove itself to (None: the system trust store);
+        `join`: the public part of a join credential, sent with every request of a unit of an
+        away cluster (join_credentials.py)."""
         url = urllib.parse.urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"syncer address must be http(s)://host:port, got {base_url!r}")
         self.scheme, self.host = url.scheme, url.hostname
         self.port = url.port or (443 if url.scheme == "https" else 80)
         self.prefix = url.path.rstrip("/")
+        self.address = f"{url.scheme}://{url.hostname}:{self.port}"
+        self.trust = trust or (ClientTrust() if url.scheme == "https" else None)
+        self.join_header = join
+        # The learner's fragment plan, sent at join (layout_plan.announce); None: not sent.
+        self.layout_plan: dict[str, Any] | None = None
         self.token, self.unit, self.attempt, self.group, self.timeout = (
             token,
             unit,
@@ -139,12 +164,14 @@ class SyncerClient:
     def _conn(self, timeout: float) -> http.client.HTTPConnection:
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is None:
-            cls = (
-                http.client.HTTPSConnection
-                if self.scheme == "https"
-                else http.client.HTTPConnection
-            )
-            conn = cls(self.host, self.port, timeout=timeout)
+            if self.trust is not None and self.scheme == "https":
+                # A new connection takes the newest CA bundle (tls.ClientTrust).
+                context = self.trust.context()
+                conn = http.client.HTTPSConnection(
+                    self.host, self.port, timeout=timeout, context=context
+                )
+            else:
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
             self._local.conn = conn
         conn.timeout = timeout
         if conn.sock is not None:
@@ -172,6 +199,8 @@ class SyncerClient:
         headers = {"Authorization": f"Bearer {self.token}", **(extra_headers or {})}
         if self.unit:
             headers[UNIT_HEADER] = self.unit  # the token is good only with its unit's name
+        if self.join_header:
+            headers[JOIN_HEADER] = self.join_header  # the token is derived from its key
         if body is not None:
             headers["Content-Type"] = content_type
         # One retry on a fresh connection: a kept-alive socket may have been closed by the server.
@@ -184,6 +213,12 @@ class SyncerClient:
                 resp = conn.getresponse()
                 data = resp.read()
                 break
+            except ssl.SSLError as exc:  # before OSError, which it is
+                # On a kept-alive connection: the syncer went away mid-stream (SSLEOFError),
+                # as a plain connection's RemoteDisconnected. On a fresh one: the handshake.
+                self._drop_conn()
+                if fresh or isinstance(exc, ssl.SSLCertVerificationError):
+                    raise self._tls_error(method, path, exc) from exc
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
                 self._drop_conn()
                 if fresh:
@@ -208,6 +243,15 @@ class SyncerClient:
             raise SyncerRejected(resp.status, reason, message)
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
 
+    def _tls_error(self, method: str, path: str, exc: ssl.SSLError) -> SyncerUnavailable:
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            trusted = self.trust.describe() if self.trust else "nothing"
+            return SyncerUntrusted(
+                f"{method} {path}: the certificate of {self.address} does not verify against "
+                f"{trusted}: {exc.verify_message}"
+            )
+        return SyncerUnavailable(f"{method} {path}: TLS with {self.address} failed: {exc!r}")
+
     def _post_json(self, path: str, payload: Mapping[str, Any]) -> dict[str, Any]:
         _, _, data = self._request("POST", path, json.dumps(payload).encode())
         return cast(dict[str, Any], json.loads(data))
@@ -221,7 +265,10 @@ class SyncerClient:
         ROSTER_WAIT_SECONDS from the first try: after a scale-up the operator may create the
         unit moments before it hands the syncer the new roster."""
         try:
-            r = self._post_json("/v1/join", self._identity())
+            body = self._identity()
+            if self.layout_plan is not None:
+                body["layout"] = self.layout_plan
+            r = self._post_json("/v1/join", body)
         except SyncerRejected as exc:
             now = time.monotonic()
             first = self._first_join = self._first_join or now

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from diloco_trainer.api import partition_rules
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import pack_fragments
+from diloco_trainer.layout_plan import announce, plan_of
 from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.learner.data_feed import unit_feed
 from diloco_trainer.learner.distributed import (
@@ -61,6 +62,7 @@ from diloco_trainer.learner.train import (
     step_key,
 )
 from diloco_trainer.phases import phase
+from diloco_trainer.tls import ClientTrust
 from diloco_trainer.wire import DataLease
 from diloco_trainer.workload.check import Workload, prepare
 
@@ -138,6 +140,22 @@ def join_and_pull(client: SyncerClient, stop: threading.Event) -> Joined | None:
     return Joined(joined.layout, pulled[0], pulled[1], False, joined.resume_step, joined.data_lease)
 
 
+def syncer_client(cfg: TrainingConfig, opts: LearnerOptions) -> SyncerClient:
+    """The unit's client: its identity, how it encodes pushes, whom it trusts over https and
+    the join credential it speaks under (a unit of an away cluster)."""
+    trust = ClientTrust(opts.ca_file) if opts.ca_file else None
+    return SyncerClient(
+        opts.syncer,
+        opts.token,
+        opts.name,
+        opts.attempt,
+        opts.group,
+        compression=cfg.compression,
+        trust=trust,
+        join=opts.join,
+    )
+
+
 def run_learner(
     cfg: TrainingConfig,
     opts: LearnerOptions,
@@ -149,9 +167,7 @@ def run_learner(
     stop = stop or threading.Event()
     leader = is_leader()
     started = time.monotonic()
-    client = SyncerClient(
-        opts.syncer, opts.token, opts.name, opts.attempt, opts.group, compression=cfg.compression
-    )
+    client = syncer_client(cfg, opts)
     if program is None or program.num_units != opts.num_units:
         program = build_step_program(cfg, opts.num_units, program.workload if program else None)
     start = _start(cfg, opts, client, stop, leader, started, program.workload)
@@ -266,6 +282,7 @@ def _start(
     instead when stopped while waiting for the syncer, or when the run is already complete."""
     shapes = workload.shapes
     layout = pack_fragments(shapes, cfg.fragments)
+    client.layout_plan = announce(plan_of(layout, shapes))  # a run of another model refuses it
     with phase(log, "initial_params"):
         global_params: dict[str, np.ndarray] = workload.initial_params()
     versions = [0] * len(layout)

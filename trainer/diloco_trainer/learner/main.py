@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from diloco_trainer.auth import resolve_token
 from diloco_trainer.config import ConfigError, TrainingConfig, load_training_config
+from diloco_trainer.join_credentials import parse_join_public
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 from diloco_trainer.phases import phase
+from diloco_trainer.tls import ClientTrust
 
 if TYPE_CHECKING:
     from diloco_trainer.learner.loop import StepProgram
@@ -68,6 +70,18 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--metrics-port",
         default=_env_default(env, "DILOCO_METRICS_PORT", "0"),
         help="serve Prometheus /metrics on this port (leader host only; 0: off)",
+    )
+    add(
+        "--ca-file",
+        default=_env_default(env, "DILOCO_CA_FILE"),
+        help="CA bundle to verify an https syncer against, read again when it changes "
+        "(else DILOCO_CA_FILE; unset: the system trust store)",
+    )
+    add(
+        "--join",
+        default=_env_default(env, "DILOCO_JOIN", ""),
+        help="public part of the run's join credential, for a unit of an away cluster "
+        "(else DILOCO_JOIN)",
     )
     add("--log-level", default="INFO")
     add("--log-format", choices=FORMATS, default=None, help=f"text or json (else {LOG_FORMAT_ENV})")
@@ -121,6 +135,7 @@ def resolve(
     if not args.syncer:
         raise UsageError("--syncer (or DILOCO_SYNCER_ADDR) is required")
     token = resolve_token(args.token, env, args.token_file)
+    ca_file, join = _transport(args)
     options = {
         "syncer": args.syncer,
         "token": token,
@@ -133,8 +148,30 @@ def resolve(
         "log_every": args.log_every,
         "max_steps": args.max_steps,
         "metrics_port": _port(args.metrics_port),
+        "ca_file": ca_file,
+        "join": join,
     }
     return cfg, options
+
+
+def _transport(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The CA file (loaded once here, so a bad one is a usage error, not a retry loop) and the
+    join credential's public part (never the whole credential: its key stays with the away
+    operator)."""
+    if args.ca_file:
+        try:
+            ClientTrust(args.ca_file)
+        except ValueError as exc:
+            raise UsageError(f"--ca-file (or DILOCO_CA_FILE): {exc}") from None
+        if not args.syncer.startswith("https://"):
+            log.warning("event=ca_file_unused syncer=%s reason=not_https", args.syncer)
+    join = ""
+    if args.join:
+        try:
+            join = parse_join_public(args.join).public
+        except ValueError as exc:
+            raise UsageError(f"--join (or DILOCO_JOIN): {exc}") from None
+    return args.ca_file or None, join
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:

@@ -19,6 +19,8 @@ class LearnerOptions:
     log_every: int = 50
     max_steps: int | None = None  # stop after this many local steps (benchmarks, debugging)
     metrics_port: int = 0  # > 0: the leader serves Prometheus /metrics here (learner_metrics.py)
+    ca_file: str | None = None  # CA bundle an https syncer is verified against (None: system)
+    join: str = ""  # a join credential's public part: a unit of an away cluster sends it
 
     @property
     def name(self) -> str:

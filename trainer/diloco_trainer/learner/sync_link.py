@@ -33,7 +33,6 @@ import jax
 import numpy as np
 
 from diloco_trainer.learner.client import (
-    SyncerBusy,
     SyncerClient,
     SyncerRejected,
     SyncerUnavailable,
@@ -116,8 +115,10 @@ class Backoff:
         self.failures = 0
 
     def after(self, error: Exception) -> float:
-        """The next delay, no shorter than what a 429's Retry-After asks for."""
-        return max(self.next_delay(), error.retry_after if isinstance(error, SyncerBusy) else 0.0)
+        """The next delay, no shorter than what the error asks for (a 429's Retry-After, the
+        pause after a certificate that does not verify)."""
+        floor = error.retry_after if isinstance(error, SyncerUnavailable) else 0.0
+        return max(self.next_delay(), floor)
 
 
 def host_copy(leaf: jax.Array) -> np.ndarray:

@@ -13,7 +13,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from diloco_trainer.auth import UNIT_HEADER, Caller, identify
+from diloco_trainer.auth import UNIT_HEADER, Caller
+from diloco_trainer.syncer.admission import authenticate, check_layout
 from diloco_trainer.syncer.conn import (
     CONNECTIONS_KEY,
     KEEPALIVE_SECONDS,
@@ -27,6 +28,7 @@ from diloco_trainer.syncer.fragment import MAX_POLL_WAIT, Reject
 from diloco_trainer.syncer.limits import kind_of, retry_after
 from diloco_trainer.syncer.roster import Roster
 from diloco_trainer.syncer.storage import CheckpointError
+from diloco_trainer.tls import ServerTls
 from diloco_trainer.wire import (
     DATA_POSITION_HEADER,
     MAX_COUNTER,
@@ -43,6 +45,7 @@ log = logging.getLogger("diloco.syncer")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SYNCER_KEY = web.AppKey("syncer", Syncer)
 ROSTER_PATH = "/v1/units"
+STATUS_PATH = "/v1/status"
 CALLER_KEY = web.RequestKey("caller", Caller)
 
 
@@ -69,13 +72,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     request.app[CONNECTIONS_KEY].served(request)
     try:
         if request.path.startswith("/v1/"):
-            caller = identify(
-                syncer.token,
-                request.headers.get("Authorization", ""),
-                request.headers.get(UNIT_HEADER),
-            )
-            if caller is None:
-                raise Reject(401, "unauthorized", "missing or wrong bearer token")
+            caller = authenticate(syncer, request.headers)
             if caller.operator and request.method != "GET" and request.path != ROSTER_PATH:
                 raise Reject(
                     403,
@@ -83,8 +80,10 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
                     "the run token is for status reads and the roster; a learner sends its "
                     f"unit token and {UNIT_HEADER}",
                 )
+            if caller.observer and (request.method, request.path) != ("GET", STATUS_PATH):
+                raise Reject(403, "forbidden", "a join credential's observer reads the status only")
             request[CALLER_KEY] = caller
-            if caller.unit is not None:
+            if caller.unit is not None and not caller.observer:
                 syncer.gate.admit(caller.unit)
                 throttled = _throttle(syncer, caller.unit, request)
                 if throttled is not None:
@@ -135,8 +134,8 @@ def _throttle(syncer: Syncer, unit: str, request: web.Request) -> web.Response |
     return response
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    body = await read_body(request, JSON_BODY_LIMIT)
+async def _json_body(request: web.Request, limit: int | None = None) -> dict[str, Any]:
+    body = await read_body(request, limit or JSON_BODY_LIMIT)
     request.app[SYNCER_KEY].bytes_received += len(body)
     try:
         data = loads_json(body or b"{}")
@@ -165,20 +164,22 @@ def _identity(request: web.Request, data: dict[str, Any]) -> tuple[str, int, str
 
 async def join(request: web.Request) -> web.Response:
     s = request.app[SYNCER_KEY]
-    unit, attempt, group = _identity(request, await _json_body(request))
-
+    data = await _json_body(request, JOIN_BODY_LIMIT)
+    unit, attempt, group = _identity(request, data)
+    check_layout(s, data, unit)  # before anything of the unit is recorded
     s.learners.seen(unit, attempt, group, time.time()).joined.add(attempt)
     resume_step = s.learners.resume_step(unit, attempt)  # where its LR schedule continues
     moves = s.leases.moves
     lease = s.leases.join(unit, _alive(s))
     await _journal_leases(s, moves)
     log.info(
-        "event=join unit=%s attempt=%d group=%s versions=%s resume_step=%d",
+        "event=join unit=%s attempt=%d group=%s versions=%s resume_step=%d credential=%s",
         unit,
         attempt,
         group,
         s.versions(),
         resume_step,
+        request[CALLER_KEY].credential or "-",
     )
     # The learner holds the same config (compression, innerSteps, ...); the reply carries only
     # what the run's state decides.
@@ -371,8 +372,10 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
-# Join and heartbeat bodies are a few hundred bytes.
+# Heartbeat and claim bodies are a few hundred bytes; a join carries the learner's fragment plan
+# (layout_plan.py: up to MAX_PLAN_BYTES, else its fingerprint alone).
 JSON_BODY_LIMIT = 64 * 1024
+JOIN_BODY_LIMIT = 1024 * 1024
 
 
 def build_app(syncer: Syncer) -> web.Application:
@@ -388,7 +391,7 @@ def build_app(syncer: Syncer) -> web.Application:
     app.router.add_get("/v1/params", params)
     app.router.add_post("/v1/fragments/{p}/push", push)
     app.router.add_get("/v1/fragments/{p}", poll)
-    app.router.add_get("/v1/status", status)
+    app.router.add_get(STATUS_PATH, status)
     app.router.add_put(ROSTER_PATH, put_roster)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -399,9 +402,12 @@ def build_app(syncer: Syncer) -> web.Application:
     return app
 
 
-async def start_server(syncer: Syncer, host: str, port: int) -> tuple[web.AppRunner, int]:
+async def start_server(
+    syncer: Syncer, host: str, port: int, tls: ServerTls | None = None
+) -> tuple[web.AppRunner, int]:
     """Serve `syncer` on host:port (0: any free port) with the connection time limits of
-    syncer_conn.py; returns the runner (`cleanup()` stops it) and the bound port."""
+    syncer_conn.py, over HTTPS only when `tls` is given (probes and /metrics too); returns the
+    runner (`cleanup()` stops it) and the bound port."""
     app = build_app(syncer)
     runner = web.AppRunner(
         app,
@@ -411,7 +417,7 @@ async def start_server(syncer: Syncer, host: str, port: int) -> tuple[web.AppRun
         logger=ServerLog(lambda reason: syncer.metrics.malformed.labels(reason).inc()),
     )
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port, ssl_context=tls.context if tls else None).start()
     # A background task of the syncer: stop_background (app cleanup) cancels it.
     syncer.background.append(asyncio.create_task(app[CONNECTIONS_KEY].watch(runner)))
     bound = [addr[1] for addr in runner.addresses if isinstance(addr, tuple)]

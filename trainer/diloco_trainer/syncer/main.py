@@ -1,7 +1,7 @@
 """`diloco-syncer`: run the syncer service.
 
     diloco-syncer --config run.yaml [--host 0.0.0.0] [--port 8470] [--token T] [--checkpoint-dir D]
-                  [--max-units N] [--units-file F]
+                  [--max-units N] [--units-file F] [--tls-cert FILE --tls-key FILE]
 
 Environment (docs/contracts.md): DILOCO_TOKEN / DILOCO_TOKEN_FILE (the run secret),
 DILOCO_SYNCER_PORT, DILOCO_CHECKPOINT_PATH, DILOCO_MAX_UNITS, DILOCO_UNITS_FILE (the roster of
@@ -18,6 +18,10 @@ this one stopped serving without a final checkpoint.
 
 `--lock PATH` (DILOCO_SYNCER_LOCK): a second syncer with the same lock, port and checkpoint
 path is a warm standby (standby.py) that serves within a second of the first one's death.
+
+`--tls-cert FILE --tls-key FILE` (DILOCO_TLS_CERT, DILOCO_TLS_KEY): serve HTTPS only, probes
+and /metrics included, with a certificate taken again whenever the files change (tls.py); a
+standby that takes over serves the same way.
 
 The start is logged phase by phase (phases.py; the list is in docs/local.md): config,
 checkpoint_load, init_from, imports, workload_check (model_build, data_index), initial_params or
@@ -57,6 +61,7 @@ from diloco_trainer.syncer.checkpoint import (
 from diloco_trainer.syncer.fragment import InitFn, default_init
 from diloco_trainer.syncer.roster import Roster
 from diloco_trainer.syncer.standby import ServingLock, wait_as_standby
+from diloco_trainer.tls import ServerTls
 from diloco_trainer.workload.weights import WeightsError
 from diloco_trainer.workload.weights import init_from as init_from_weights
 
@@ -97,6 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="serve only while holding this local file's lock; a second syncer given the same "
         "lock waits as a warm standby and takes over when the first dies (standby.py)",
     )
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (else DILOCO_TLS_CERT)")
+    p.add_argument("--tls-key", default=None, help="PEM private key (else DILOCO_TLS_KEY)")
     p.add_argument("--log-level", default=os.environ.get("DILOCO_LOG_LEVEL", "INFO"))
     p.add_argument(
         "--log-format", choices=FORMATS, default=None, help=f"text or json (else {LOG_FORMAT_ENV})"
@@ -126,6 +133,25 @@ def resolve_max_units(flag: str | None, env: Mapping[str, str]) -> int | None:
     if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise ConfigError(f"--max-units (or DILOCO_MAX_UNITS): not an integer >= 1: {raw!r}")
     return int(raw)
+
+
+def resolve_tls(cert: str | None, key: str | None, env: Mapping[str, str]) -> ServerTls | None:
+    """HTTPS with the certificate and key the flags (else the environment) name, both or
+    neither; the pair is loaded now, so a bad one stops the syncer before it listens."""
+    cert = cert or env.get("DILOCO_TLS_CERT") or None
+    key = key or env.get("DILOCO_TLS_KEY") or None
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        given, missing = ("--tls-cert", "--tls-key") if cert else ("--tls-key", "--tls-cert")
+        raise ConfigError(
+            f"{given} needs {missing} (or DILOCO_TLS_{missing[6:].upper()}): a certificate "
+            "and its key go together"
+        )
+    try:
+        return ServerTls(cert, key)
+    except ValueError as exc:
+        raise ConfigError(f"--tls-cert/--tls-key (or DILOCO_TLS_CERT/KEY): {exc}") from exc
 
 
 def read_roster(path: str | None) -> Roster | None:
@@ -165,19 +191,26 @@ def note_termination() -> threading.Event:
     return stop
 
 
-async def serve(syncer: object, host: str, port: int, terminated: threading.Event) -> None:
+async def serve(
+    syncer: object,
+    host: str,
+    port: int,
+    terminated: threading.Event,
+    tls: ServerTls | None = None,
+) -> None:
     from diloco_trainer.syncer.core import Syncer
     from diloco_trainer.syncer.http_api import start_server
 
     assert isinstance(syncer, Syncer)
     with phase(log, "server_start"):  # compile and first checkpoint (start_background), bind
-        runner, bound = await start_server(syncer, host, port)
+        runner, bound = await start_server(syncer, host, port, tls)
     log.info(
-        "event=listening host=%s port=%s run=%s fragments=%d",
+        "event=listening host=%s port=%s run=%s fragments=%d scheme=%s",
         host,
         bound,
         syncer.run,
         len(syncer.frags),
+        "https" if tls else "http",
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -244,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             port = resolve_port(args.port)
             max_units = resolve_max_units(args.max_units, os.environ)
             roster = read_roster(args.units_file)
+            tls = resolve_tls(args.tls_cert, args.tls_key, os.environ)
             name = run_name(args.run, args.config)
             ckpt_path, ckpt_field = checkpoint_setting(
                 args.checkpoint_dir, os.environ, cfg.checkpoint.path
@@ -301,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, StorageAccessError) else 1
     try:
-        asyncio.run(serve(syncer, args.host, port, terminated))
+        asyncio.run(serve(syncer, args.host, port, terminated, tls))
     finally:
         syncer.close()
     return EXIT_SUPERSEDED if syncer.superseded is not None else 0

@@ -135,6 +135,12 @@ class SyncerMetrics:
             ["kind"],
             registry=r,
         )
+        self.credential_refusals = Counter(
+            "diloco_syncer_credential_refusals_total",
+            "Requests with a join credential refused, by reason (credential_expired, ...)",
+            ["reason"],
+            registry=r,
+        )
         self.malformed = Counter(
             "diloco_syncer_malformed_requests_total",
             "Connections whose request was not HTTP (answered 400), by reason",

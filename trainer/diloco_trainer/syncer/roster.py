@@ -9,6 +9,11 @@ hands the set over as a file at start (`--units-file`) and, when it changes (a s
 
 A unit not on the roster is refused at join and on every request (403 `unknown_unit`); one that
 claims another group than the roster's is refused too (403 `wrong_group`).
+
+The roster also carries the ids of revoked join credentials (`revokedCredentials`,
+join_credentials.py): the operator already hands the syncer a new revision whenever the run
+changes, and the checkpoint keeps it, so a revocation reaches a running syncer at once and
+survives its restart without a second channel. Rosters without the field revoke nothing.
 """
 
 from __future__ import annotations
@@ -19,16 +24,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diloco_trainer.join_credentials import ID_PATTERN
 from diloco_trainer.syncer.fragment import Reject
 from diloco_trainer.wire import MAX_COUNTER
 
 MAX_UNITS = 100_000
+MAX_REVOKED = 100_000
+REVOKED_FIELD = "revokedCredentials"
 
 
 @dataclass(frozen=True)
 class Roster:
     revision: int
     units: Mapping[str, str]  # unit name -> group
+    revoked: frozenset[str] = frozenset()  # ids of revoked join credentials
 
     @classmethod
     def from_json(cls, doc: Any, where: str = "roster") -> Roster:
@@ -46,7 +55,7 @@ class Roster:
         for name, group in units.items():
             if not name or len(name) > 253 or not isinstance(group, str) or len(group) > 63:
                 raise ValueError(f"{where}.units: bad entry {str(name)[:60]!r}: {group!r}")
-        return cls(revision, dict(units))
+        return cls(revision, dict(units), _revoked(doc.get(REVOKED_FIELD, []), where))
 
     @classmethod
     def read(cls, path: str | Path) -> Roster:
@@ -56,7 +65,10 @@ class Roster:
             raise ValueError(f"{path}: cannot read the units file: {exc}") from exc
 
     def to_json(self) -> dict[str, Any]:
-        return {"revision": self.revision, "units": dict(self.units)}
+        doc: dict[str, Any] = {"revision": self.revision, "units": dict(self.units)}
+        if self.revoked:  # left out when empty: the roster reads as it did before the field
+            doc[REVOKED_FIELD] = sorted(self.revoked)
+        return doc
 
     def admit(self, unit: str, group: str | None) -> None:
         """Raise Reject unless `unit` is on the roster (in `group`, when given)."""
@@ -70,6 +82,15 @@ class Roster:
             )
         if group is not None and group != known:
             raise Reject(403, "wrong_group", f"unit {unit!r} is in group {known!r}, not {group!r}")
+
+
+def _revoked(raw: Any, where: str) -> frozenset[str]:
+    if not isinstance(raw, list) or len(raw) > MAX_REVOKED:
+        raise ValueError(f"{where}.{REVOKED_FIELD}: expected a list of at most {MAX_REVOKED} ids")
+    for id in raw:
+        if not isinstance(id, str) or not ID_PATTERN.fullmatch(id):
+            raise ValueError(f"{where}.{REVOKED_FIELD}: bad credential id {str(id)[:70]!r}")
+    return frozenset(raw)
 
 
 def newest(*rosters: Roster | None) -> Roster | None:

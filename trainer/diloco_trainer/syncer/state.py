@@ -147,11 +147,13 @@ class SyncerState:
     # ---------------------------------------------------------------- derived state
     def mark(self) -> tuple[int, ...]:
         """What a checkpoint must keep up with: versions, counters, joins (a push needs its
-        attempt's join, so a clean restart must not forget one) and data leases."""
+        attempt's join, so a clean restart must not forget one), data leases and the roster
+        (its revocations too: a roster of the same revision may revoke more)."""
         steps, tokens = self.learners.totals()
         joins = sum(len(r.joined) for r in self.learners.records.values())
-        roster = -1 if self.gate.roster is None else self.gate.roster.revision
-        return self.outer_step, steps, tokens, joins, self.leases.revision, roster
+        held = self.gate.roster
+        roster = (-1, 0) if held is None else (held.revision, hash(held.revoked))
+        return self.outer_step, steps, tokens, joins, self.leases.revision, *roster
 
     @property
     def outer_step(self) -> int:
