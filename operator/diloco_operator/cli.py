@@ -8,6 +8,7 @@
     diloco data tokenize FILES_OR_DIRS... --out DIR (--tokenizer FILE | --train-vocab N)
                          [--shard-tokens N] [--pattern GLOB] [--eod-token TEXT]
     diloco data inspect DIR [--tokens N]
+    diloco join-credential RUN --group G [--expires-in 7d] [-n NS] [--run-secret-file F]
 
 Subcommands hang off argparse subparsers; each registers itself in `build_parser` with a
 `handler` default, so adding one (e.g. `simulate`) touches nothing else.
@@ -123,6 +124,19 @@ def _add_simulate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     simulate.set_defaults(handler=simulator.run_from_args)
 
 
+def _add_join_credential(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from diloco_operator.k8s import join_credential
+
+    parser = sub.add_parser(
+        "join-credential",
+        help="mint a join credential for a unit group that runs in another cluster",
+        description="Print a Secret manifest (for the away cluster) holding a credential for "
+        "one unit group of a home run; its id (on stderr) revokes it.",
+    )
+    join_credential.add_arguments(parser)
+    parser.set_defaults(handler=join_credential.run_from_args)
+
+
 def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     export = sub.add_parser(
         "export",
@@ -229,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_simulate(sub)
     _add_export(sub)
     _add_data(sub)
+    _add_join_credential(sub)
     return parser
 
 

@@ -14,6 +14,7 @@ from diloco_operator.api import DilocoRunSpec, parse_manifest, parse_spec
 from diloco_operator.k8s import builders
 from diloco_operator.planner import ObservedSyncer, plan
 from diloco_trainer.config import TrainingConfig
+from diloco_trainer.join_credentials import mint_join_credential
 from k8s_roundtrip import roundtrip
 
 EXAMPLES = [
@@ -38,10 +39,13 @@ def test_example_validates_and_round_trips(path: Path) -> None:
     assert not schema_errors({**doc, "spec": wire})
     run = builders.Run(doc["metadata"]["name"], "default", "uid", spec)
     first = plan(run.name, spec, [], None, 0.0, syncer=ObservedSyncer(False, False))
-    objs = builders.run_objects(run)
+    # An away run makes no syncer of its own and derives its units' tokens from a credential.
+    objs = [] if spec.away else builders.run_objects(run)
+    key = mint_join_credential("run-secret", run.name, "g", 2**31) if spec.away else "run-secret"
     for action in first.of_type(builders.CreateUnit):
-        objs += builders.unit_objects(run, action, "run-secret")
-    assert len([o for o in objs if o["kind"] == "Job"]) == spec.total_units
+        objs += builders.unit_objects(run, action, key)
+    local = [i for i, g in enumerate(spec.unit_groups) if not g.remote]
+    assert len([o for o in objs if o["kind"] == "Job"]) == sum(map(spec.group_replicas, local))
     for obj in objs:
         assert roundtrip(obj) == obj
 

@@ -18,6 +18,13 @@ from diloco_trainer.config import Strict, TrainingConfig, format_validation_erro
 from pydantic import Field, ValidationError, ValidationInfo, model_validator
 
 from diloco_operator.api.chaos_spec import ChaosEvent, ChaosSpec
+from diloco_operator.api.clusters import (
+    CredentialId,
+    ExternalSyncer,
+    SyncerExposure,
+    SyncerTls,
+    check_cluster_fields,
+)
 from diloco_operator.api.kubesyntax import (
     CHECKPOINT_PATH,
     DNS_SUBDOMAIN,
@@ -116,6 +123,25 @@ class SyncerSpec(Strict):
         None,
         description="Pod customisation merged into the syncer pod; operator-owned fields are "
         "refused.",
+    )
+    tls: SyncerTls | None = Field(
+        None,
+        description="Serve HTTPS with this certificate; required when the syncer is reached "
+        "from other clusters. Unset: plain HTTP, inside the cluster only.",
+    )
+    expose: SyncerExposure | None = Field(
+        None, description="How other clusters reach the syncer (default: in-cluster only)."
+    )
+    external: ExternalSyncer | None = Field(
+        None,
+        description="Join the syncer of a run whose home is another cluster instead of running "
+        "one here (an away run).",
+    )
+    revoked_credentials: list[CredentialId] | None = Field(
+        None,
+        max_length=256,
+        description="Ids of join credentials the syncer refuses from now on (credential_revoked), "
+        "whatever their expiry: `diloco join-credential` prints each one's id.",
     )
 
 
@@ -259,6 +285,9 @@ class DilocoRunSpec(Strict):
                     f"chaos.schedule.{i}.unit: unit {event.unit} does not exist "
                     f"(the run has units 0..{total - 1})"
                 )
+        syncer = self.syncer
+        remote = [g.remote for g in self.unit_groups]
+        check_cluster_fields(syncer.external, syncer.expose, syncer.tls, remote)
         heartbeat = self.training.heartbeat_seconds
         offline = self.failure_policy.offline_after_seconds
         if heartbeat * HEARTBEATS_PER_OFFLINE > offline:
@@ -276,6 +305,11 @@ class DilocoRunSpec(Strict):
     @property
     def total_units(self) -> int:
         return sum(self.group_replicas(i) for i in range(len(self.unit_groups)))
+
+    @property
+    def away(self) -> bool:
+        """This run joins a syncer in another cluster (it runs none)."""
+        return self.syncer.external is not None
 
     def group(self, name: str) -> UnitGroup | None:
         return next((g for g in self.unit_groups if g.name == name), None)

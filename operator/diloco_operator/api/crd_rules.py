@@ -38,6 +38,15 @@ def _prefixes(path: str) -> list[str]:
     return [".".join(parts[: i + 1]) for i in range(1, len(parts))]
 
 
+_LOCAL_GROUPS = (
+    "(has(self.unitGroups) ? self.unitGroups.filter(g, !has(g.remote) || !g.remote).size() : 1)"
+)
+_ANY_REMOTE = "(has(self.unitGroups) && self.unitGroups.exists(g, has(g.remote) && g.remote))"
+_EXPOSED = (
+    "(has(self.syncer) && has(self.syncer.expose) && has(self.syncer.expose.type) && "
+    "self.syncer.expose.type == 'LoadBalancer')"
+)
+
 _HEARTBEAT = _or_default("self.training.heartbeatSeconds", TrainingConfig, "heartbeat_seconds")
 _OFFLINE = _or_default(
     "self.failurePolicy.offlineAfterSeconds", api.FailurePolicy, "offline_after_seconds"
@@ -74,6 +83,23 @@ RULES: dict[str, list[dict[str, str]]] = {
             "rule": "!has(self.training) || !has(self.training.quorum) || "
             f"self.training.quorum <= {_TOTAL_UNITS}",
             "message": "training.quorum: exceeds the number of units of the run",
+        },
+        {
+            "rule": "!has(self.syncer) || !has(self.syncer.external) || "
+            "(!has(self.syncer.expose) && !has(self.syncer.tls))",
+            "message": "syncer.external: a run that joins another cluster's syncer sets neither "
+            "syncer.expose nor syncer.tls (the home run does)",
+        },
+        {
+            "rule": f"!has(self.syncer) || !has(self.syncer.external) || {_LOCAL_GROUPS} == 1",
+            "message": "syncer.external: an away run runs exactly one unit group (the one its "
+            "join credential is for); mark the others remote: true",
+        },
+        {
+            "rule": "(has(self.syncer) && (has(self.syncer.external) || has(self.syncer.tls))) || "
+            f"!({_ANY_REMOTE} || {_EXPOSED})",
+            "message": "syncer.tls: required when a unit group is remote or the syncer is "
+            "exposed as a LoadBalancer (plain HTTP stays inside the cluster)",
         },
         {
             "rule": "!has(self.chaos) || !has(self.chaos.slowdown) || "

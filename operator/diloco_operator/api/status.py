@@ -71,6 +71,25 @@ class UnitStatus(Strict):
         description="Heartbeats and pushes of this unit the syncer refused as impossible "
         "(counters no honest unit could send); each increase is a UnitClaimRefused Event.",
     )
+    remote: bool = Field(
+        False,
+        description="The unit runs in another cluster (a remote unit group): its state is "
+        "what the syncer hears of it, and its own cluster's operator recreates it.",
+    )
+
+
+class SyncerReach(Strict):
+    """An away run's view of the home syncer it joins."""
+
+    address: str = Field(max_length=300, description="The home syncer's address.")
+    reachable: bool = Field(description="The last status read from this cluster succeeded.")
+    last_contact: datetime | None = Field(None, description="When it last answered.")
+    last_error: str | None = Field(
+        None, max_length=1024, description="Why the last read failed, naming the address."
+    )
+    last_merge: datetime | None = Field(
+        None, description="The syncer's latest merge of any fragment, as it last reported."
+    )
 
 
 class Condition(Strict):
@@ -128,3 +147,6 @@ class DilocoRunStatus(Strict):
         None, description="The spec generation this status was computed from."
     )
     message: str | None = Field(None, description="Why the run is in its phase, in words.")
+    syncer: SyncerReach | None = Field(
+        None, description="An away run only: the home syncer as this cluster sees it."
+    )

@@ -96,6 +96,11 @@ class UnitGroup(Strict):
         description="Run on Spot VMs: adds the cloud.google.com/gke-spot=true node selector and "
         "toleration. Preemptions are counted in status.units[].preemptions, not as restarts.",
     )
+    remote: bool = Field(
+        False,
+        description="This group's units run in another cluster (a DilocoRun there with "
+        "syncer.external): here they are admitted by the syncer and reported, never created.",
+    )
     template: PodTemplate | None = Field(
         None,
         description="Pod customisation merged into this group's pods (labels, annotations, "

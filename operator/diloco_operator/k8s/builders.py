@@ -13,7 +13,6 @@ import secrets
 from typing import Any
 
 import yaml
-from diloco_trainer.auth import unit_token
 
 from diloco_operator.api import (
     API_VERSION,
@@ -33,10 +32,16 @@ from diloco_operator.api.pod_security import TOKEN_KEY, secure_pod
 from diloco_operator.api.pod_template import apply_template
 from diloco_operator.api.unit_group import UnitGroup
 from diloco_operator.k8s import kueue
+from diloco_operator.k8s.cross_cluster import (
+    add_learner_transport,
+    add_syncer_tls,
+    expose,
+    unit_secret_data,
+)
 from diloco_operator.k8s.placement import group_placement, place_learner_pod
 from diloco_operator.k8s.run_ref import Run
 from diloco_operator.k8s.syncer_disruption import disruption_budget, keep_on_its_node
-from diloco_operator.k8s.syncer_standby import add_standby, lock_env
+from diloco_operator.k8s.syncer_standby import STANDBY, add_standby, lock_env
 from diloco_operator.planner import CreateUnit
 from diloco_operator.planner.placement import roster_document
 
@@ -156,6 +161,24 @@ def _config_mount() -> dict[str, Any]:
     return {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
 
 
+def _syncer_volumes(run: Run) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The syncer's config and, unless it checkpoints to a bucket, its checkpoint volume."""
+    ckpt = run.spec.syncer.checkpoint
+    volumes = [_config_volume(run)]
+    mounts = [_config_mount()]
+    if not ckpt.is_bucket:
+        volumes.append(
+            {"name": "checkpoints", "emptyDir": {}}
+            if ckpt.ephemeral
+            else {
+                "name": "checkpoints",
+                "persistentVolumeClaim": {"claimName": run.checkpoint_claim},
+            }
+        )
+        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})
+    return volumes, mounts
+
+
 def syncer_deployment(run: Run) -> dict[str, Any]:
     spec = run.spec
     ckpt = spec.syncer.checkpoint
@@ -169,18 +192,7 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
             "value": ckpt.path if ckpt.is_bucket else CHECKPOINT_MOUNT,
         },
     ]
-    volumes = [_config_volume(run)]
-    mounts = [_config_mount()]
-    if not ckpt.is_bucket:
-        volumes.append(
-            {"name": "checkpoints", "emptyDir": {}}
-            if ckpt.ephemeral
-            else {
-                "name": "checkpoints",
-                "persistentVolumeClaim": {"claimName": run.checkpoint_claim},
-            }
-        )
-        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})
+    volumes, mounts = _syncer_volumes(run)
     # Readiness is /readyz: a syncer that cannot merge or persist shows NotReady (and the run's
     # Ready condition says SyncerNotReady) while its Service keeps sending it pushes and polls;
     # liveness stays /healthz, so a full disk does not restart it and lose what it holds.
@@ -221,6 +233,7 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
     )
     if spec.syncer.standby:
         add_standby(template, port)
+    add_syncer_tls(template, run, (SYNCER, STANDBY))
     keep_on_its_node(template)
     return {
         "apiVersion": "apps/v1",
@@ -248,6 +261,10 @@ def syncer_disruption_budget(run: Run) -> dict[str, Any]:
 
 
 def syncer_service(run: Run) -> dict[str, Any]:
+    return expose(_syncer_service(run), run)
+
+
+def _syncer_service(run: Run) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -349,6 +366,7 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
     secure_pod(pod_spec, unit_token_secret_name(unit.name))
+    add_learner_transport(pod_spec, run, unit_token_secret_name(unit.name))
     job_labels = unit_labels(run, unit)
     queue_labels = kueue.job_labels(run.labels)
     return {
@@ -401,8 +419,9 @@ def run_objects(run: Run, token: str | None = None) -> list[dict[str, Any]]:
 
 
 def unit_token_secret(run: Run, unit: CreateUnit, run_token: str) -> dict[str, Any]:
-    """The unit's own credential (HMAC of the run secret and its name, docs/protocol.md): a
-    learner pod holds this, never the run secret, so it can speak only as its own unit."""
+    """The unit's own credential (HMAC of the run secret and its name, docs/protocol.md; in an
+    away run, of the join credential's key): a learner pod holds this, never the run secret or
+    the credential, so it can speak only as its own unit."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -410,7 +429,7 @@ def unit_token_secret(run: Run, unit: CreateUnit, run_token: str) -> dict[str, A
         "metadata": _meta(
             run, unit_token_secret_name(unit.name), LEARNER, **{LABEL_UNIT: unit.name}
         ),
-        "stringData": {TOKEN_KEY: unit_token(run_token, unit.name)},
+        "stringData": unit_secret_data(run, unit.name, run_token, TOKEN_KEY),
     }
 
 

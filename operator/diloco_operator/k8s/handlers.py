@@ -38,6 +38,7 @@ from diloco_operator.api import (
 )
 from diloco_operator.k8s import builders, chaos, kube, queue_status, run_metrics
 from diloco_operator.k8s.actions import ACTIONS, apply
+from diloco_operator.k8s.away import away_status
 from diloco_operator.k8s.observe import (
     CONTROLLER_UID,
     PodView,
@@ -221,7 +222,9 @@ async def reconcile_once(
         ready=any(ready for ready, _ in syncers),
         replicas=syncers[0][1] if syncers else None,
     )
-    report = await syncer_report(run) if syncer.present else None
+    report = await syncer_report(run) if syncer.present or spec.away else None
+    if spec.away:  # the home syncer: there when it answers
+        syncer = ObservedSyncer(present=True, ready=report is not None)
     generation = body.get("metadata", {}).get("generation")
     if isinstance(generation, int):
         await hand_roster(run, report, generation)
@@ -244,6 +247,8 @@ async def reconcile_once(
     refused = await apply(run, the_plan, body)
     new = report_refusals(the_plan.status, status, refused, body, generation)
     new = await queue_status.report_queue(run, new, status, body, generation)
+    if spec.away:
+        new = away_status(new, STATE.reach.get(key), report, now=time.time())
     if STATE.options.chaos and spec.chaos is not None:
         await inject_chaos(run, body, new)
     if last is None or new != last:
@@ -325,6 +330,7 @@ async def run_loop(
         STATE.wakers.pop(key, None)
         STATE.tokens.pop(key, None)
         STATE.chaos.pop(key, None)
+        STATE.reach.pop(key, None)
         queue_status.forget(namespace, name)
         with contextlib.suppress(KeyError):
             UNITS_ONLINE.remove(namespace, name)

@@ -44,4 +44,10 @@ class Run:
 
     @property
     def syncer_address(self) -> str:
-        return f"http://{self.syncer_name}.{self.namespace}.svc:{self.spec.syncer.port}"
+        """Where the run's learners reach the syncer: the home syncer's address for an away run,
+        else the syncer Service by cluster DNS (https when it serves TLS)."""
+        external = self.spec.syncer.external
+        if external is not None:
+            return external.address
+        scheme = "https" if self.spec.syncer.tls is not None else "http"
+        return f"{scheme}://{self.syncer_name}.{self.namespace}.svc:{self.spec.syncer.port}"

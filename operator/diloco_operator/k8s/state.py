@@ -4,6 +4,7 @@ the runs' tokens, recently deleted pods, chaos progress and the HTTP session to 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -28,6 +29,16 @@ class Options:
     network_policy: OperatorIdentity | None = None
 
 
+@dataclass(frozen=True)
+class Reach:
+    """The last status read of a run's syncer from here: for an away run's status."""
+
+    address: str
+    reachable: bool
+    last_contact: float | None
+    error: str | None
+
+
 @dataclass
 class State:
     options: Options = field(default_factory=Options)
@@ -37,6 +48,9 @@ class State:
     tokens: dict[tuple[str, str], str] = field(default_factory=dict)
     chaos: dict[tuple[str, str], chaos.RunChaos] = field(default_factory=dict)
     http: aiohttp.ClientSession | None = None
+    reach: dict[tuple[str, str], Reach] = field(default_factory=dict)
+    # TLS contexts by the sha256 of the CA bundle that verifies with them.
+    trust: dict[str, ssl.SSLContext] = field(default_factory=dict)
 
 
 STATE = State()

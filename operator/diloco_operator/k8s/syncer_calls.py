@@ -1,63 +1,138 @@
-"""The operator's requests to a run's syncer, with the run secret: its status (each pass), and
-the unit roster it admits by (when the spec's units change: trainer's syncer/roster.py)."""
+"""The operator's requests to a run's syncer: its status (each pass), and the unit roster it
+admits by (when the spec's units change: trainer's syncer/roster.py).
+
+At home the operator speaks with the run secret, over HTTPS verified with the certificate
+Secret's CA when the syncer serves TLS. An away run's operator holds no run secret: it reads the
+home syncer's status as the credential's observer (join_credentials.OBSERVER), over HTTPS
+verified with the run's CA Secret, and records what it saw (reachable, last error naming the
+address) for the run's status."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import ssl
+import time
 
 import aiohttp
+from diloco_trainer.auth import UNIT_HEADER
+from diloco_trainer.join_credentials import (
+    JOIN_HEADER,
+    OBSERVER,
+    parse_join_credential,
+    unit_token_from_credential,
+)
 from diloco_trainer.status import SyncerStatus
 
+from diloco_operator.api.clusters import CA_KEY
 from diloco_operator.k8s import builders, kube
-from diloco_operator.k8s.state import STATE
+from diloco_operator.k8s.state import STATE, Reach
 from diloco_operator.planner.placement import roster_document
 
 log = logging.getLogger("diloco_operator")
 
 
 def syncer_url(run: builders.Run) -> str:
-    return STATE.options.syncer_url.format(
+    external = run.spec.syncer.external
+    if external is not None:
+        return external.address
+    url = STATE.options.syncer_url.format(
         name=run.syncer_name, namespace=run.namespace, port=run.spec.syncer.port
     )
+    if run.spec.syncer.tls is not None and url.startswith("http://"):
+        url = "https://" + url.removeprefix("http://")
+    return url
 
 
 async def read_run_token(run: builders.Run) -> str | None:
-    """The run secret (cached per run): the operator's credential for status reads and the key
-    each unit's own token is derived from."""
+    """The key units' tokens are derived from (cached per run): the run secret at home, which
+    is also the operator's credential for the syncer; an away run's join credential."""
     key = (run.namespace, run.name)
     token = STATE.tokens.get(key)
     if token is None:
-        token = await kube.read_token(run.namespace, run.token_secret, builders.TOKEN_KEY)
+        external = run.spec.syncer.external
+        secret, field = (
+            (external.credential.name, external.credential.key)
+            if external is not None
+            else (run.token_secret, builders.TOKEN_KEY)
+        )
+        token = await kube.read_token(run.namespace, secret, field)
         if token is not None:
             STATE.tokens[key] = token
     return token
 
 
-async def syncer_report(run: builders.Run) -> SyncerStatus | None:
-    """GET /v1/status of the run's syncer; None when unreachable (the run keeps reconciling)."""
-    token = await read_run_token(run)
-    if token is None:
+async def _trust(run: builders.Run) -> ssl.SSLContext | None:
+    """The TLS context that verifies this run's syncer, or None for plain HTTP. Cached by the
+    CA bundle's content, so a rotated bundle takes effect at the next pass."""
+    syncer = run.spec.syncer
+    if syncer.external is not None:
+        secret, field = syncer.external.ca.name, syncer.external.ca.key
+    elif syncer.tls is not None:
+        secret, field = syncer.tls.secret_name, CA_KEY
+    else:
         return None
-    if STATE.http is None:
+    pem = await kube.read_token(run.namespace, secret, field)
+    if pem is None:
+        raise ValueError(f"CA bundle: Secret {secret} has no key {field}")
+    digest = hashlib.sha256(pem.encode()).hexdigest()
+    cached = STATE.trust.get(digest)
+    if cached is None:
+        cached = STATE.trust[digest] = ssl.create_default_context(cadata=pem)
+    return cached
+
+
+def _headers(run: builders.Run, token: str) -> dict[str, str]:
+    if run.spec.syncer.external is None:
+        return {"Authorization": f"Bearer {token}"}
+    credential = parse_join_credential(token)
+    return {
+        "Authorization": f"Bearer {unit_token_from_credential(credential, OBSERVER)}",
+        UNIT_HEADER: OBSERVER,
+        JOIN_HEADER: credential.public,
+    }
+
+
+async def syncer_report(run: builders.Run) -> SyncerStatus | None:
+    """GET /v1/status of the run's syncer; None when unreachable (the run keeps reconciling).
+    What happened is kept in STATE.reach for the run's status."""
+    url = syncer_url(run)
+    token = await read_run_token(run)
+    if token is None or STATE.http is None:
+        _saw(run, url, "no credential yet" if token is None else "operator starting")
         return None
     try:
+        trust = await _trust(run)
         async with STATE.http.get(
-            f"{syncer_url(run)}/v1/status", headers={"Authorization": f"Bearer {token}"}
+            f"{url}/v1/status", headers=_headers(run, token), ssl=trust if trust else True
         ) as resp:
             if resp.status != 200:
-                log.debug("syncer status run=%s http=%s", run.name, resp.status)
+                why = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                log.debug("syncer status run=%s %s", run.name, why)
+                _saw(run, url, why)
                 return None
-            return SyncerStatus.from_json(await resp.json())
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            report = SyncerStatus.from_json(await resp.json())
+    except (aiohttp.ClientError, TimeoutError, ValueError, ssl.SSLError) as exc:
         log.debug("syncer unreachable run=%s error=%r", run.name, exc)
+        _saw(run, url, f"{type(exc).__name__}: {exc}")
         return None
+    _saw(run, url, None)
+    return report
+
+
+def _saw(run: builders.Run, url: str, error: str | None) -> None:
+    key = (run.namespace, run.name)
+    before = STATE.reach.get(key)
+    contact = time.time() if error is None else (before.last_contact if before else None)
+    message = None if error is None else f"{url}: {error}"[:1024]
+    STATE.reach[key] = Reach(url, error is None, contact, message)
 
 
 async def hand_roster(run: builders.Run, report: SyncerStatus | None, generation: int) -> bool:
     """PUT the spec's roster when the syncer's is older (or it has none); True when the syncer
     holds this generation's roster afterwards. A syncer that cannot be reached is asked again
-    next pass; its checkpoint keeps the roster it took."""
-    if report is None:
+    next pass; its checkpoint keeps the roster it took. Only the home run hands it over."""
+    if report is None or run.spec.syncer.external is not None:
         return False
     if report.roster_revision is not None and report.roster_revision >= generation:
         return True
@@ -65,10 +140,12 @@ async def hand_roster(run: builders.Run, report: SyncerStatus | None, generation
     if token is None or STATE.http is None:
         return False
     try:
+        trust = await _trust(run)
         async with STATE.http.put(
             f"{syncer_url(run)}/v1/units",
             json=roster_document(run.name, run.spec, generation),
-            headers={"Authorization": f"Bearer {token}"},
+            headers=_headers(run, token),
+            ssl=trust if trust else True,
         ) as resp:
             if resp.status != 200:
                 log.info("roster run=%s http=%s body=%s", run.name, resp.status, await resp.text())
@@ -77,6 +154,6 @@ async def hand_roster(run: builders.Run, report: SyncerStatus | None, generation
                 "roster run=%s revision=%d units=%d", run.name, generation, run.spec.total_units
             )
             return True
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ValueError, ssl.SSLError) as exc:
         log.debug("roster run=%s error=%r", run.name, exc)
         return False

@@ -14,6 +14,7 @@ class UnitSlot:
     index: int
     global_index: int
     hosts: int
+    remote: bool = False
 
 
 def unit_name(run: str, group: str, index: int) -> str:
@@ -35,9 +36,8 @@ def desired_units(run: str, spec: DilocoRunSpec) -> list[UnitSlot]:
     for gi in order:
         group = spec.unit_groups[gi]
         for i in range(spec.group_replicas(gi)):
-            slots.append(
-                UnitSlot(unit_name(run, group.name, i), group.name, i, offset + i, group.hosts)
-            )
+            name = unit_name(run, group.name, i)
+            slots.append(UnitSlot(name, group.name, i, offset + i, group.hosts, group.remote))
         offset += spec.group_replicas(gi)
     slots.sort(key=lambda s: s.global_index)
     return slots
@@ -47,4 +47,10 @@ def roster_document(run: str, spec: DilocoRunSpec, revision: int) -> dict[str, o
     """The units the spec asks for, each with its group: the only identities the run's syncer
     admits (the trainer's syncer/roster.py). `revision` orders rosters: the operator uses the
     run's metadata.generation, the file written at creation 0."""
-    return {"revision": revision, "units": {s.name: s.group for s in desired_units(run, spec)}}
+    doc: dict[str, object] = {
+        "revision": revision,
+        "units": {s.name: s.group for s in desired_units(run, spec)},
+    }
+    if spec.syncer.revoked_credentials:
+        doc["revokedCredentials"] = sorted(set(spec.syncer.revoked_credentials))
+    return doc

@@ -44,6 +44,7 @@ from diloco_operator.planner.model import (
     gone,
 )
 from diloco_operator.planner.placement import UnitSlot, desired_units
+from diloco_operator.planner.remote import remote_units
 from diloco_operator.planner.scaling import remove, surplus
 from diloco_operator.planner.suspension import (
     QUEUED,
@@ -332,22 +333,30 @@ def plan(
     obs_by = {o.name: o for o in observed if o.phase != "Missing"}
     prev_by = {u.name: u for u in prev.units}
     slots = desired_units(run, spec)
+    local = [s for s in slots if not s.remote]
+    # Home reports the other clusters' units as the syncer hears them; an away run only its own.
+    remote = [] if spec.away else [s for s in slots if s.remote]
     terminal = prev.phase in TERMINAL or (report is not None and report.complete)
 
     actions: list[Action] = []
-    if not terminal:
+    if not terminal and not spec.away:
         wanted = not (syncer.present or spec.suspend)
         actions += [CreateSyncer()] if wanted else syncer_actions(spec.suspend, syncer)
-    units, unit_actions, waits = _desired(slots, spec, prev_by, obs_by, report, now, terminal)
+    units, unit_actions, waits = _desired(local, spec, prev_by, obs_by, report, now, terminal)
+    far, far_events = remote_units(
+        remote, prev_by, report, spec.failure_policy.offline_after_seconds, now
+    )
     removed, removal_actions, removal_waits = _surplus(slots, prev, prev_by, obs_by, now)
-    actions += unit_actions + removal_actions
-    units += removed
+    actions += unit_actions + far_events + removal_actions
+    units += far + removed
     waits += removal_waits
     if not terminal:
         heard = report.learners if report is not None else {}
         units = [account(u, heard.get(u.name), now) for u in units]
 
-    phase, why = run_phase(prev.phase, units, report, spec.training.quorum, spec.suspend)
+    # An away run answers for its own units only; the run's quorum is the home syncer's.
+    quorum = 1 if spec.away else spec.training.quorum
+    phase, why = run_phase(prev.phase, units, report, quorum, spec.suspend)
     finish_wait = succeeded_since(prev, now) + FINISH_GRACE_SECONDS - now
     actions, units = _settle(phase, actions, units, obs_by, finish_wait)
     if phase == "Succeeded" and finish_wait > 0:

@@ -1,0 +1,125 @@
+"""One run across clusters: the syncer's transport security and exposure at home, and the
+syncer an away run joins (docs/multi-cluster.md).
+
+Every cluster's DilocoRun describes the whole run, with the same unit groups in the same order;
+each runs the groups it does not mark `remote`. The home run (no `syncer.external`) runs the
+syncer and admits every group's units; an away run names the home syncer's address, the CA that
+signed its certificate and a join credential for its one group. Describing the whole run on
+both sides keeps every unit's global index and the run's unit count (which sizes the learners'
+schedules) the same wherever the unit runs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from diloco_trainer.config import Strict
+from pydantic import Field
+
+from diloco_operator.api.kubesyntax import DNS_SUBDOMAIN, ENV_NAME
+
+# https://host[:port], no path: the learners add the protocol's paths.
+SYNCER_ADDRESS = r"^https://[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?(:[0-9]{1,5})?$"
+CIDR = r"^[0-9a-fA-F:.]+/[0-9]{1,3}$"
+# A join credential's id (the trainer's join_credentials.ID_PATTERN).
+CredentialId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", max_length=64)]
+Cidr = Annotated[str, Field(pattern=CIDR, max_length=43)]
+INTERNAL_LB_ANNOTATION = "networking.gke.io/load-balancer-type"
+# Where an away run's learners, and an in-cluster syncer's peers, find the syncer's CA bundle.
+CA_KEY = "ca.crt"
+CREDENTIAL_KEY = "credential"
+
+
+class SecretKey(Strict):
+    """One key of a Secret in the run's namespace."""
+
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Secret name.")
+    key: str = Field(max_length=253, pattern=ENV_NAME, description="Key within the Secret.")
+
+
+class ExternalSyncer(Strict):
+    """The syncer of a run whose home is another cluster. This run creates no syncer; its units
+    join the home syncer over HTTPS with a credential scoped to this run's one local group."""
+
+    address: str = Field(
+        max_length=300,
+        pattern=SYNCER_ADDRESS,
+        description="https://HOST[:PORT] of the home syncer (its internal load balancer or "
+        "Gateway route); the certificate must name HOST.",
+    )
+    ca: SecretKey = Field(
+        description="The CA bundle that signed the home syncer's certificate (PEM); a bundle of "
+        "the old and the new CA rotates it without restarting learners."
+    )
+    credential: SecretKey = Field(
+        description="The join credential minted at home (`diloco join-credential`): good for "
+        "one run and one unit group until it expires or is revoked there."
+    )
+
+
+class SyncerExposure(Strict):
+    """How the syncer is reached: from inside the cluster only, or from other clusters."""
+
+    type: Literal["ClusterIP", "LoadBalancer"] = Field(
+        "ClusterIP",
+        description="LoadBalancer makes the syncer reachable from other clusters (away runs).",
+    )
+    internal: bool = Field(
+        True,
+        description="An internal load balancer (GKE: reachable over the VPC and its peerings, "
+        "not from the internet). Ignored for ClusterIP.",
+    )
+    load_balancer_source_ranges: list[Cidr] | None = Field(
+        None,
+        max_length=32,
+        description="CIDRs allowed to reach the load balancer (the away clusters' pod ranges); "
+        "the NetworkPolicy admits the same.",
+    )
+    annotations: dict[str, str] | None = Field(
+        None, max_length=16, description="Extra annotations of the syncer Service."
+    )
+
+    @property
+    def external(self) -> bool:
+        return self.type == "LoadBalancer"
+
+
+class SyncerTls(Strict):
+    """The syncer serves HTTPS with the certificate of a `kubernetes.io/tls` Secret (`tls.crt`,
+    `tls.key`, and `ca.crt` for clients), kept current by cert-manager or by hand: the syncer
+    and the learners pick up a renewed certificate without restarting."""
+
+    secret_name: str = Field(
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="Secret with tls.crt, tls.key and ca.crt; its certificate must name the "
+        "syncer Service's DNS name and the load balancer's address when exposed.",
+    )
+
+
+def check_cluster_fields(
+    external: ExternalSyncer | None,
+    expose: SyncerExposure | None,
+    tls: SyncerTls | None,
+    remote: list[bool],
+) -> None:
+    """The rules across fields; ValueError naming the field. CEL mirrors (crd_rules.py)."""
+    local = remote.count(False)
+    if external is not None:
+        if expose is not None or tls is not None:
+            raise ValueError(
+                "syncer.external: a run that joins another cluster's syncer sets neither "
+                "syncer.expose nor syncer.tls (the home run does)"
+            )
+        if local != 1:
+            raise ValueError(
+                "syncer.external: an away run runs exactly one unit group (the one its join "
+                f"credential is for); mark the others remote: true (it runs {local})"
+            )
+        return
+    crosses = any(remote) or (expose is not None and expose.external)
+    if crosses and tls is None:
+        raise ValueError(
+            "syncer.tls: required when a unit group is remote or the syncer is exposed as a "
+            "LoadBalancer (plain HTTP stays inside the cluster)"
+        )

@@ -1,0 +1,113 @@
+"""What the children need for a run that crosses the cluster boundary (docs/multi-cluster.md):
+the syncer serving HTTPS from its certificate Secret, learners verifying it with the CA alone
+(never the private key), an away run's units joining with tokens derived from its join
+credential, and the syncer Service exposed to other clusters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diloco_trainer.auth import unit_token
+from diloco_trainer.join_credentials import parse_join_credential, unit_token_from_credential
+
+from diloco_operator.api.clusters import INTERNAL_LB_ANNOTATION
+from diloco_operator.k8s.run_ref import Run
+
+TLS_DIR = "/var/run/diloco/tls"
+CA_DIR = "/var/run/diloco/syncer-ca"
+CA_FILE = "ca.crt"
+# The unit's Secret holds its token and, in an away run, the credential's public part (which
+# the learner sends in X-Diloco-Join) under this key.
+JOIN_KEY = "join"
+# kubernetes.io/tls Secret keys (cert-manager writes the same three).
+TLS_CERT, TLS_KEY, TLS_CA = "tls.crt", "tls.key", "ca.crt"
+
+
+def ca_source(run: Run) -> tuple[str, str] | None:
+    """(Secret, key) of the CA bundle learners verify the syncer with; None for plain HTTP."""
+    syncer = run.spec.syncer
+    if syncer.external is not None:
+        return syncer.external.ca.name, syncer.external.ca.key
+    if syncer.tls is not None:
+        return syncer.tls.secret_name, TLS_CA
+    return None
+
+
+def add_learner_transport(pod_spec: dict[str, Any], run: Run, unit_secret: str) -> None:
+    """The CA bundle (only that key of its Secret) as DILOCO_CA_FILE and, in an away run, the
+    join credential's public part as DILOCO_JOIN."""
+    container = pod_spec["containers"][0]
+    env = container["env"]
+    source = ca_source(run)
+    if source is not None:
+        secret, key = source
+        pod_spec["volumes"].append(
+            {
+                "name": "syncer-ca",
+                "secret": {"secretName": secret, "items": [{"key": key, "path": CA_FILE}]},
+            }
+        )
+        container["volumeMounts"].append(
+            {"name": "syncer-ca", "mountPath": CA_DIR, "readOnly": True}
+        )
+        env.append({"name": "DILOCO_CA_FILE", "value": f"{CA_DIR}/{CA_FILE}"})
+    if run.spec.syncer.external is not None:
+        ref = {"secretKeyRef": {"name": unit_secret, "key": JOIN_KEY}}
+        env.append({"name": "DILOCO_JOIN", "valueFrom": ref})
+
+
+def add_syncer_tls(template: dict[str, Any], run: Run, containers: tuple[str, ...]) -> None:
+    """Serve HTTPS from the certificate Secret: mounted whole (the syncer picks a renewed pair
+    up from the files), and every probe of the syncer containers asks over HTTPS."""
+    tls = run.spec.syncer.tls
+    if tls is None:
+        return
+    spec = template["spec"]
+    spec["volumes"].append(
+        {
+            "name": "syncer-tls",
+            "secret": {
+                "secretName": tls.secret_name,
+                "items": [{"key": k, "path": k} for k in (TLS_CERT, TLS_KEY)],
+            },
+        }
+    )
+    for container in spec["containers"]:
+        if container["name"] not in containers:
+            continue
+        container["volumeMounts"].append(
+            {"name": "syncer-tls", "mountPath": TLS_DIR, "readOnly": True}
+        )
+        container["env"] += [
+            {"name": "DILOCO_TLS_CERT", "value": f"{TLS_DIR}/{TLS_CERT}"},
+            {"name": "DILOCO_TLS_KEY", "value": f"{TLS_DIR}/{TLS_KEY}"},
+        ]
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if probe in container:
+                container[probe]["httpGet"]["scheme"] = "HTTPS"
+
+
+def expose(service: dict[str, Any], run: Run) -> dict[str, Any]:
+    """The syncer Service as other clusters reach it: a (by default internal) load balancer."""
+    exposure = run.spec.syncer.expose
+    if exposure is None or not exposure.external:
+        return service
+    spec = service["spec"]
+    spec["type"] = "LoadBalancer"
+    if exposure.load_balancer_source_ranges:
+        spec["loadBalancerSourceRanges"] = list(exposure.load_balancer_source_ranges)
+    annotations = dict(exposure.annotations or {})
+    if exposure.internal:
+        annotations.setdefault(INTERNAL_LB_ANNOTATION, "Internal")
+    if annotations:
+        service["metadata"].setdefault("annotations", {}).update(annotations)
+    return service
+
+
+def unit_secret_data(run: Run, unit: str, key: str, token_key: str) -> dict[str, str]:
+    """A unit's Secret data: its bearer token derived from `key` (the run secret at home, the
+    join credential in an away run) and, away, the credential's public part."""
+    if run.spec.syncer.external is None:
+        return {token_key: unit_token(key, unit)}
+    credential = parse_join_credential(key)
+    return {token_key: unit_token_from_credential(credential, unit), JOIN_KEY: credential.public}

@@ -1,0 +1,156 @@
+"""The children of a run that crosses clusters: the home syncer serves HTTPS from its certificate
+Secret and is exposed through an internal load balancer; learners get the CA alone; an away
+run's units join the home syncer with tokens derived from its join credential; and an away
+run's status says how the home syncer answers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diloco_operator.api import DilocoRunStatus, parse_spec
+from diloco_operator.k8s import builders
+from diloco_operator.k8s.away import away_status, unreachable_reason
+from diloco_operator.k8s.state import Reach
+from diloco_operator.planner import CreateUnit
+from diloco_trainer.auth import unit_token
+from diloco_trainer.join_credentials import (
+    mint_join_credential,
+    parse_join_credential,
+    unit_token_from_credential,
+)
+from diloco_trainer.status import FragmentStatus, SyncerStatus
+
+RUN_SECRET = "s3cret"
+T0 = 1_700_000_000.0
+
+
+def home_run() -> builders.Run:
+    spec = parse_spec(
+        {
+            "image": "t",
+            "replicas": 1,
+            "unitGroups": [{"name": "v6e"}, {"name": "v5p", "replicas": 1, "remote": True}],
+            "training": {"totalSteps": 10},
+            "syncer": {
+                "tls": {"secretName": "syncer-tls"},
+                "expose": {"type": "LoadBalancer", "loadBalancerSourceRanges": ["10.8.0.0/14"]},
+            },
+        }
+    )
+    return builders.Run("r", "ml", "uid", spec)
+
+
+def away_run() -> builders.Run:
+    spec = parse_spec(
+        {
+            "image": "t",
+            "replicas": 1,
+            "unitGroups": [{"name": "v6e", "remote": True}, {"name": "v5p", "replicas": 1}],
+            "training": {"totalSteps": 10},
+            "syncer": {
+                "external": {
+                    "address": "https://syncer.home.example:8470",
+                    "ca": {"name": "home-ca", "key": "ca.crt"},
+                    "credential": {"name": "v5p-join", "key": "credential"},
+                }
+            },
+        }
+    )
+    return builders.Run("r", "ml", "uid", spec)
+
+
+def unit(name: str, group: str, global_index: int) -> CreateUnit:
+    return CreateUnit(name, group, 0, global_index, 0, 2, 1)
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_the_home_syncer_serves_https_from_its_secret_in_both_containers() -> None:
+    pod = builders.syncer_deployment(home_run())["spec"]["template"]["spec"]
+    tls = next(v for v in pod["volumes"] if v["name"] == "syncer-tls")
+    assert tls["secret"]["secretName"] == "syncer-tls"
+    assert [i["key"] for i in tls["secret"]["items"]] == ["tls.crt", "tls.key"]
+    names = [c["name"] for c in pod["containers"]]
+    assert names[:2] == ["syncer", "syncer-standby"]
+    for container in pod["containers"][:2]:
+        env = env_of(container)
+        assert env["DILOCO_TLS_CERT"].endswith("/tls.crt")
+        assert env["DILOCO_TLS_KEY"].endswith("/tls.key")
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            assert container[probe]["httpGet"]["scheme"] == "HTTPS"
+
+
+def test_home_learners_verify_with_the_ca_only_and_speak_https() -> None:
+    run = home_run()
+    job = builders.unit_job(run, unit("r-v6e-0", "v6e", 1))
+    pod = job["spec"]["template"]["spec"]
+    ca = next(v for v in pod["volumes"] if v["name"] == "syncer-ca")
+    # The CA key alone: a learner never holds the syncer's private key.
+    assert ca["secret"] == {
+        "secretName": "syncer-tls",
+        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+    }
+    env = env_of(pod["containers"][0])
+    assert env["DILOCO_SYNCER_ADDR"] == "https://r-syncer.ml.svc:8470"
+    assert env["DILOCO_CA_FILE"].endswith("/ca.crt")
+    assert "DILOCO_JOIN" not in env
+
+
+def test_the_exposed_syncer_is_an_internal_load_balancer_for_the_given_ranges() -> None:
+    service = builders.syncer_service(home_run())
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["spec"]["loadBalancerSourceRanges"] == ["10.8.0.0/14"]
+    assert service["metadata"]["annotations"]["networking.gke.io/load-balancer-type"] == "Internal"
+    in_cluster = parse_spec({"image": "t", "training": {"totalSteps": 10}})
+    plain = builders.syncer_service(builders.Run("r", "ml", "u", in_cluster))
+    assert "type" not in plain["spec"] and "annotations" not in plain["metadata"]
+
+
+def test_an_away_unit_joins_home_with_a_token_of_its_credential_and_its_public_part() -> None:
+    run = away_run()
+    credential = mint_join_credential(RUN_SECRET, "r", "v5p", int(T0) + 3600)
+    the_unit = unit("r-v5p-0", "v5p", 1)
+    secret = builders.unit_token_secret(run, the_unit, credential)
+    data = secret["stringData"]
+    assert data["token"] == unit_token_from_credential(credential, "r-v5p-0")
+    assert data["token"] != unit_token(RUN_SECRET, "r-v5p-0")
+    assert data["join"] == parse_join_credential(credential).public
+    assert credential not in data.values()  # the key stays with the operator
+    pod = builders.unit_job(run, the_unit)["spec"]["template"]["spec"]
+    env = env_of(pod["containers"][0])
+    assert env["DILOCO_SYNCER_ADDR"] == "https://syncer.home.example:8470"
+    assert env["DILOCO_JOIN"] == {"secretKeyRef": {"name": "r-v5p-0-token", "key": "join"}}
+    ca = next(v for v in pod["volumes"] if v["name"] == "syncer-ca")
+    assert ca["secret"]["secretName"] == "home-ca"
+
+
+def test_an_away_status_names_the_address_and_why_it_did_not_answer() -> None:
+    refused = Reach(
+        "https://syncer.home.example:8470",
+        False,
+        T0 - 30,
+        'https://syncer.home.example:8470: HTTP 401: {"error": "join credential abc expired", '
+        '"reason": "credential_expired"}',
+    )
+    status = away_status(DilocoRunStatus(), refused, None, T0)
+    assert status.syncer is not None and not status.syncer.reachable
+    assert "syncer.home.example" in (status.syncer.last_error or "")
+    condition = next(c for c in status.conditions if c.type == "SyncerReachable")
+    assert (condition.status, condition.reason) == ("False", "CredentialExpired")
+    answered = Reach("https://syncer.home.example:8470", True, T0, None)
+    report = SyncerStatus(fragments=(FragmentStatus(0, 7, T0 - 2), FragmentStatus(1, 6, T0 - 9)))
+    back = away_status(status, answered, report, T0 + 5)
+    condition = next(c for c in back.conditions if c.type == "SyncerReachable")
+    assert (condition.status, condition.reason) == ("True", "Reachable")
+    assert back.syncer is not None and back.syncer.last_merge is not None
+    assert back.syncer.last_merge.timestamp() == T0 - 2
+
+
+def test_unreachable_reasons() -> None:
+    assert unreachable_reason("x: ClientConnectorError: connection refused") == "Unreachable"
+    tls = "x: ClientConnectorCertificateError: [SSL: CERTIFICATE_VERIFY_FAILED] certificate"
+    assert unreachable_reason(tls) == "CertificateNotVerified"
+    revoked = 'x: HTTP 403: {"error": "revoked", "reason": "credential_revoked"}'
+    assert unreachable_reason(revoked) == "CredentialRevoked"
