@@ -23,6 +23,7 @@ import pytest
 import yaml
 from diloco_trainer.auth import unit_token
 from diloco_trainer.syncer.checkpoint import CheckpointStore
+from processes import syncer_argv
 
 pytestmark = pytest.mark.slow
 
@@ -64,15 +65,7 @@ class Run:
         self.syncer_log_offset = log.stat().st_size if log.exists() else 0
         proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "diloco_trainer.syncer.main",
-                "--config",
-                str(self.config),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
+                *syncer_argv(str(self.config), str(self.port)),
                 "--checkpoint-dir",
                 str(self.ckpt),
             ],

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from diloco_trainer.auth import unit_token
 from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.syncer.checkpoint import CheckpointStore
 from gcs_server import free_port
+from processes import syncer_argv
 from test_checkpoint_gcs import ckpt_names
 from test_syncer_process import TOKEN, SyncerProcess, procs, start, write_config
 
@@ -140,15 +140,7 @@ def test_sigkill_mid_upload_then_restart_resumes_from_the_last_committed_checkpo
 def _start_syncer(config: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "diloco_trainer.syncer.main",
-            "--config",
-            str(config),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
+            *syncer_argv(str(config), "0"),
         ],
         env={**env, "JAX_PLATFORMS": "cpu", "DILOCO_TOKEN": TOKEN},
         stdout=subprocess.PIPE,

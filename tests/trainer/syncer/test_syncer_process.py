@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -23,6 +22,7 @@ from diloco_trainer.auth import unit_token
 from diloco_trainer.learner.client import SyncerClient, SyncerUnavailable
 from diloco_trainer.syncer import main as syncer_main
 from diloco_trainer.syncer.checkpoint import CheckpointStore
+from processes import syncer_argv
 
 TOKEN = "process-token"
 
@@ -51,15 +51,7 @@ class SyncerProcess:
         where = [] if ckpt is None else ["--checkpoint-dir", str(ckpt)]
         self.proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "diloco_trainer.syncer.main",
-                "--config",
-                str(config),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
+                *syncer_argv(str(config), str(port)),
                 *where,
             ],
             stdout=subprocess.DEVNULL,

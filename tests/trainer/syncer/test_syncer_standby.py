@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from diloco_trainer.outer import OuterOptimizer
 from diloco_trainer.syncer.checkpoint import CheckpointStore
 from diloco_trainer.syncer.core import Syncer
 from diloco_trainer.syncer.standby import ServingLock, serving_pid
+from processes import syncer_argv
 
 from tests.trainer.syncer.test_syncer import TOKEN as LIVE_TOKEN
 from tests.trainer.syncer.test_syncer import LiveSyncer, fragment_delta, tiny_cfg
@@ -107,15 +107,7 @@ def serving_and_standby(
     standby_log = tmp_path / "standby.log"
     standby = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "diloco_trainer.syncer.main",
-            "--config",
-            str(config),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(first.port),
+            *syncer_argv(str(config), str(first.port)),
             "--checkpoint-dir",
             str(ckpt),
             "--lock",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from diloco_trainer.models.gpt import init_params
 from diloco_trainer.syncer import main as syncer_main
 from diloco_trainer.syncer.checkpoint import CheckpointStore
 from diloco_trainer.syncer.persist import config_hash
+from processes import syncer_argv
 from test_syncer_process import TOKEN, SyncerProcess, delta_for, procs, start, write_config
 
 __all__ = ["procs"]  # the fixture, imported for its use below
@@ -123,15 +123,7 @@ def test_a_syncer_with_unfit_weights_exits_2_before_serving(tmp_path: Path) -> N
     )
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "diloco_trainer.syncer.main",
-            "--config",
-            str(config),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
+            *syncer_argv(str(config), "0"),
             "--checkpoint-dir",
             str(tmp_path / "ckpt"),
             "--token",
