@@ -5,11 +5,15 @@ run's status says how the home syncer answers."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 from typing import Any
 
+import yaml
 from diloco_operator.api import DilocoRunStatus, parse_spec
 from diloco_operator.k8s import builders
 from diloco_operator.k8s.away import away_status, unreachable_reason
+from diloco_operator.k8s.netpolicy import OperatorIdentity, run_objects_with_policy
 from diloco_operator.k8s.state import Reach
 from diloco_operator.planner import CreateUnit
 from diloco_trainer.auth import unit_token
@@ -20,6 +24,7 @@ from diloco_trainer.join_credentials import (
 )
 from diloco_trainer.status import FragmentStatus, SyncerStatus
 
+OBJCHECK = Path.home() / ".cache" / "diloco-e2e" / "bin" / "objcheck"
 RUN_SECRET = "s3cret"
 T0 = 1_700_000_000.0
 
@@ -154,3 +159,21 @@ def test_unreachable_reasons() -> None:
     assert unreachable_reason(tls) == "CertificateNotVerified"
     revoked = 'x: HTTP 403: {"error": "revoked", "reason": "credential_revoked"}'
     assert unreachable_reason(revoked) == "CredentialRevoked"
+
+
+def test_the_network_policy_of_an_exposed_syncer_admits_the_away_ranges_only() -> None:
+    identity = OperatorIdentity("diloco-system", {"app": "op"})
+    objs = run_objects_with_policy(home_run(), identity)
+    policy = next(o for o in objs if o["kind"] == "NetworkPolicy")
+    in_cluster, away = policy["spec"]["ingress"]
+    assert away["from"][0] == {"ipBlock": {"cidr": "10.8.0.0/14"}} and len(away["from"]) == 1
+    assert away["ports"] == [{"protocol": "TCP", "port": 8470}]
+    assert all("ipBlock" not in peer for peer in in_cluster["from"])
+    out = subprocess.run(
+        [str(OBJCHECK)], input=yaml.safe_dump(policy), capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0 and out.stdout.startswith("VALID NetworkPolicy/"), out.stdout
+    # Not exposed: in-cluster peers alone, as before.
+    plain = parse_spec({"image": "t", "training": {"totalSteps": 10}})
+    objs = run_objects_with_policy(builders.Run("r", "ml", "u", plain), identity)
+    assert len(next(o for o in objs if o["kind"] == "NetworkPolicy")["spec"]["ingress"]) == 1

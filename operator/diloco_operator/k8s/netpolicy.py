@@ -1,6 +1,7 @@
-"""The optional per-run NetworkPolicy (`--syncer-network-policy`): only the run's learner pods
-and the operator reach the run's syncer; everything else in the cluster is refused at the
-network. Pure functions, like builders."""
+"""The optional per-run NetworkPolicy (`--syncer-network-policy`): only the run's learner pods,
+the operator and, for a syncer exposed to other clusters, the away clusters' ranges reach the
+run's syncer; everything else in the cluster is refused at the network. Pure functions, like
+builders."""
 
 from __future__ import annotations
 
@@ -44,10 +45,27 @@ def syncer_network_policy(run: Run, operator: OperatorIdentity) -> dict[str, Any
                         },
                     ],
                     "ports": [{"protocol": "TCP", "port": run.spec.syncer.port}],
-                }
+                },
+                *_from_other_clusters(run),
             ],
         },
     }
+
+
+def _from_other_clusters(run: Run) -> list[dict[str, Any]]:
+    """An exposed syncer also takes the away clusters' traffic, which arrives through the load
+    balancer from their ranges: loadBalancerSourceRanges when given (the same CIDRs the load
+    balancer admits), else any source (the load balancer, internal by default, is the gate)."""
+    exposure = run.spec.syncer.expose
+    if exposure is None or not exposure.external:
+        return []
+    ranges = exposure.load_balancer_source_ranges or ["0.0.0.0/0", "::/0"]
+    return [
+        {
+            "from": [{"ipBlock": {"cidr": cidr}} for cidr in ranges],
+            "ports": [{"protocol": "TCP", "port": run.spec.syncer.port}],
+        }
+    ]
 
 
 def run_objects_with_policy(run: Run, operator: OperatorIdentity | None) -> list[dict[str, Any]]:
