@@ -33,6 +33,7 @@ BENCHES: list[tuple[str, str]] = [
     ("goodput_real", "bench.faults.goodput_real"),
     ("chaos_loss", "bench.faults.chaos_loss"),
     ("syncer_failover", "bench.faults.syncer_failover"),
+    ("wan", "bench.faults.wan"),
     ("mixed_speed", "bench.speed.mixed_speed"),
     ("gpu", "bench.speed.gpu"),
     ("sharding", "bench.speed.sharding"),
@@ -57,6 +58,7 @@ the same machine; absolute times are context only. Sections: {names}.
 | goodput >= 90% at one kill per unit per minute | goodput_real |
 | chaos vs no chaos: final loss within 3% | chaos_loss |
 | syncer SIGKILL: serving again within 3 s, no published version lost; harsh schedule within 5% of calm loss at goodput >= 90% | syncer_failover |
+| two units behind an emulated WAN link: 1 Gbps / 50 ms RTT goodput >= 0.98 of LAN, loss within 1%; 100 Mbps / 200 ms / 1% resets goodput >= 0.95 of LAN; a 60 s cut: the rest keeps >= 95% goodput, the cut-off units push again <= 10 s after the heal | wan |
 | simulator within 3 points of each published goodput figure | simulator |
 | learner overhead <= 3% | overhead |
 | model entrypoint path costs <= 2% tokens/s vs the built-in path | entrypoint |

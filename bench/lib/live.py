@@ -29,6 +29,7 @@ from diloco_trainer.learner.options import LearnerOptions
 from diloco_trainer.status import SyncerStatus
 
 from bench.lib.common import log
+from bench.lib.syncer_logs import fields
 
 TOKEN = "bench-token"
 IMAGE = "elastic-diloco-trainer:cpu"  # a manifest's image; the local runtime runs no container
@@ -90,8 +91,9 @@ class SyncerProc:
 
 
 @contextmanager
-def syncer(cfg: TrainingConfig, nice: int = 0) -> Iterator[SyncerProc]:
-    """Start `diloco-syncer` for `cfg` on 127.0.0.1, wait for /healthz, stop it with SIGTERM."""
+def syncer(cfg: TrainingConfig, nice: int = 0, log_level: str = "WARNING") -> Iterator[SyncerProc]:
+    """Start `diloco-syncer` for `cfg` on 127.0.0.1, wait for /healthz, stop it with SIGTERM. Its
+    log is `workdir/syncer.log` (INFO has a line per accepted push)."""
     with tempfile.TemporaryDirectory(prefix="diloco-bench-") as tmp:
         work = Path(tmp)
         config = work / "run.yaml"
@@ -102,7 +104,7 @@ def syncer(cfg: TrainingConfig, nice: int = 0) -> Iterator[SyncerProc]:
         log_file = (work / "syncer.log").open("wb")
         cmd = [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(config)]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--token", TOKEN]
-        cmd += ["--checkpoint-dir", str(work / "ckpt"), "--log-level", "WARNING"]
+        cmd += ["--checkpoint-dir", str(work / "ckpt"), "--log-level", log_level]
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         proc = subprocess.Popen(
             ["nice", "-n", str(nice), *cmd] if nice else cmd,
@@ -117,6 +119,40 @@ def syncer(cfg: TrainingConfig, nice: int = 0) -> Iterator[SyncerProc]:
         finally:
             stop(proc, 30)
             log_file.close()
+
+
+def learner_process(
+    config: Path,
+    url: str,
+    unit: int,
+    num_units: int,
+    log_path: Path,
+    name: str = "",
+    group: str = "default",
+    max_steps: int | None = None,
+) -> subprocess.Popen[bytes]:
+    """A `diloco-learner` process: unit `unit` of `num_units` (named `name`, else unit-N, with
+    its token), against the syncer at `url`, until `max_steps` or the run's budget; it logs at
+    INFO (~100 lines a run; the exit line has its counters) into `log_path`."""
+    name = name or f"unit-{unit}"
+    cmd = [sys.executable, "-m", "diloco_trainer.learner.main", "--config", str(config)]
+    cmd += ["--syncer", url, "--token", unit_token(TOKEN, name), "--unit-name", name]
+    cmd += ["--unit", str(unit), "--num-units", str(num_units), "--group", group]
+    cmd += ["--log-level", "INFO"]
+    if max_steps is not None:
+        cmd += ["--max-steps", str(max_steps)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with log_path.open("wb") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=out)
+
+
+def exit_fields(learner_log: str) -> dict[str, str]:
+    """The key=value fields of a learner's `event=exit` line (its steps, tokens, bytes, link
+    counters)."""
+    found = re.search(r"event=exit (.*)$", learner_log, re.MULTILINE)
+    if found is None:
+        raise RuntimeError(f"no exit line in the learner log: {learner_log[-500:]}")
+    return fields(found.group(1))
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:

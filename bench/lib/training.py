@@ -13,18 +13,14 @@ with one thing changed (width, learners, budget, seed).
 
 from __future__ import annotations
 
-import os
-import re
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import numpy as np
-from diloco_trainer.auth import unit_token
 from diloco_trainer.config import CompressionConfig, TrainingConfig
 from diloco_trainer.data.corpus import train_batches
 from diloco_trainer.downlink import Publication
@@ -47,8 +43,7 @@ from diloco_trainer.workload.evaluate import eval_loss
 
 from bench.lib.common import log, two_at_a_time
 from bench.lib.decoupled_model import leased_batches, roundtrip
-from bench.lib.live import TOKEN, syncer
-from bench.lib.syncer_logs import fields
+from bench.lib.live import TOKEN, exit_fields, learner_process, syncer
 
 KEY = step_key(0, 0)  # the built-in model's loss draws nothing from its rng
 
@@ -265,32 +260,8 @@ def decoupled(
     with syncer(cfg) as sy:
         config = sy.workdir / "run.yaml"
         logs = [sy.workdir / f"learner-{m}.log" for m in range(learners)]
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "diloco_trainer.learner.main",
-                    "--config",
-                    str(config),
-                    "--syncer",
-                    sy.url,
-                    "--token",
-                    unit_token(TOKEN, f"unit-{m}"),
-                    "--unit",
-                    str(m),
-                    "--num-units",
-                    str(learners),
-                    "--max-steps",
-                    str(steps),
-                    "--log-level",
-                    "INFO",  # ~100 lines a run; the exit line has the overwritten share
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=path.open("wb"),
-            )
+            learner_process(config, sy.url, m, learners, path, max_steps=steps)
             for m, path in enumerate(logs)
         ]
         curve = _follow(sy, procs, steps * learners * cfg.tokens_per_step, cfg)
@@ -299,14 +270,9 @@ def decoupled(
             tails = [path.read_text()[-500:] for path in logs]
             raise RuntimeError(f"learners exited {codes}: {tails}")
         time.sleep(2.0)  # let the last pushes merge
-        client = SyncerClient(sy.url, TOKEN, "bench-eval", 0, "bench")
-        try:
-            params, versions = client.pull_all()
-        finally:
-            client.close()
+        loss, versions = global_loss(sy.url, cfg)
         status = sy.status()
-        exits = [_exit_line(path.read_text()) for path in logs]
-    loss = eval_loss(params, cfg, EVAL_BATCHES)
+        exits = [exit_fields(path.read_text()) for path in logs]
     curve.append((status.tokens or 0, loss))
     # The share of each learner's fragment-steps that installs replaced before a push.
     overwritten = statistics.fmean(float(e["overwritten_share"]) for e in exits)
@@ -318,12 +284,16 @@ def decoupled(
     return Outcome(name, loss, seconds, note, curve, Traffic.of_logs(exits), overwritten)
 
 
-def _exit_line(learner_log: str) -> dict[str, str]:
-    """The key=value fields of a learner's `event=exit` line."""
-    found = re.search(r"event=exit (.*)$", learner_log, re.MULTILINE)
-    if found is None:
-        raise RuntimeError(f"no exit line in the learner log: {learner_log[-500:]}")
-    return fields(found.group(1))
+def global_loss(url: str, cfg: TrainingConfig) -> tuple[float, list[int]]:
+    """The eval loss of the global parameters the syncer at `url` holds now (pulled whole, as
+    a learner's join does), on the held-out batches every loss section uses; and their
+    fragment versions."""
+    client = SyncerClient(url, TOKEN, "bench-eval", 0, "bench")
+    try:
+        params, versions = client.pull_all()
+    finally:
+        client.close()
+    return eval_loss(params, cfg, EVAL_BATCHES), versions
 
 
 def _follow(

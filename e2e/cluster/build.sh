@@ -9,12 +9,13 @@
 #   pause (the real node's sandbox image program)                    (e2e/node/pause, this repo)
 #   kueue (the job-queueing controller manager) + its CRDs            (sigs.k8s.io/kueue)
 #   fake-gcs-server (a GCS-compatible server for the gs:// tests)      (github.com/fsouza/fake-gcs-server)
+#   toxiproxy-server (the emulated WAN link of the bench's wan section) (github.com/Shopify/toxiproxy/v2)
 #
 # Everything comes from the Go module proxy; versions are pinned in versions.env. Binaries go to
 #   $DILOCO_E2E_CACHE/<component>-<version>/bin      (default cache: ~/.cache/diloco-e2e)
 # and a component whose bin/.complete stamp exists is not rebuilt, so a warm call takes seconds.
 #
-# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs ...] (default: all)
+# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy ...] (default: all)
 #        e2e/cluster/build.sh --print-bin-dirs             (print the PATH entries, build nothing)
 # Env:   DILOCO_E2E_CACHE   cache root (default ${XDG_CACHE_HOME:-~/.cache}/diloco-e2e)
 #        DILOCO_E2E_GOCACHE Go build cache used for these builds (default $DILOCO_E2E_CACHE/go-build)
@@ -43,10 +44,11 @@ helm_dir() { echo "$CACHE/helm-$HELM_VERSION"; }
 coredns_dir() { echo "$CACHE/coredns-$COREDNS_VERSION"; }
 kueue_dir() { echo "$CACHE/kueue-$KUEUE_VERSION"; }
 fakegcs_dir() { echo "$CACHE/fake-gcs-server-$FAKE_GCS_VERSION"; }
+toxiproxy_dir() { echo "$CACHE/toxiproxy-$TOXIPROXY_VERSION"; }
 pause_dir() { echo "$CACHE/pause-$(sha256sum "$HERE/../node/pause/main.go" | cut -c1-12)"; }
 
 if [[ "${1:-}" == "--print-bin-dirs" ]]; then
-  for c in k8s etcd kwok helm coredns pause kueue fakegcs; do echo "$("${c}_dir")/bin"; done
+  for c in k8s etcd kwok helm coredns pause kueue fakegcs toxiproxy; do echo "$("${c}_dir")/bin"; done
   exit 0
 fi
 
@@ -249,8 +251,25 @@ build_fakegcs() {
   stamp "$d" "$t0"
 }
 
+# The bench's wan section (bench/lib/toxiproxy.py) runs it on loopback as an emulated WAN link.
+build_toxiproxy() {
+  local d; d=$(toxiproxy_dir)
+  if is_done "$d" toxiproxy-server; then log "toxiproxy $TOXIPROXY_VERSION: cached in $d/bin"; return; fi
+  local t0; t0=$(date +%s)
+  log "toxiproxy $TOXIPROXY_VERSION: preparing wrapper module"
+  new_wrapper "$d/src"
+  (cd "$d/src" && go mod edit -require="github.com/Shopify/toxiproxy/v2@$TOXIPROXY_VERSION")
+  mkdir -p "$d/bin"; rm -f "$d/bin/.complete"
+  log "toxiproxy $TOXIPROXY_VERSION: go build"
+  (cd "$d/src" && nice -n "$NICE" go build -trimpath \
+    -ldflags "-s -w -X github.com/Shopify/toxiproxy/v2.Version=$TOXIPROXY_VERSION" \
+    -o "$d/bin/toxiproxy-server" github.com/Shopify/toxiproxy/v2/cmd/server)
+  [[ "$("$d/bin/toxiproxy-server" -version 2>&1)" == *"$TOXIPROXY_VERSION"* ]] || die "toxiproxy-server reports a wrong version"
+  stamp "$d" "$t0"
+}
+
 components=("$@")
-[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause kueue fakegcs)
+[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause kueue fakegcs toxiproxy)
 mkdir -p "$CACHE"
 # (version checks read the whole output first: `cmd | grep -q` under pipefail fails when grep
 # exits before cmd has written everything and cmd dies of SIGPIPE)
@@ -259,8 +278,8 @@ exec 9>"$CACHE/.build.lock"
 if ! flock -n 9; then log "another build.sh holds $CACHE/.build.lock; waiting"; flock 9; fi
 for c in "${components[@]}"; do
   case "$c" in
-    k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs) "build_$c" ;;
-    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause, kueue, fakegcs)" ;;
+    k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy) "build_$c" ;;
+    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause, kueue, fakegcs, toxiproxy)" ;;
   esac
 done
 for c in "${components[@]}"; do echo "$("${c}_dir")/bin"; done
