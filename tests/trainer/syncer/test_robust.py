@@ -10,6 +10,7 @@ from diloco_trainer.config import RobustConfig
 from diloco_trainer.merge import Contribution, merge_fragment
 from diloco_trainer.syncer import robust
 from diloco_trainer.syncer.quarantine import QuarantineBook
+from diloco_trainer.syncer.registry import LearnerRegistry
 
 UNITS = ["a", "b", "c", "bad"]
 SHAPES = {"w": (64, 32), "v": (256,)}
@@ -136,3 +137,35 @@ def test_an_attempt_sending_outliers_again_and_again_is_quarantined_until_it_res
     for _ in range(2):
         assert book.record("bad", 1, outlier) is None
     assert book.record("bad", 1, outlier) is not None
+
+
+def test_a_unit_back_from_a_silence_gets_its_first_pushes_uncounted_again() -> None:
+    outlier = robust.Verdict("away", "dropped", 1.0, -0.1, True)
+    # Without a silence an attempt 0 that keeps sending outliers is quarantined on the third.
+    plain = QuarantineBook(after=3, window=6)
+    assert [plain.record("away", 0, outlier) is None for _ in range(3)] == [True, True, False]
+    # Heard again after a silence (the registry's count went 0 -> 1): the two pushes that fold
+    # what it learned while unheard are screened but not counted; later ones count again.
+    book = QuarantineBook(after=3, window=6)
+    assert book.record("away", 0, outlier) is None  # counted: 1 of 3
+    for _ in range(2):
+        assert book.record("away", 0, outlier, silences=1) is None  # grace
+    assert book.record("away", 0, outlier, silences=1) is None  # counted: 2 of 3
+    assert book.record("away", 0, outlier, silences=1) is not None  # 3 of 3: quarantined
+    # Each silence buys the grace once: the same count again gives nothing more.
+    again = QuarantineBook(after=3, window=6)
+    for _ in range(2):
+        assert again.record("away", 0, outlier, silences=1) is None
+    assert again.record("away", 0, outlier, silences=1) is None
+    assert again.record("away", 0, outlier, silences=1) is None
+    assert again.record("away", 0, outlier, silences=1) is not None
+
+
+def test_the_registry_counts_a_silence_longer_than_offline_after() -> None:
+    reg = LearnerRegistry(offline_after=10.0)
+    for t in (0.0, 1.0, 9.0):  # heartbeats a few seconds apart: no silence
+        reg.seen("away", 0, "away", t)
+    assert reg.get("away").silences == 0
+    reg.seen("away", 0, "away", 30.0)  # 21 s unheard: a cut link
+    reg.seen("away", 0, "away", 31.0)
+    assert reg.get("away").silences == 1

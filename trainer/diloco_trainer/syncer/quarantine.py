@@ -12,6 +12,13 @@ A restarted attempt's first `grace` merged pushes are screened but not counted: 
 fresh AdamW moments in the middle of a run, and its first deltas are long and noisy (in the
 chaos demo two of them were left out, cosine -0.02 and -0.09 with the others), which would
 otherwise quarantine an honest unit and restart it into the same state again.
+
+The same holds for a unit heard again after a silence (a cut link between clusters, a paused
+host): its first pushes after it fold everything it learned while unheard onto an old base, and
+are long and off the others' direction for that reason alone (measured: the `wan` bench's
+cut-off units were quarantined in 2 of 5 short-cut runs). Each silence the registry counts
+(longer than its offline_after) gives the attempt `grace` uncounted pushes again; they are still
+screened, so a unit that goes quiet on purpose buys two screened pushes per silence, nothing more.
 """
 
 from __future__ import annotations
@@ -28,16 +35,22 @@ class QuarantineBook:
         self._merged: dict[str, tuple[int, int]] = {}  # unit -> (attempt, merged pushes)
         self._recent: dict[str, tuple[int, deque[bool]]] = {}  # unit -> (attempt, outlier?)
         self.held: dict[str, tuple[int, str]] = {}  # unit -> (attempt, reason)
+        self._silences: dict[str, int] = {}  # unit -> silences already given their grace
 
-    def record(self, unit: str, attempt: int, verdict: Verdict) -> str | None:
-        """Count one merged push's verdict; the reason when this quarantines the attempt."""
+    def record(self, unit: str, attempt: int, verdict: Verdict, silences: int = 0) -> str | None:
+        """Count one merged push's verdict; the reason when this quarantines the attempt.
+        `silences`: how often the registry heard the unit again after a silence, so far."""
         if self.after <= 0 or self.reason(unit, attempt) is not None:
             return None
         attempt_seen, merged = self._merged.get(unit, (attempt, 0))
         merged = merged + 1 if attempt_seen == attempt else 1
+        returned = silences > self._silences.get(unit, 0)
+        if returned:
+            self._silences[unit] = silences
+            merged = 1  # back from a silence: its next pushes fold what it did while unheard
         self._merged[unit] = (attempt, merged)
-        if attempt > 0 and merged <= self.grace:
-            return None  # a restarted attempt's first pushes: fresh optimizer moments
+        if (attempt > 0 or unit in self._silences) and merged <= self.grace:
+            return None  # a restarted or returning attempt's first pushes
         known = self._recent.get(unit)
         if known is None or known[0] != attempt:
             if known is not None and known[0] > attempt:

@@ -48,6 +48,9 @@ class LearnerRecord:
     last_beat: tuple[int, int, float] | None = None  # (attempt, step, time) of the previous beat
     refusals: int = 0  # heartbeats and pushes refused as impossible (trust.py)
     last_refusal: str | None = None
+    # Times the unit was heard again after longer than offline_after without a sign of life (a
+    # cut link, a paused host): its next pushes fold what it learned while unheard.
+    silences: int = 0
 
     def refused(self, why: str) -> None:
         self.refusals += 1
@@ -113,6 +116,8 @@ class LearnerRegistry:
         if attempt >= rec.attempt:
             rec.attempt, rec.group = attempt, group
         rec.attempts.setdefault(attempt, [0, 0])
+        if rec.last_seen is not None and now - rec.last_seen > self.offline_after:
+            rec.silences += 1
         rec.last_seen = now
         return rec
 

@@ -202,7 +202,8 @@ def judge(s: SyncerState, f: FragmentState, pending: dict[str, Pending], r: robu
     for unit, verdict in r.verdicts.items():
         s.metrics.screened.labels(verdict.action).inc()
         attempt = pending[unit].header.attempt
-        reason = s.gate.quarantine.record(unit, attempt, verdict)
+        silences = s.learners.get(unit).silences
+        reason = s.gate.quarantine.record(unit, attempt, verdict, silences)
         if reason is not None:
             s.metrics.quarantined.inc()
             log.warning(
