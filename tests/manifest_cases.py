@@ -1,6 +1,6 @@
 """A seeded generator of DilocoRun manifests: valid ones with random names, quantities, label
-keys and periods, and broken ones that pass a naive look but cannot work (the kinds issue 18
-lists). Each broken case carries the field its rejection must name.
+keys and periods, and broken ones that pass a naive look but cannot work (the kinds of bad
+input an operator user would type). Each broken case carries the field its rejection must name.
 
 Every family draws its bad value at random from a space of them (not a fixed list), so a new
 seed explores new spellings; `cases(seed, n)` is deterministic for a seed.

@@ -1,4 +1,4 @@
-"""Issue 18, chart and HA side: replicas get distinct peering priorities (kopf pauses every
+"""The chart and HA, hardened: replicas get distinct peering priorities (kopf pauses every
 replica of a tied priority), namespaced RBAC is the chart's default (no Secrets outside the
 watched namespaces), and the optional per-run NetworkPolicy admits only the run's learners and
 the operator to the syncer."""

@@ -1,4 +1,4 @@
-"""Issue 18, operator side: children the API server refuses or whose name is taken are reported
+"""The operator, hardened: children the API server refuses or whose name is taken are reported
 on the run (Event + condition), a 409 is success only for this run's own object, the checkpoint
 PVC outlives a deleted run by default, and a run never has more units than its status holds."""
 

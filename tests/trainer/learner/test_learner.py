@@ -249,7 +249,7 @@ def test_standby_warms_up_then_validates_its_identity_like_flags(tmp_path: Path)
 
 
 def test_the_unit_token_is_read_from_a_file_by_flag_or_environment(tmp_path: Path) -> None:
-    """Kubernetes mounts each unit's token as a file (issue 18, item 5)."""
+    """Kubernetes mounts each unit's token as a file (a Secret volume), not an env value."""
     from diloco_trainer.learner.main import resolve
 
     config = _write(tmp_path, "totalSteps: 10\n")

@@ -1,6 +1,6 @@
-"""Issue 18, syncer side: hostile but well-formed requests and ordinary faults (a full disk, a
+"""The syncer, hardened: hostile but well-formed requests and ordinary faults (a full disk, a
 damaged checkpoint, a slow client) must neither poison the global model nor lose a round nor
-crash the syncer. Each test names the item of the issue it covers."""
+crash the syncer. The sections below group the tests by the kind of fault."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def metric(live: LiveSyncer, line: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
-# ---------------------------------------------------------------- item 2: norm bound, finiteness
+# ---------------------------------------------------------------- norm bound, finiteness
 
 
 def test_a_huge_finite_delta_is_refused_by_the_norm_bound(live: LiveSyncer) -> None:
@@ -107,7 +107,7 @@ def test_a_merge_whose_result_is_not_finite_is_refused_and_reported(
     wait_until(lambda: live.syncer.frags[0].version == 1)
 
 
-# ---------------------------------------------------------------- item 3: bounded counters
+# ---------------------------------------------------------------- bounded counters
 
 
 def test_out_of_range_counters_are_refused_at_the_wire_and_never_stored(
@@ -178,7 +178,7 @@ def test_a_checkpoint_holding_an_out_of_range_counter_still_restarts(
         restarted.close()
 
 
-# ---------------------------------------------------------------- item 4: failed merges, readiness
+# ---------------------------------------------------------------- failed merges, readiness
 
 
 class FullDisk:
@@ -319,7 +319,7 @@ def test_merge_retries_back_off_up_to_a_cap() -> None:
     assert delays[0] == 0.5 and delays == sorted(delays) and delays[-1] == 30.0
 
 
-# ---------------------------------------------------------------- item 5: per-unit identity
+# ---------------------------------------------------------------- per-unit identity
 
 
 def test_a_unit_token_is_the_hmac_of_the_run_secret_and_the_unit_name() -> None:
@@ -407,7 +407,7 @@ def test_learners_are_bounded_across_a_restart(tmp_path: Path) -> None:
         again.close()
 
 
-# ---------------------------------------------------------------- item 10: smaller things
+# ---------------------------------------------------------------- smaller things
 
 
 def test_a_nan_payload_reusing_a_seen_push_key_is_refused(live: LiveSyncer) -> None:
@@ -454,7 +454,7 @@ def test_a_non_utf8_authorization_header_is_a_401(live: LiveSyncer) -> None:
     assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
 
 
-# ---------------------------------------------------------------- item 6: slow clients
+# ---------------------------------------------------------------- slow clients
 
 
 def _dribble_until_closed(sock: socket.socket, data: bytes, every: float, limit: float) -> float:

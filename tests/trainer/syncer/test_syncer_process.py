@@ -256,7 +256,7 @@ def _http(url: str) -> tuple[int, str]:
 def test_a_read_only_checkpoint_dir_stops_merges_without_losing_them(
     tmp_path: Path, procs: list[SyncerProcess]
 ) -> None:
-    """Issue 18, item 4: the disk under the checkpoint directory turns read-only. Merges (whose
+    """The disk under the checkpoint directory turns read-only. Merges (whose
     versions must be journaled first) and checkpoints fail: /readyz says 503 and names them,
     the metric says so, pushes are kept pending; once the disk is writable again the round
     merges and the syncer is ready again."""
