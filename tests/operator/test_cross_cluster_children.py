@@ -5,14 +5,16 @@ run's status says how the home syncer answers."""
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 from diloco_operator.api import DilocoRunStatus, parse_spec
 from diloco_operator.k8s import builders
-from diloco_operator.k8s.away import away_status, unreachable_reason
+from diloco_operator.k8s.away import away_status, error_reason, refusal_reason
 from diloco_operator.k8s.netpolicy import OperatorIdentity, run_objects_with_policy
 from diloco_operator.k8s.state import Reach
 from diloco_operator.planner import CreateUnit
@@ -138,6 +140,7 @@ def test_an_away_status_names_the_address_and_why_it_did_not_answer() -> None:
         T0 - 30,
         'https://syncer.home.example:8470: HTTP 401: {"error": "join credential abc expired", '
         '"reason": "credential_expired"}',
+        refusal_reason("credential_expired"),
     )
     status = away_status(DilocoRunStatus(), refused, None, T0)
     assert status.syncer is not None and not status.syncer.reachable
@@ -153,12 +156,12 @@ def test_an_away_status_names_the_address_and_why_it_did_not_answer() -> None:
     assert back.syncer.last_merge.timestamp() == T0 - 2
 
 
-def test_unreachable_reasons() -> None:
-    assert unreachable_reason("x: ClientConnectorError: connection refused") == "Unreachable"
-    tls = "x: ClientConnectorCertificateError: [SSL: CERTIFICATE_VERIFY_FAILED] certificate"
-    assert unreachable_reason(tls) == "CertificateNotVerified"
-    revoked = 'x: HTTP 403: {"error": "revoked", "reason": "credential_revoked"}'
-    assert unreachable_reason(revoked) == "CredentialRevoked"
+def test_reasons_for_a_syncer_that_did_not_answer() -> None:
+    assert error_reason(aiohttp.ClientConnectionError("connection refused")) == "Unreachable"
+    bad = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate")
+    assert error_reason(bad) == "CertificateNotVerified"
+    assert refusal_reason("credential_revoked") == "CredentialRevoked"
+    assert refusal_reason(None) == "Unreachable"
 
 
 def test_the_network_policy_of_an_exposed_syncer_admits_the_away_ranges_only() -> None:

@@ -25,7 +25,7 @@ CIDR = r"^[0-9a-fA-F:.]+/[0-9]{1,3}$"
 CredentialId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", max_length=64)]
 Cidr = Annotated[str, Field(pattern=CIDR, max_length=43)]
 INTERNAL_LB_ANNOTATION = "networking.gke.io/load-balancer-type"
-# Where an away run's learners, and an in-cluster syncer's peers, find the syncer's CA bundle.
+# The CA bundle's key in the syncer's kubernetes.io/tls Secret and in an away run's CA Secret.
 CA_KEY = "ca.crt"
 CREDENTIAL_KEY = "credential"
 

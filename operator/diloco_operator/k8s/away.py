@@ -4,9 +4,9 @@ names a refused credential or certificate when that is why (docs/multi-cluster.m
 
 from __future__ import annotations
 
-import json
-import re
+import ssl
 
+import aiohttp
 from diloco_trainer.status import SyncerStatus
 
 from diloco_operator.api import DilocoRunStatus
@@ -18,22 +18,20 @@ from diloco_operator.planner.timefmt import at
 CONDITION = "SyncerReachable"
 
 
-def unreachable_reason(error: str) -> str:
-    """A condition reason for why the home syncer did not answer: the syncer's own refusal
-    reason (credential_expired -> CredentialExpired), a certificate that did not verify, or
-    Unreachable."""
-    body = error.partition("HTTP ")[2]
-    match = re.search(r"\{.*\}", body)
-    if match:
-        try:
-            reason = json.loads(match.group(0)).get("reason")
-        except ValueError:
-            reason = None
-        if isinstance(reason, str) and reason:
-            return "".join(part.capitalize() for part in reason.split("_"))
-    if "CERTIFICATE_VERIFY_FAILED" in error or "certificate verify failed" in error:
-        return "CertificateNotVerified"
+def refusal_reason(code: object) -> str:
+    """The condition reason for a syncer that answered with a refusal: its own reason code in
+    CamelCase (credential_expired -> CredentialExpired), or Unreachable when it gave none (an
+    answer that is not the syncer's: a proxy's error page, a 5xx)."""
+    if isinstance(code, str) and code:
+        return "".join(part.capitalize() for part in code.split("_"))
     return "Unreachable"
+
+
+def error_reason(exc: BaseException) -> str:
+    """The condition reason for a syncer that could not be asked: a certificate that did not
+    verify, or Unreachable."""
+    certificate = (aiohttp.ClientConnectorCertificateError, ssl.SSLCertVerificationError)
+    return "CertificateNotVerified" if isinstance(exc, certificate) else "Unreachable"
 
 
 def away_status(
@@ -51,13 +49,12 @@ def away_status(
         last_error=reach.error,
         last_merge=last_merge,
     )
-    reason = "Reachable" if reach.reachable else unreachable_reason(reach.error or "")
     message = f"{reach.address} answered" if reach.reachable else reach.error or ""
     conditions = set_condition(
         list(status.conditions),
         CONDITION,
         reach.reachable,
-        reason,
+        reach.reason,
         message,
         now,
         status.observed_generation,

@@ -10,17 +10,17 @@ from typing import Any
 from diloco_trainer.auth import unit_token
 from diloco_trainer.join_credentials import parse_join_credential, unit_token_from_credential
 
-from diloco_operator.api.clusters import INTERNAL_LB_ANNOTATION
+from diloco_operator.api.clusters import CA_KEY, INTERNAL_LB_ANNOTATION
 from diloco_operator.k8s.run_ref import Run
 
 TLS_DIR = "/var/run/diloco/tls"
 CA_DIR = "/var/run/diloco/syncer-ca"
-CA_FILE = "ca.crt"
+CA_FILE = CA_KEY  # learners see the bundle under the name the Secret gives it at home
 # The unit's Secret holds its token and, in an away run, the credential's public part (which
 # the learner sends in X-Diloco-Join) under this key.
 JOIN_KEY = "join"
-# kubernetes.io/tls Secret keys (cert-manager writes the same three).
-TLS_CERT, TLS_KEY, TLS_CA = "tls.crt", "tls.key", "ca.crt"
+# kubernetes.io/tls Secret keys (cert-manager writes these and CA_KEY).
+TLS_CERT, TLS_KEY = "tls.crt", "tls.key"
 
 
 def ca_source(run: Run) -> tuple[str, str] | None:
@@ -29,7 +29,7 @@ def ca_source(run: Run) -> tuple[str, str] | None:
     if syncer.external is not None:
         return syncer.external.ca.name, syncer.external.ca.key
     if syncer.tls is not None:
-        return syncer.tls.secret_name, TLS_CA
+        return syncer.tls.secret_name, CA_KEY
     return None
 
 

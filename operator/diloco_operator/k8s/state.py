@@ -37,6 +37,7 @@ class Reach:
     reachable: bool
     last_contact: float | None
     error: str | None
+    reason: str = "Reachable"  # the SyncerReachable condition's reason (k8s/away.py)
 
 
 @dataclass

@@ -10,6 +10,7 @@ address) for the run's status."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import ssl
 import time
@@ -24,8 +25,9 @@ from diloco_trainer.join_credentials import (
 )
 from diloco_trainer.status import SyncerStatus
 
-from diloco_operator.api.clusters import CA_KEY
 from diloco_operator.k8s import builders, kube
+from diloco_operator.k8s.away import error_reason, refusal_reason
+from diloco_operator.k8s.cross_cluster import ca_source
 from diloco_operator.k8s.state import STATE, Reach
 from diloco_operator.planner.placement import roster_document
 
@@ -65,13 +67,10 @@ async def read_run_token(run: builders.Run) -> str | None:
 async def _trust(run: builders.Run) -> ssl.SSLContext | None:
     """The TLS context that verifies this run's syncer, or None for plain HTTP. Cached by the
     CA bundle's content, so a rotated bundle takes effect at the next pass."""
-    syncer = run.spec.syncer
-    if syncer.external is not None:
-        secret, field = syncer.external.ca.name, syncer.external.ca.key
-    elif syncer.tls is not None:
-        secret, field = syncer.tls.secret_name, CA_KEY
-    else:
+    source = ca_source(run)
+    if source is None:
         return None
+    secret, field = source
     pem = await kube.read_token(run.namespace, secret, field)
     if pem is None:
         raise ValueError(f"CA bundle: Secret {secret} has no key {field}")
@@ -99,7 +98,8 @@ async def syncer_report(run: builders.Run) -> SyncerStatus | None:
     url = syncer_url(run)
     token = await read_run_token(run)
     if token is None or STATE.http is None:
-        _saw(run, url, "no credential yet" if token is None else "operator starting")
+        why = "no credential yet" if token is None else "operator starting"
+        _saw(run, url, why, "Unreachable")
         return None
     try:
         trust = await _trust(run)
@@ -107,25 +107,35 @@ async def syncer_report(run: builders.Run) -> SyncerStatus | None:
             f"{url}/v1/status", headers=_headers(run, token), ssl=trust if trust else True
         ) as resp:
             if resp.status != 200:
-                why = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                text = await resp.text()
+                why = f"HTTP {resp.status}: {text[:300]}"
                 log.debug("syncer status run=%s %s", run.name, why)
-                _saw(run, url, why)
+                _saw(run, url, why, refusal_reason(_reason_code(text)))
                 return None
             report = SyncerStatus.from_json(await resp.json())
     except (aiohttp.ClientError, TimeoutError, ValueError, ssl.SSLError) as exc:
         log.debug("syncer unreachable run=%s error=%r", run.name, exc)
-        _saw(run, url, f"{type(exc).__name__}: {exc}")
+        _saw(run, url, f"{type(exc).__name__}: {exc}", error_reason(exc))
         return None
-    _saw(run, url, None)
+    _saw(run, url, None, "Reachable")
     return report
 
 
-def _saw(run: builders.Run, url: str, error: str | None) -> None:
+def _reason_code(body: str) -> object:
+    """The `reason` of the syncer's JSON error body (docs/protocol.md), None without one."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    return doc.get("reason") if isinstance(doc, dict) else None
+
+
+def _saw(run: builders.Run, url: str, error: str | None, reason: str) -> None:
     key = (run.namespace, run.name)
     before = STATE.reach.get(key)
     contact = time.time() if error is None else (before.last_contact if before else None)
     message = None if error is None else f"{url}: {error}"[:1024]
-    STATE.reach[key] = Reach(url, error is None, contact, message)
+    STATE.reach[key] = Reach(url, error is None, contact, message, reason)
 
 
 async def hand_roster(run: builders.Run, report: SyncerStatus | None, generation: int) -> bool:
