@@ -17,7 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from diloco_trainer.join_credentials import mint_join_credential, parse_join_credential
+from diloco_trainer.join_credentials import (
+    JoinCredential,
+    mint_join_credential,
+    parse_join_credential,
+)
 
 from diloco_operator.api.clusters import CREDENTIAL_KEY
 from diloco_operator.api.pod_security import TOKEN_KEY
@@ -34,9 +38,8 @@ def seconds(text: str) -> int:
     return int(match.group(1)) * UNIT_SECONDS[match.group(2)]
 
 
-def credential_secret(name: str, credential: str) -> dict[str, Any]:
+def credential_secret(name: str, cred: JoinCredential) -> dict[str, Any]:
     """The away cluster's Secret holding the credential under the key its run names."""
-    cred = parse_join_credential(credential)
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -51,7 +54,7 @@ def credential_secret(name: str, credential: str) -> dict[str, Any]:
                 ),
             },
         },
-        "stringData": {CREDENTIAL_KEY: credential},
+        "stringData": {CREDENTIAL_KEY: cred.serialise()},
     }
 
 
@@ -76,15 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     try:
         secret = _run_secret(args)
-        credential = mint_join_credential(
-            secret, args.run, args.group, int(time.time()) + args.expires_in
+        cred = parse_join_credential(
+            mint_join_credential(secret, args.run, args.group, int(time.time()) + args.expires_in)
         )
     except (OSError, ValueError, LookupError) as exc:
         print(f"diloco join-credential: {exc}", file=sys.stderr)
         return 2
     name = args.secret_name or f"{args.run}-{args.group}-join"
-    print(yaml.safe_dump(credential_secret(name, credential), sort_keys=False), end="")
-    cred = parse_join_credential(credential)
+    print(yaml.safe_dump(credential_secret(name, cred), sort_keys=False), end="")
     print(
         f"# credential {cred.id} for run {cred.run}, group {cred.group}, expires "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(cred.expires))}; revoke it by "
