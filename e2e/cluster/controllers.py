@@ -10,17 +10,26 @@ from apiserver import PKI, SERVICE_CIDR
 from procs import Processes, http_ok
 
 
-def controller_manager_argv(binary: Path, pki: PKI, port: int, cert_dir: Path) -> list[str]:
-    kc = pki.path("kube-controller-manager.kubeconfig")
+def _serving_argv(binary: Path, kubeconfig: Path, port: int, cert_dir: Path) -> list[str]:
+    """What both components share: one kubeconfig for the API, authentication and
+    authorization, health on a loopback port, no leader election (one replica)."""
     return [
         str(binary),
-        f"--kubeconfig={kc}",
-        f"--authentication-kubeconfig={kc}",
-        f"--authorization-kubeconfig={kc}",
+        f"--kubeconfig={kubeconfig}",
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
         "--bind-address=127.0.0.1",
         f"--secure-port={port}",
         f"--cert-dir={cert_dir}",
         "--leader-elect=false",
+        "--profiling=false",
+    ]
+
+
+def controller_manager_argv(binary: Path, pki: PKI, port: int, cert_dir: Path) -> list[str]:
+    kc = pki.path("kube-controller-manager.kubeconfig")
+    return [
+        *_serving_argv(binary, kc, port, cert_dir),
         "--controllers=*",
         "--use-service-account-credentials=true",
         f"--service-account-private-key-file={pki.path('sa.key')}",
@@ -29,23 +38,11 @@ def controller_manager_argv(binary: Path, pki: PKI, port: int, cert_dir: Path) -
         f"--cluster-signing-key-file={pki.path('ca.key')}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         "--cluster-name=diloco-e2e",
-        "--profiling=false",
     ]
 
 
 def scheduler_argv(binary: Path, pki: PKI, port: int, cert_dir: Path) -> list[str]:
-    kc = pki.path("kube-scheduler.kubeconfig")
-    return [
-        str(binary),
-        f"--kubeconfig={kc}",
-        f"--authentication-kubeconfig={kc}",
-        f"--authorization-kubeconfig={kc}",
-        "--bind-address=127.0.0.1",
-        f"--secure-port={port}",
-        f"--cert-dir={cert_dir}",
-        "--leader-elect=false",
-        "--profiling=false",
-    ]
+    return _serving_argv(binary, pki.path("kube-scheduler.kubeconfig"), port, cert_dir)
 
 
 def start(
