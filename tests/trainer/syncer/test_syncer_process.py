@@ -27,9 +27,14 @@ from processes import syncer_argv
 TOKEN = "process-token"
 
 
+def small_model(**fields: object) -> dict[str, object]:
+    """The one-layer model of these process tests; `fields` change or add some (initFrom)."""
+    return {"preset": "tiny", "dModel": 16, "nLayers": 1, "nHeads": 2, "seqLen": 8, **fields}
+
+
 def write_config(path: Path, **overrides: object) -> Path:
     cfg: dict[str, object] = {
-        "model": {"preset": "tiny", "dModel": 16, "nLayers": 1, "nHeads": 2, "seqLen": 8},
+        "model": small_model(),
         "fragments": 2,
         "quorum": 1,
         "grace": {"mode": "none"},

@@ -21,7 +21,15 @@ from diloco_trainer.syncer import main as syncer_main
 from diloco_trainer.syncer.checkpoint import CheckpointStore
 from diloco_trainer.syncer.persist import config_hash
 from processes import syncer_argv
-from test_syncer_process import TOKEN, SyncerProcess, delta_for, procs, start, write_config
+from test_syncer_process import (
+    TOKEN,
+    SyncerProcess,
+    delta_for,
+    procs,
+    small_model,
+    start,
+    write_config,
+)
 
 __all__ = ["procs"]  # the fixture, imported for its use below
 
@@ -51,14 +59,7 @@ def test_init_from_seeds_a_fresh_run_and_export_gives_the_trained_model_back(
     weights = _starting_weights(probe, weights_file)
     config = write_config(
         tmp_path / "run.yaml",
-        model={
-            "preset": "tiny",
-            "dModel": 16,
-            "nLayers": 1,
-            "nHeads": 2,
-            "seqLen": 8,
-            "initFrom": str(weights_file),
-        },
+        model=small_model(initFrom=str(weights_file)),
     )
     syncer = start(procs, config, ckpt, log)
     learner = SyncerClient(syncer.url, unit_token(TOKEN, "unit-0"), "unit-0", 0, timeout=5)
@@ -107,19 +108,12 @@ def test_a_syncer_with_unfit_weights_exits_2_before_serving(tmp_path: Path) -> N
     weights_file = tmp_path / "wide.safetensors"
     wide = write_config(
         tmp_path / "wide.yaml",
-        model={"preset": "tiny", "dModel": 32, "nLayers": 1, "nHeads": 2, "seqLen": 8},
+        model=small_model(dModel=32),
     )
     _starting_weights(wide, weights_file)
     config = write_config(
         tmp_path / "run.yaml",
-        model={
-            "preset": "tiny",
-            "dModel": 16,
-            "nLayers": 1,
-            "nHeads": 2,
-            "seqLen": 8,
-            "initFrom": str(weights_file),
-        },
+        model=small_model(initFrom=str(weights_file)),
     )
     done = subprocess.run(
         [
@@ -150,14 +144,7 @@ def test_a_missing_or_corrupt_init_file_exits_2_naming_the_field(
     for path, reason in ((tmp_path / "absent.safetensors", "no such file"), (broken, "readable")):
         config = write_config(
             tmp_path / "run.yaml",
-            model={
-                "preset": "tiny",
-                "dModel": 16,
-                "nLayers": 1,
-                "nHeads": 2,
-                "seqLen": 8,
-                "initFrom": str(path),
-            },
+            model=small_model(initFrom=str(path)),
         )
         code = syncer_main.main(
             ["--config", str(config), "--token", "t", "--checkpoint-dir", str(tmp_path / "c")]
