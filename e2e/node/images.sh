@@ -54,6 +54,18 @@ content_hash() {
     | sha256sum | cut -c1-12
 }
 
+# dependency_hash: what decides the wheelhouse (dependencies and build backend), not the tool
+# settings that share pyproject.toml with them: a ruff or mypy change must not re-download it.
+dependency_hash() {
+  "$PY" - "$REPO/pyproject.toml" <<'PYTHON' | sha256sum | cut -c1-12
+import json, sys, tomllib
+doc = tomllib.load(open(sys.argv[1], "rb"))
+project = doc["project"]
+wanted = [project.get("dependencies"), project.get("optional-dependencies"), doc["build-system"]]
+print(json.dumps(wanted, sort_keys=True))
+PYTHON
+}
+
 # wheels DIR: the project's dependencies (the images' extras) and its build backend, as wheels.
 wheels() {
   local dir="$1"
@@ -86,8 +98,10 @@ build_image() {
 engine_up
 build_base
 hash=$(content_hash)
-wheel_dir="$CACHE/wheels-$(sha256sum "$REPO/pyproject.toml" | cut -c1-12)"
+wheel_dir="$CACHE/wheels-$(dependency_hash)"
 wheels "$wheel_dir"
+# Older wheelhouses are of dependencies no longer asked for: a few hundred MB each.
+find "$CACHE" -maxdepth 1 -name 'wheels-*' ! -path "$wheel_dir" -exec rm -rf {} +
 trainer="diloco-trainer-cpu:h-$hash"
 operator="diloco-operator:h-$hash"
 build_image trainer docker/trainer-cpu.Dockerfile "$trainer" "$wheel_dir"

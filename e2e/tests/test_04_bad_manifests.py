@@ -1,9 +1,11 @@
 """The bad-manifest catalogue (tests/manifests/bad) against the API server itself: every file is
 rejected at admission by the CRD's schema, CEL rules, list-map keys or strict field validation,
-with a message that names the field (the `# expect:` header), and a good manifest is accepted."""
+with a message that names the field (the `# expect:` header), and a good manifest is accepted;
+and of an existing run's training, only the budget may change."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -55,3 +57,44 @@ def test_api_server_rejects_naming_the_field(
         r"is invalid|strict decoding error|Invalid value|Unsupported value|Duplicate", message
     ), message
     assert expected_field(path) in message, message
+
+
+def test_a_running_runs_budget_may_change_and_nothing_else_of_its_training(
+    cluster: Any, crd: str, namespace: str, tmp_path: Path
+) -> None:
+    """The CRD's transition rules: spec.training is immutable once the run exists, except its
+    budget (totalSteps, totalTokens), which the syncer takes with the next roster."""
+    run = {
+        "apiVersion": "diloco.dev/v1alpha1",
+        "kind": "DilocoRun",
+        "metadata": {"name": "budget"},
+        "spec": {
+            "image": "trainer:e2e",
+            "suspend": True,  # nothing to schedule: only the API server's rules are under test
+            "training": {"totalSteps": 1000, "fragments": 2},
+        },
+    }
+    manifest = tmp_path / "run.json"
+    manifest.write_text(json.dumps(run))
+    cluster.kubectl("create", "-n", namespace, "-f", str(manifest))
+
+    def patch(training: dict[str, Any]) -> Any:
+        body = json.dumps({"spec": {"training": training}})
+        return cluster.kubectl(
+            "patch", "dlr", "budget", "-n", namespace, "--type=merge", "-p", body, check=False
+        )
+
+    for allowed in ({"totalSteps": 5000}, {"totalSteps": 10}, {"totalTokens": 10**9}):
+        r = patch(allowed)
+        assert r.returncode == 0, r.stderr
+    refused: dict[str, dict[str, Any]] = {
+        "training.fragments": {"fragments": 4},
+        "training.model": {"model": {"preset": "small"}},
+        "training.seed": {"seed": 7},
+    }
+    for field, change in refused.items():
+        r = patch(change)
+        assert r.returncode != 0, f"{change} was accepted"
+        assert field in r.stderr and "immutable" in r.stderr, r.stderr
+    r = patch({"totalSteps": None, "totalTokens": None})
+    assert r.returncode != 0 and "a run needs a budget" in r.stderr, r.stderr

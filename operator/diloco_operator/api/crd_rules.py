@@ -53,6 +53,24 @@ _OFFLINE = _or_default(
 )
 
 # CEL mirrors of the pydantic validators, keyed by model ($defs) name.
+BUDGET_FIELDS = ("totalSteps", "totalTokens")
+
+
+def _training_fields() -> list[str]:
+    return [info.alias or name for name, info in TrainingConfig.model_fields.items()]
+
+
+def _immutable(field: str) -> dict[str, str]:
+    """A transition rule keeping `field` as it was, set or unset."""
+    return {
+        "rule": f"has(self.{field}) == has(oldSelf.{field}) && "
+        f"(!has(self.{field}) || self.{field} == oldSelf.{field})",
+        "message": f"training.{field}: immutable once the run exists (only totalSteps and "
+        "totalTokens may change); create a new DilocoRun",
+        "fieldPath": f".{field}",
+    }
+
+
 RULES: dict[str, list[dict[str, str]]] = {
     "DilocoRunSpec": [
         {
@@ -157,12 +175,10 @@ RULES: dict[str, list[dict[str, str]]] = {
             "rule": "has(self.totalSteps) || has(self.totalTokens)",
             "message": "set totalSteps or totalTokens: a run needs a budget",
         },
-        {
-            # Learners and the syncer read it once; fragments or model changes mid-run would
-            # make their states incompatible. A different training is a new run.
-            "rule": "self == oldSelf",
-            "message": "training: immutable once the run exists; create a new DilocoRun",
-        },
+        # Learners and the syncer read it once; fragments or model changes mid-run would make
+        # their states incompatible. A different training is a new run. The budget alone may
+        # change: only the syncer reads it, and takes a new one with the roster.
+        *(_immutable(field) for field in _training_fields() if field not in BUDGET_FIELDS),
     ],
     "DataConfig": [
         {

@@ -26,7 +26,7 @@ from diloco_trainer.learner.client import (
 from diloco_trainer.syncer.checkpoint import CheckpointStore
 from diloco_trainer.syncer.core import Syncer
 from diloco_trainer.syncer.limits import rates_for
-from diloco_trainer.syncer.roster import Roster
+from diloco_trainer.syncer.roster import Budget, Roster
 from diloco_trainer.syncer.trust import Implausible, Plausibility
 from diloco_trainer.wire import MAX_COUNTER, PushHeader, encode_push
 from test_syncer import TOKEN, LiveSyncer, fragment_delta, global_state, tiny_cfg, wait_until
@@ -374,6 +374,7 @@ def test_the_operator_puts_the_specs_roster_when_the_syncers_is_older() -> None:
 
     try:
         assert asyncio.run(scenario()) == (True, True, 4)
+        assert live.syncer.budget == Budget(total_steps=5)  # the spec's, not the config's 100
         live.client("r-default-2").join()
         with pytest.raises(SyncerRejected, match="unknown_unit"):
             live.client("r-default-3").heartbeat(1, 8, 1.0, None)

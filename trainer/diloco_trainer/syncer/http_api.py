@@ -341,9 +341,21 @@ async def put_roster(request: web.Request) -> web.Response:
         roster = Roster.from_json(await _json_body(request), "body")
     except ValueError as exc:
         raise Reject(400, "bad_request", str(exc)) from exc
-    taken = s.gate.take_roster(roster)
+    taken = s.take_roster(roster)
+    if taken:
+        await _write_roster(s)
     held = s.gate.roster_revision
     return _json({"taken": taken, "revision": held}, status=200 if taken else 409)
+
+
+async def _write_roster(s: Syncer) -> None:
+    """Checkpoint a new roster before answering, so that a failover cannot bring back the one
+    before it (a revocation undone, a changed budget restored). A failed write is already in
+    readiness and the logs; the roster stays held and goes into the next checkpoint."""
+    try:
+        await s.save_checkpoint()
+    except Exception as exc:
+        log.warning("event=roster_not_checkpointed reason=%r", str(exc))
 
 
 async def status(request: web.Request) -> web.Response:

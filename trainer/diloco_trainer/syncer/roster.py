@@ -14,6 +14,11 @@ The roster also carries the ids of revoked join credentials (`revokedCredentials
 join_credentials.py): the operator already hands the syncer a new revision whenever the run
 changes, and the checkpoint keeps it, so a revocation reaches a running syncer at once and
 survives its restart without a second channel. Rosters without the field revoke nothing.
+
+And it carries the run's budget (`budget`: totalSteps and/or totalTokens), the one part of the
+training block a running run may change: the syncer alone decides when the run is complete
+(learners stop when it says so and follow its share of the budget on their LR schedule), so a
+longer or shorter run needs no restart. Rosters without it leave the config's budget in force.
 """
 
 from __future__ import annotations
@@ -31,6 +36,52 @@ from diloco_trainer.wire import MAX_COUNTER
 MAX_UNITS = 100_000
 MAX_REVOKED = 100_000
 REVOKED_FIELD = "revokedCredentials"
+BUDGET_FIELD = "budget"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """When the run is complete: after this many inner steps and/or tokens summed over its
+    learners (whichever comes first)."""
+
+    total_steps: int | None = None
+    total_tokens: int | None = None
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> Budget:
+        if not isinstance(doc, dict) or set(doc) - {"totalSteps", "totalTokens"}:
+            raise ValueError(f"{where}: expected an object of totalSteps and/or totalTokens")
+        values = [doc.get("totalSteps"), doc.get("totalTokens")]
+        for key, value in zip(("totalSteps", "totalTokens"), values, strict=True):
+            if value is None:
+                continue
+            if (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or not 1 <= value <= MAX_COUNTER
+            ):
+                raise ValueError(f"{where}.{key}: expected an integer in 1..{MAX_COUNTER}")
+        if values == [None, None]:
+            raise ValueError(f"{where}: set totalSteps or totalTokens: a run needs a budget")
+        return cls(*values)
+
+    def to_json(self) -> dict[str, int]:
+        pairs = (("totalSteps", self.total_steps), ("totalTokens", self.total_tokens))
+        return {key: value for key, value in pairs if value is not None}
+
+    def reached(self, steps: int, tokens: int) -> bool:
+        return (self.total_steps is not None and steps >= self.total_steps) or (
+            self.total_tokens is not None and tokens >= self.total_tokens
+        )
+
+    def share_done(self, steps: int, tokens: int) -> float:
+        """The share of the budget counted, in [0, 1]: the larger of the two."""
+        shares = [0.0]
+        if self.total_steps:
+            shares.append(steps / self.total_steps)
+        if self.total_tokens:
+            shares.append(tokens / self.total_tokens)
+        return min(1.0, max(shares))
 
 
 @dataclass(frozen=True)
@@ -38,6 +89,7 @@ class Roster:
     revision: int
     units: Mapping[str, str]  # unit name -> group
     revoked: frozenset[str] = frozenset()  # ids of revoked join credentials
+    budget: Budget | None = None  # None: the training config's
 
     @classmethod
     def from_json(cls, doc: Any, where: str = "roster") -> Roster:
@@ -55,7 +107,10 @@ class Roster:
         for name, group in units.items():
             if not name or len(name) > 253 or not isinstance(group, str) or len(group) > 63:
                 raise ValueError(f"{where}.units: bad entry {str(name)[:60]!r}: {group!r}")
-        return cls(revision, dict(units), _revoked(doc.get(REVOKED_FIELD, []), where))
+        revoked = _revoked(doc.get(REVOKED_FIELD, []), where)
+        raw_budget = doc.get(BUDGET_FIELD)
+        budget = None if raw_budget is None else Budget.from_json(raw_budget, f"{where}.budget")
+        return cls(revision, dict(units), revoked, budget)
 
     @classmethod
     def read(cls, path: str | Path) -> Roster:
@@ -68,6 +123,8 @@ class Roster:
         doc: dict[str, Any] = {"revision": self.revision, "units": dict(self.units)}
         if self.revoked:  # left out when empty: the roster reads as it did before the field
             doc[REVOKED_FIELD] = sorted(self.revoked)
+        if self.budget is not None:
+            doc[BUDGET_FIELD] = self.budget.to_json()
         return doc
 
     def admit(self, unit: str, group: str | None) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ from diloco_trainer.syncer.health import Health
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.pools import Pools
 from diloco_trainer.syncer.registry import LearnerRegistry
-from diloco_trainer.syncer.roster import Roster
+from diloco_trainer.syncer.roster import Budget, Roster
 from diloco_trainer.workload.check import tokens_per_step
 
 log = logging.getLogger("diloco.syncer")
@@ -152,7 +153,7 @@ class SyncerState:
         steps, tokens = self.learners.totals()
         joins = sum(len(r.joined) for r in self.learners.records.values())
         held = self.gate.roster
-        roster = (-1, 0) if held is None else (held.revision, hash(held.revoked))
+        roster = (-1, 0) if held is None else (held.revision, hash((held.revoked, held.budget)))
         return self.outer_step, steps, tokens, joins, self.leases.revision, *roster
 
     @property
@@ -160,11 +161,17 @@ class SyncerState:
         return sum(f.version for f in self.frags)
 
     @property
+    def budget(self) -> Budget:
+        """The run's budget: the newest roster's (the operator hands over a changed one), else
+        the training config's."""
+        held = self.gate.roster
+        if held is not None and held.budget is not None:
+            return held.budget
+        return Budget(self.cfg.total_steps, self.cfg.total_tokens)
+
+    @property
     def complete(self) -> bool:
-        steps, tokens = self.learners.totals()
-        return (self.cfg.total_steps is not None and steps >= self.cfg.total_steps) or (
-            self.cfg.total_tokens is not None and tokens >= self.cfg.total_tokens
-        )
+        return self.budget.reached(*self.learners.totals())
 
     @property
     def settled(self) -> bool:
@@ -175,13 +182,15 @@ class SyncerState:
     def budget_done(self) -> float:
         """The share of the run's budget its learners have counted, in [0, 1]: what each
         learner's LR schedule keeps up with (`learner.train.ScheduleClock`)."""
-        steps, tokens = self.learners.totals()
-        shares = [0.0]
-        if self.cfg.total_steps:
-            shares.append(steps / self.cfg.total_steps)
-        if self.cfg.total_tokens:
-            shares.append(tokens / self.cfg.total_tokens)
-        return min(1.0, max(shares))
+        return self.budget.share_done(*self.learners.totals())
+
+    def take_roster(self, roster: Roster) -> bool:
+        """Admit by `roster` when it is at least as new as the one held (False: nothing
+        changes). A complete run stays complete: its learners were told to stop and its final
+        evaluation is under way, so a roster then keeps the budget that completed it."""
+        if self.complete and roster.budget != self.budget:
+            roster = replace(roster, budget=self.budget)
+        return self.gate.take_roster(roster)
 
     def versions(self) -> list[int]:
         return [f.version for f in self.frags]
