@@ -9,7 +9,7 @@ export UV_CACHE_DIR ?= $(HOME)/.cache/uv
 # JAX on CPU: keep XLA from grabbing every core for its thread pool in tests.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: venv demo test lint typecheck unit validators crds bench bench-quick e2e cluster-up cluster-down e2e-deps images clean
+.PHONY: venv demo test lint typecheck unit unit-deps validators crds bench bench-quick e2e cluster-up cluster-down e2e-deps images clean
 
 venv: $(STAMP)
 
@@ -49,7 +49,25 @@ $(VALIDATE_BIN)/crdcheck $(VALIDATE_BIN)/objcheck $(VALIDATE_BIN)/vapcheck &: $(
 crds: venv
 	$(BIN)/python -m diloco_operator.api.crdgen --out crds/
 
-test: lint typecheck e2e-deps unit e2e
+# The unit tests need the validators, helm and fake-gcs-server first. The rest of the e2e set-up
+# (the Kubernetes build: tens of minutes cold; its Go builds at nice 19) runs beside lint,
+# typecheck and the unit tests, in its own process group with its output in a log, and the e2e
+# suite waits for it. A failed check stops it; a warm set-up takes seconds either way.
+E2E_DEPS_LOG := $(or $(DILOCO_E2E_CACHE),$(HOME)/.cache/diloco-e2e)/e2e-deps.log
+
+test: venv validators unit-deps
+	@mkdir -p $(dir $(E2E_DEPS_LOG))
+	@setsid -w $(MAKE) --no-print-directory e2e-deps >$(E2E_DEPS_LOG) 2>&1 & deps=$$!; \
+	$(MAKE) --no-print-directory lint typecheck unit; checks=$$?; \
+	if [ $$checks != 0 ]; then kill -TERM -- -$$deps 2>/dev/null; wait $$deps; exit $$checks; fi; \
+	echo "e2e set-up: waiting for it (log: $(E2E_DEPS_LOG))"; \
+	if ! wait $$deps; then tail -n 40 $(E2E_DEPS_LOG); echo "e2e set-up failed" >&2; exit 1; fi; \
+	tail -n 3 $(E2E_DEPS_LOG); \
+	$(MAKE) --no-print-directory e2e
+
+# What the unit tests run besides the validators: helm (chart tests), fake-gcs-server (gs://).
+unit-deps:
+	bash e2e/cluster/build.sh helm fakegcs
 
 # The real control plane (etcd, kube-apiserver, -controller-manager, -scheduler, kwok, kubectl,
 # helm) and the real node (kubelet, kube-proxy, CoreDNS, pause) built from the Go module proxy into

@@ -11,6 +11,9 @@
 #   crds/validate/build.sh && ~/.cache/diloco-e2e/bin/crdcheck crds/diloco.dev_dilocoruns.yaml examples/*.yaml
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
+# As e2e/cluster/build.sh builds: with cgo on, every package that imports net compiles anew, and
+# the k8s.io modules (the same versions) could not come from the shared Go build cache.
+export CGO_ENABLED=0
 CACHE="${DILOCO_E2E_CACHE:-$HOME/.cache/diloco-e2e}"
 mkdir -p "$CACHE/bin"
 GOCACHE="${DILOCO_E2E_GOCACHE:-$CACHE/go-build}" GOFLAGS=-mod=mod GOTOOLCHAIN="${GOTOOLCHAIN:-local}" \
