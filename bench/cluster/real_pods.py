@@ -3,9 +3,10 @@ a killed learner -> its replacement training again (docs/e2e.md, "The real node"
 
 The scenario is the real-workload e2e module itself (`e2e/tests/test_09_real_workload.py`), run
 by pytest on a fresh local cluster: a chaos kill from the manifest, a SIGKILL inside a learner's
-container and a deleted pod, each timed from the fault to the new pod having joined with the
-global parameters. The module writes what it measured to DILOCO_E2E_TIMINGS; this section reads it.
-Needs root (the real node); the target is a median <= 15 s beyond the restart backoff.
+container (restarted in its pod five times, then once more: recreated) and a deleted pod, each
+timed from the fault to the new learner having joined with the global parameters. The module
+writes what it measured to DILOCO_E2E_TIMINGS; this section reads it. Needs root (the real
+node); targets: restarts in place <= 3 s and recreations <= 5 s, medians.
 """
 
 from __future__ import annotations
@@ -20,12 +21,24 @@ from pathlib import Path
 from bench.lib.common import REPO, BenchContext, Section, log, md_table, median
 
 MODULE = "e2e/tests/test_09_real_workload.py"
-TARGET_S = 15.0
+IN_PLACE_SAMPLES = 5  # SIGKILLs of one learner, each restarted in its pod
+IN_PLACE_TARGET_S = 3.0  # median, crash -> training again in the same pod
+RECREATE_TARGET_S = 5.0  # median, pod lost -> training again in a new pod
+
+
+def _median_row(what: str, samples: list[float], target: float) -> list[str]:
+    med = median(samples)
+    return [what, f"{med:.1f} s", f"{'met' if med <= target else 'NOT met'} (<= {target:g} s)"]
 
 
 def run(ctx: BenchContext) -> Section:
     out = Path(tempfile.mkdtemp(prefix="real-pods-")) / "timings.json"
-    env = {**os.environ, "DILOCO_E2E_TIMINGS": str(out), "DILOCO_E2E_REQUIRE": "1"}
+    env = {
+        **os.environ,
+        "DILOCO_E2E_TIMINGS": str(out),
+        "DILOCO_E2E_REQUIRE": "1",
+        "DILOCO_E2E_IN_PLACE_RESTARTS": str(IN_PLACE_SAMPLES),
+    }
     log(f"pytest {MODULE} (a fresh local cluster with the real node)")
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", MODULE, "-p", "no:cacheprovider"],
@@ -39,21 +52,22 @@ def run(ctx: BenchContext) -> Section:
             f"{MODULE} failed ({r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-2000:]}"
         )
     t = json.loads(out.read_text())
-    replacements = [float(x) for x in t["replacement_s"]]
-    med = median(replacements)
-    backoff = float(t["backoff_s"])
+    samples = list(zip(t["replacement_what"], [float(x) for x in t["replacement_s"]], strict=True))
+    in_place = [x for what, x in samples if "restarted in its pod" in what]
+    recreated = [x for what, x in samples if "in its pod" not in what and "syncer" not in what]
     rows = [
         ["kubectl apply -> first training step in status", f"{t['first_step_s']:.1f} s", "-"],
-        *[
-            [f"replacement {i + 1}: {what} -> new pod joined", f"{x:.1f} s", ""]
-            for i, (what, x) in enumerate(zip(t["replacement_what"], replacements, strict=True))
-        ],
-        [
-            "replacement, median",
-            f"{med:.1f} s",
-            f"{'met' if med - backoff <= TARGET_S else 'NOT met'} (<= {TARGET_S:g} s beyond "
-            f"a {backoff:g} s backoff)",
-        ],
+        *[[f"{i + 1}: {what} -> joined", f"{x:.1f} s", ""] for i, (what, x) in enumerate(samples)],
+        _median_row(
+            f"learner crash -> restarted in its pod, median of {len(in_place)}",
+            in_place,
+            IN_PLACE_TARGET_S,
+        ),
+        _median_row(
+            f"learner pod lost -> recreated, median of {len(recreated)}",
+            recreated,
+            RECREATE_TARGET_S,
+        ),
         [
             "syncer pod deleted -> new syncer restored its checkpoint",
             f"{t['syncer_restore_s']:.1f} s",
@@ -67,6 +81,7 @@ def run(ctx: BenchContext) -> Section:
             u["state"],
             u["attempt"],
             u.get("restarts", 0),
+            u.get("restartsInPlace", 0),
             (u.get("goodput") or {}).get("ratio"),
         ]
         for u in final.get("units", [])
@@ -78,7 +93,7 @@ def run(ctx: BenchContext) -> Section:
             f"The run at the end: phase {final.get('phase')}, outer step {final.get('outerStep')}, "
             f"tokens {final.get('tokens')}, finalLoss {final.get('finalLoss')}.",
             "",
-            md_table(["unit", "state", "attempt", "restarts", "goodput"], units),
+            md_table(["unit", "state", "attempt", "restarts", "in place", "goodput"], units),
             "",
             "```",
             t.get("get_dlr", "").strip(),
@@ -90,11 +105,14 @@ def run(ctx: BenchContext) -> Section:
             t.get("nodes", "").strip(),
             "```",
             "",
-            "A replacement is timed from the fault (the chaos kill's Event, the SIGKILL, the "
-            "delete) to the new pod's learner having joined the syncer with the global "
-            "parameters; it includes the operator noticing, the Job's deletion and recreation, "
-            "scheduling, the container start (JAX import) and the join. The first step includes "
-            "the syncer's and learners' start and their first compile.",
+            "Each is timed from the fault (the chaos kill's Event, the SIGKILL, the delete) to "
+            "the new learner process having joined the syncer with the global parameters. A "
+            "restart in place is the kubelet's RestartAllContainers rule, the container start "
+            "(JAX import, the compile from the pod's cache) and the join; a recreation adds the "
+            "operator noticing, the Job's deletion and recreation and scheduling. The last "
+            "SIGKILL of the learner comes after its restarts in place are spent: it exits 3 and "
+            "the unit is recreated. The first step includes the syncer's and learners' start "
+            "and their first compile.",
         ]
     )
     return Section(

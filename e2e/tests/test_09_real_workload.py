@@ -10,7 +10,9 @@ Security profile. In order, one run:
 2. the run's own `spec.chaos` kills unit 0 (the operator, started with chaos on, deletes its pod
    with no grace): Offline, recreated, the new pod joins and pulls the global parameters;
 3. a learner's process is SIGKILLed inside its container (from the node, as the OOM killer
-   would), and separately a learner pod is deleted: each unit is replaced and rejoins;
+   would): the kubelet restarts it in the same pod, a new attempt at the syncer that rejoins
+   with the global parameters; one kill more than its restarts in place, and the unit is
+   recreated; and a learner pod is deleted: the unit is recreated and rejoins;
 4. the serving syncer's process is SIGKILLed: the standby container of the same pod serves every
    version and the run trains on, no learner restarts;
 5. the syncer pod is deleted: the new one resumes from its checkpoint volume (a fresh ext4
@@ -49,6 +51,9 @@ CHAOS_KILL_AT = 40.0
 BACKOFF_S = 1.0
 TOTAL_STEPS = 10_000  # the budget the run is created with
 BUDGET_LEFT = 500  # steps to go once the last test lowers it: ~10 s for both units
+# Restarts in place one learner gets (SIGKILLed each time) before one more kill is a recreation;
+# the bench's real-pods section asks for more to take a median.
+IN_PLACE_RESTARTS = int(os.environ.get("DILOCO_E2E_IN_PLACE_RESTARTS", "1"))
 
 
 def cluster_info(c: harness._ClusterBase) -> dict[str, Any]:
@@ -185,6 +190,7 @@ def manifest(image: str) -> dict[str, Any]:
             },
             "failurePolicy": {
                 "restartBackoffSeconds": BACKOFF_S,
+                "inPlaceRestarts": IN_PLACE_RESTARTS,
                 "healthyAfterSeconds": 5,
                 "offlineAfterSeconds": 20,
             },
@@ -293,6 +299,34 @@ def wait_replaced(
     return time.monotonic() - t0, pod
 
 
+def wait_restarted_in_place(
+    c: harness._ClusterBase, ns: str, unit: str, before: dict[str, Any], what: str
+) -> tuple[float, dict[str, Any]]:
+    """Wait for the syncer to hear the unit's learner restarted in its pod (restartsInPlace up,
+    the same attempt) and for the new process to join with the global parameters; returns
+    (seconds taken, the pod)."""
+    t0 = time.monotonic()
+    restarted = before.get("restartsInPlace", 0)
+    wait_for(
+        f"{what}: {unit} restarted in place",
+        lambda: (
+            (u := units(c, ns).get(unit))
+            and u.get("restartsInPlace", 0) > restarted
+            and u["state"] == "Online"
+        ),
+        timeout=180,
+    )
+    pod = wait_for(
+        f"{what}: {unit}'s pod running", lambda: training_pod(c, ns, unit, before["attempt"]), 60
+    )
+    wait_for(
+        f"{what}: the restarted learner joined with the global parameters",
+        lambda: joined_with_global_params(pod_log(c, ns, pod["metadata"]["name"], "learner")),
+        timeout=120,
+    )
+    return time.monotonic() - t0, pod
+
+
 def container_pid(
     cluster: harness._ClusterBase, pod: dict[str, Any], container: str | None = None
 ) -> int:
@@ -374,20 +408,50 @@ def test_chaos_kill_from_the_manifest_replaces_the_unit(
     say(f"chaos kill ({event[0]['message']}) -> unit 0 training again in {took:.1f}s")
 
 
-def test_sigkilled_learner_and_deleted_pod_are_replaced(
+def test_sigkilled_learner_restarts_in_its_pod_until_its_restarts_are_spent(
+    cluster: harness._ClusterBase, run: dict[str, Any]
+) -> None:
+    """SIGKILL of the learner process (from the node, as the OOM killer would): the kubelet
+    restarts it in the same pod, a new attempt at the syncer; once the pod's restarts in place
+    are spent, the next crash exits 3 and the operator recreates the unit."""
+    ns = run["ns"]
+    unit = unit_name(1)
+    before = units(cluster, ns)[unit]
+    pod = training_pod(cluster, ns, unit, before["attempt"])
+    assert pod is not None
+    for _ in range(IN_PLACE_RESTARTS):
+        pid = container_pid(cluster, pod)
+        seen = units(cluster, ns)[unit]
+        os.kill(pid, signal.SIGKILL)
+        took, again = wait_restarted_in_place(cluster, ns, unit, seen, "SIGKILL")
+        record(run, "SIGKILL of the learner process: restarted in its pod", took)
+        say(f"SIGKILL of {unit}'s learner (host pid {pid}) -> training again in {took:.1f}s")
+        assert again["metadata"]["uid"] == pod["metadata"]["uid"], "the pod was recreated"
+        assert again["spec"]["nodeName"] == pod["spec"]["nodeName"]
+        assert container_pid(cluster, again) != pid
+        pod = again
+    after = units(cluster, ns)[unit]
+    assert after["restartsInPlace"] == IN_PLACE_RESTARTS, after
+    assert (after["attempt"], after.get("restarts", 0)) == (
+        before["attempt"],
+        before.get("restarts", 0),
+    ), "a restart in place is not a recreation"
+    (learner,) = [c for c in pod["status"]["containerStatuses"] if c["name"] == "learner"]
+    assert learner["restartCount"] == IN_PLACE_RESTARTS
+
+    os.kill(container_pid(cluster, pod), signal.SIGKILL)  # one more: they are spent
+    took, new_pod = wait_replaced(cluster, ns, unit, before["attempt"], "restarts spent")
+    record(run, "SIGKILL after the restarts in place are spent: recreated", took)
+    say(f"{unit}'s restarts in place spent -> recreated, training again in {took:.1f}s")
+    assert new_pod["metadata"]["uid"] != pod["metadata"]["uid"]
+    recreated = units(cluster, ns)[unit]
+    assert recreated.get("restarts", 0) == before.get("restarts", 0) + 1, recreated
+
+
+def test_deleted_learner_pod_is_replaced(
     cluster: harness._ClusterBase, run: dict[str, Any]
 ) -> None:
     ns = run["ns"]
-    unit = unit_name(1)
-    attempt = units(cluster, ns)[unit]["attempt"]
-    pod = training_pod(cluster, ns, unit, attempt)
-    assert pod is not None
-    pid = container_pid(cluster, pod)
-    os.kill(pid, signal.SIGKILL)
-    took, pod = wait_replaced(cluster, ns, unit, attempt, "SIGKILL")
-    record(run, "SIGKILL of the learner process in its container", took)
-    say(f"SIGKILL of {unit}'s learner (host pid {pid}) -> training again in {took:.1f}s")
-
     unit = unit_name(0)
     attempt = units(cluster, ns)[unit]["attempt"]
     pod = wait_for("unit 0 running", lambda: training_pod(cluster, ns, unit, attempt), 120)
@@ -396,7 +460,7 @@ def test_sigkilled_learner_and_deleted_pod_are_replaced(
     record(run, "learner pod deleted", took)
     say(f"pod of {unit} deleted -> training again in {took:.1f}s")
     restarts = {u["name"]: u.get("restarts", 0) for u in units(cluster, ns).values()}
-    assert restarts[unit_name(0)] >= 2 and restarts[unit_name(1)] >= 1, restarts
+    assert restarts[unit_name(0)] >= 2, restarts  # the chaos kill and this one
 
 
 def test_sigkilled_syncer_is_replaced_by_the_standby_in_its_pod(

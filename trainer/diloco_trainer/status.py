@@ -50,6 +50,9 @@ class LearnerStatus:
     refused: int = 0
     last_refusal: str | None = None
     quarantined: str | None = None
+    # Not on the wire: the operator splits a pod's attempt into its recreation (`attempt`) and
+    # the restarts in place within it (attempts.py).
+    restarts_in_place: int = 0
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> LearnerStatus:

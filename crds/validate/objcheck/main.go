@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation/field"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/kubernetes/pkg/api/legacyscheme"
+	"k8s.io/kubernetes/pkg/api/pod"
 	"k8s.io/kubernetes/pkg/apis/apps"
 	_ "k8s.io/kubernetes/pkg/apis/apps/install"
 	appsvalidation "k8s.io/kubernetes/pkg/apis/apps/validation"
@@ -72,11 +73,18 @@ func main() {
 			}
 			o.Spec.Template.Labels[batch.JobNameLabel] = o.Name
 			o.Spec.Template.Labels[batch.LegacyControllerUidLabel] = string(uid)
+			o.Spec.Template.Labels[batch.ControllerUidLabel] = string(uid)
 			o.Spec.Template.Labels[batch.LegacyJobNameLabel] = o.Name
-			errs = batchvalidation.ValidateJobCreate(o, batchvalidation.JobValidationOptions{})
+			// The Job strategy's options: the pod template's, from the feature gates'
+			// defaults of this version (container restart rules are allowed only with theirs).
+			opts := batchvalidation.JobValidationOptions{
+				PodValidationOptions:  pod.GetValidationOptionsFromPodTemplate(&o.Spec.Template, nil),
+				RequirePrefixedLabels: true,
+			}
+			errs = batchvalidation.ValidateJobCreate(o, opts)
 		case *apps.Deployment:
 			name = o.Name
-			errs = appsvalidation.ValidateDeployment(o, corevalidation.PodValidationOptions{})
+			errs = appsvalidation.ValidateDeployment(o, pod.GetValidationOptionsFromPodTemplate(&o.Spec.Template, nil))
 		case *core.Service:
 			name = o.Name
 			// The service registry fills clusterIPs (and the IP family policy) before validating.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+from diloco_trainer import attempts
 from diloco_trainer.config import Strict, TrainingConfig, format_validation_error
 from pydantic import Field, ValidationError, ValidationInfo, model_validator
 
@@ -150,6 +151,15 @@ class FailurePolicy(Strict):
 
     max_unit_restarts: int = Field(
         10, ge=0, le=10000, description="Recreations per unit before it is given up (Failed)."
+    )
+    in_place_restarts: int = Field(
+        3,
+        ge=0,
+        le=attempts.STRIDE - 1,
+        description="Restarts of a crashed learner in its own pod (same node and devices, "
+        "queue admission kept; the kubelet's container restart rule) before the unit is "
+        "recreated instead, per pod. 0: every crash recreates the unit. Not counted in "
+        "maxUnitRestarts; a lost pod or node is always a recreation.",
     )
     restart_backoff_seconds: float = Field(
         5.0,

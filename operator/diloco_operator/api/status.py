@@ -50,6 +50,11 @@ class UnitStatus(Strict):
     )
     attempt: int = Field(0, description="Attempt number of the unit's current Job (from 0).")
     restarts: int = Field(0, description="Recreations after failures (maxUnitRestarts bounds it).")
+    restarts_in_place: int = Field(
+        0,
+        description="Restarts of the current attempt's learner in its own pod (as the syncer "
+        "last heard it; failurePolicy.inPlaceRestarts bounds them per pod).",
+    )
     preemptions: int = Field(
         0,
         description="Recreations after a preemption or node maintenance (DisruptionTarget by "

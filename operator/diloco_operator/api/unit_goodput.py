@@ -25,7 +25,11 @@ class UnitGoodput(Strict):
         "Offline or Recreating.",
     )
     ratio: float = Field(0.0, ge=0, le=1, description="usefulSeconds / totalSeconds.")
-    last_attempt: int | None = Field(None, description="Attempt of the last heartbeat counted.")
+    last_attempt: int | None = Field(
+        None,
+        description="The learner process of the last heartbeat counted: its attempt as the "
+        "syncer numbers it (recreations x 1000 + restarts in place).",
+    )
     last_step: int | None = Field(None, description="Step of the last heartbeat counted.")
     last_heartbeat: float | None = Field(
         None, description="Time of the last heartbeat counted (the syncer's clock, Unix seconds)."

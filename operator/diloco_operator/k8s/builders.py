@@ -31,7 +31,7 @@ from diloco_operator.api.accelerators import (
 from diloco_operator.api.pod_security import TOKEN_KEY, secure_pod
 from diloco_operator.api.pod_template import apply_template
 from diloco_operator.api.unit_group import UnitGroup
-from diloco_operator.k8s import kueue
+from diloco_operator.k8s import in_place, kueue
 from diloco_operator.k8s.cross_cluster import (
     add_learner_transport,
     add_syncer_tls,
@@ -338,7 +338,7 @@ def _learner_env(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
     ]
 
 
-def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
+def unit_job(run: Run, unit: CreateUnit, restart_in_place: bool = True) -> dict[str, Any]:
     spec = run.spec
     group: UnitGroup | None = spec.group(unit.group)
     if group is None:
@@ -362,6 +362,7 @@ def unit_job(run: Run, unit: CreateUnit) -> dict[str, Any]:
         ],
         "volumes": [_config_volume(run)],
     }
+    in_place.restart_in_place(pod_spec, spec.failure_policy.in_place_restarts, restart_in_place)
     place_learner_pod(pod_spec, group, unit.name, node_selector, tolerations)
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
@@ -437,11 +438,13 @@ def unit_token_secret_name(unit: str) -> str:
     return f"{unit}-token"
 
 
-def unit_objects(run: Run, unit: CreateUnit, run_token: str) -> list[dict[str, Any]]:
+def unit_objects(
+    run: Run, unit: CreateUnit, run_token: str, restart_in_place: bool = True
+) -> list[dict[str, Any]]:
     """The children of one unit, Service first so the pods' names resolve from the start, and
-    the unit's token before the Job whose pods mount it."""
+    the unit's token before the Job whose pods mount it (`restart_in_place`: k8s/in_place.py)."""
     return [
         unit_service(run, unit),
         unit_token_secret(run, unit, run_token),
-        unit_job(run, unit),
+        unit_job(run, unit, restart_in_place),
     ]

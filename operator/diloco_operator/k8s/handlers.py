@@ -36,7 +36,7 @@ from diloco_operator.api import (
     DilocoRunStatus,
     parse_spec,
 )
-from diloco_operator.k8s import builders, chaos, kube, queue_status, run_metrics
+from diloco_operator.k8s import builders, chaos, in_place, kube, queue_status, run_metrics
 from diloco_operator.k8s.actions import ACTIONS, apply
 from diloco_operator.k8s.away import away_status
 from diloco_operator.k8s.observe import (
@@ -90,6 +90,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # The first kubernetes ApiClient takes seconds to build (measured 4.5 s on a loaded box):
     # build it now, off the event loop, instead of inside the first run's first pass.
     await asyncio.to_thread(kube.warm_up)
+    STATE.options.server_version = await asyncio.to_thread(kube.server_version)
     STATE.http = aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=STATE.options.syncer_timeout)
     )
@@ -249,6 +250,9 @@ async def reconcile_once(
     new = await queue_status.report_queue(run, new, status, body, generation)
     if spec.away:
         new = away_status(new, STATE.reach.get(key), report, now=time.time())
+    new = in_place.with_condition(
+        new, spec.failure_policy.in_place_restarts, STATE.options.server_version, now=time.time()
+    )
     if STATE.options.chaos and spec.chaos is not None:
         await inject_chaos(run, body, new)
     if last is None or new != last:

@@ -63,6 +63,16 @@ def warm_up() -> None:
     _apis()
 
 
+def server_version() -> tuple[int, int] | None:
+    """The API server's (major, minor); None when it cannot be read or parsed."""
+    try:
+        info = client.VersionApi(_apis()[0].api_client).get_code()
+        return int(info.major), int(str(info.minor).rstrip("+"))
+    except (ApiException, ValueError, OSError) as exc:
+        log.warning("event=server_version_unknown error=%r", exc)
+        return None
+
+
 def _creator(kind: str) -> Callable[..., Any]:
     core, apps, batch, _ = _apis()
     creators: dict[str, Callable[..., Any]] = {

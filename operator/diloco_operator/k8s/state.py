@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from diloco_operator.k8s import chaos
+from diloco_operator.k8s import chaos, in_place
 from diloco_operator.k8s.netpolicy import OperatorIdentity
 
 
@@ -27,6 +27,13 @@ class Options:
     peering_lifetime: int = 15
     # Set: each run gets a NetworkPolicy letting only its learners and this operator in.
     network_policy: OperatorIdentity | None = None
+    # The API server's (major, minor), read at start: whether learners may restart in their pods
+    # (k8s/in_place.py); None (unknown or older): a crashed learner's unit is recreated.
+    server_version: tuple[int, int] | None = None
+
+    @property
+    def restart_in_place(self) -> bool:
+        return in_place.supported(self.server_version)
 
 
 @dataclass(frozen=True)

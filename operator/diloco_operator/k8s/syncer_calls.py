@@ -14,8 +14,10 @@ import json
 import logging
 import ssl
 import time
+from dataclasses import replace
 
 import aiohttp
+from diloco_trainer import attempts
 from diloco_trainer.auth import UNIT_HEADER
 from diloco_trainer.join_credentials import (
     JOIN_HEADER,
@@ -112,13 +114,23 @@ async def syncer_report(run: builders.Run) -> SyncerStatus | None:
                 log.debug("syncer status run=%s %s", run.name, why)
                 _saw(run, url, why, refusal_reason(_reason_code(text)))
                 return None
-            report = SyncerStatus.from_json(await resp.json())
+            report = pod_attempts(SyncerStatus.from_json(await resp.json()))
     except (aiohttp.ClientError, TimeoutError, ValueError, ssl.SSLError) as exc:
         log.debug("syncer unreachable run=%s error=%r", run.name, exc)
         _saw(run, url, f"{type(exc).__name__}: {exc}", error_reason(exc))
         return None
     _saw(run, url, None, "Reachable")
     return report
+
+
+def pod_attempts(report: SyncerStatus) -> SyncerStatus:
+    """`report` with each learner's attempt read as the operator numbers it: the unit's
+    recreations, the restarts in place within the current one apart (the trainer's attempts.py)."""
+    learners = {}
+    for name, learner in report.learners.items():
+        attempt, restarts = attempts.split(learner.attempt)
+        learners[name] = replace(learner, attempt=attempt, restarts_in_place=restarts)
+    return replace(report, learners=learners)
 
 
 def _reason_code(body: str) -> object:

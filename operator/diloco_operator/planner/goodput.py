@@ -11,6 +11,7 @@ when several heartbeats fall between two passes their intervals are judged toget
 
 from __future__ import annotations
 
+from diloco_trainer.attempts import wire_attempt
 from diloco_trainer.status import LearnerStatus
 
 from diloco_operator.api import UnitStatus
@@ -37,6 +38,8 @@ def account(unit: UnitStatus, learner: LearnerStatus | None, now: float) -> Unit
         total += max(0.0, now - counted_until.timestamp())
         counted_until = at(now)
     last = (prev.last_attempt, prev.last_step, prev.last_heartbeat)
+    # The learner process, not only its pod: a restart in place is a gap too, not useful time.
+    process = wire_attempt(learner.attempt, learner.restarts_in_place) if learner else None
     beat = learner.last_heartbeat if learner is not None else None
     step = learner.step if learner is not None else None
     new_beat = beat is not None and (prev.last_heartbeat is None or beat > prev.last_heartbeat)
@@ -44,7 +47,7 @@ def account(unit: UnitStatus, learner: LearnerStatus | None, now: float) -> Unit
         if (
             prev.last_heartbeat is not None
             and prev.last_step is not None
-            and learner.attempt == prev.last_attempt
+            and process == prev.last_attempt
             and step > prev.last_step
         ):
             span = beat - prev.last_heartbeat
@@ -52,7 +55,7 @@ def account(unit: UnitStatus, learner: LearnerStatus | None, now: float) -> Unit
             if counted_until is None:  # it trains from the start of this interval
                 total += span
                 counted_until = at(now)
-        last = (learner.attempt, step, beat)
+        last = (process, step, beat)
     if last == (None, None, None):
         return unit  # not heard from yet: nothing to account
     goodput = UnitGoodput(

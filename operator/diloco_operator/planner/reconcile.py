@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from diloco_trainer.status import SyncerStatus
+from diloco_trainer.status import LearnerStatus, SyncerStatus
 
 from diloco_operator.api import (
     LABEL_GROUP,
@@ -249,6 +249,15 @@ def succeeded_since(prev: DilocoRunStatus, now: float) -> float:
     return now
 
 
+def in_place_count(unit: UnitStatus, learner: LearnerStatus | None) -> UnitStatus:
+    """`unit` with the restarts in place of its current attempt, once the syncer heard them."""
+    if learner is None or learner.attempt != unit.attempt:
+        return unit
+    if learner.restarts_in_place == unit.restarts_in_place:
+        return unit
+    return unit.model_copy(update={"restarts_in_place": learner.restarts_in_place})
+
+
 def _settle(
     phase: RunPhase,
     actions: list[Action],
@@ -352,7 +361,9 @@ def plan(
     waits += removal_waits
     if not terminal:
         heard = report.learners if report is not None else {}
-        units = [account(u, heard.get(u.name), now) for u in units]
+        units = [
+            account(in_place_count(u, heard.get(u.name)), heard.get(u.name), now) for u in units
+        ]
 
     # An away run answers for its own units only; the run's quorum is the home syncer's.
     quorum = 1 if spec.away else spec.training.quorum

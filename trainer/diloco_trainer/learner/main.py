@@ -24,9 +24,11 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from diloco_trainer.attempts import EXIT_GIVE_UP, wire_attempt
 from diloco_trainer.auth import resolve_token
 from diloco_trainer.config import ConfigError, TrainingConfig, load_training_config
 from diloco_trainer.join_credentials import parse_join_public
+from diloco_trainer.learner.in_place import RestartsSpent, count_start
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 from diloco_trainer.phases import phase
 from diloco_trainer.tls import ClientTrust
@@ -63,6 +65,18 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--num-units", default=_env_default(env, "DILOCO_NUM_UNITS"), help="units in the run")
     add("--attempt", default=_env_default(env, "DILOCO_ATTEMPT", "0"), help="restart attempt")
     add("--group", default=_env_default(env, "DILOCO_GROUP", "default"), help="unit group")
+    add(
+        "--restart-dir",
+        default=_env_default(env, "DILOCO_RESTART_DIR"),
+        help="pod-local directory counting this pod's learner starts: each restart in place "
+        "is a new attempt at the syncer (in_place.py; else DILOCO_RESTART_DIR; unset: off)",
+    )
+    add(
+        "--in-place-restarts",
+        default=_env_default(env, "DILOCO_IN_PLACE_RESTARTS", "3"),
+        help=f"restarts in place allowed with --restart-dir before exiting {EXIT_GIVE_UP} "
+        "(else DILOCO_IN_PLACE_RESTARTS)",
+    )
     add("--slowdown", default=_env_default(env, "DILOCO_SLOWDOWN", "1"), help="factor >= 1")
     add("--log-every", type=int, default=50, help="progress log period in steps")
     add("--max-steps", type=int, default=None, help="stop after this many local steps")
@@ -124,6 +138,12 @@ def resolve(
     if unit >= num_units:
         raise UsageError(f"--unit {unit} must be < --num-units {num_units}")
     attempt = _int(args.attempt, "--attempt", "DILOCO_ATTEMPT")
+    if args.restart_dir:
+        allowed = _int(args.in_place_restarts, "--in-place-restarts", "DILOCO_IN_PLACE_RESTARTS")
+        restarts = count_start(args.restart_dir, allowed)  # RestartsSpent: exit EXIT_GIVE_UP
+        attempt = wire_attempt(attempt, restarts)
+        if restarts:
+            log.info("event=restarted_in_place restarts=%d attempt=%d", restarts, attempt)
     try:
         slowdown = float(args.slowdown)
     except ValueError:
@@ -190,6 +210,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except (ConfigError, UsageError) as exc:
         print(f"diloco-learner: {exc}", file=sys.stderr)
         return 2
+    except RestartsSpent as exc:
+        print(f"diloco-learner: {exc}", file=sys.stderr)
+        return EXIT_GIVE_UP
     # Heavy imports (JAX) only after the config is known to be good: errors stay fast.
     with phase(log, "imports"):  # most of a cold start; a forked learner has them already
         import diloco_trainer.learner.loop  # noqa: F401  (what train() imports)
