@@ -41,11 +41,12 @@ def test_the_learner_restarts_in_its_pod_unless_that_is_turned_off() -> None:
     assert rule["action"] == "RestartAllContainers"
     assert rule["exitCodes"] == {"operator": "NotIn", "values": [0, 2, EXIT_GIVE_UP, 143]}
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["DILOCO_IN_PLACE_RESTARTS"] == "3"
+    assert (env["DILOCO_IN_PLACE_RESTARTS"], env["DILOCO_SUPERVISE"]) == ("3", "1")
 
     off = learner_container(inPlaceRestarts=0)
     assert "restartPolicyRules" not in off and "restartPolicy" not in off
-    assert {e["name"]: e.get("value") for e in off["env"]}["DILOCO_IN_PLACE_RESTARTS"] == "0"
+    env = {e["name"]: e.get("value") for e in off["env"]}
+    assert (env["DILOCO_IN_PLACE_RESTARTS"], env["DILOCO_SUPERVISE"]) == ("0", "0")
 
 
 def test_reported_attempts_read_as_recreations_and_restarts_in_status() -> None:
@@ -73,7 +74,9 @@ def test_the_gap_of_a_restart_in_place_is_not_useful_time() -> None:
     assert (unit.goodput.useful_seconds, unit.goodput.total_seconds) == (6.0, 14.0)
 
 
-def test_an_api_server_without_the_rule_gets_recreations_and_a_condition_saying_so() -> None:
+def test_an_api_server_without_the_rule_gets_the_supervisor_only_and_a_condition_saying_so() -> (
+    None
+):
     from diloco_operator.api import DilocoRunStatus
     from diloco_operator.k8s import in_place
 
@@ -83,14 +86,16 @@ def test_an_api_server_without_the_rule_gets_recreations_and_a_condition_saying_
     run = builders.Run("r", "ns", "uid", spec)
     slot = desired_units(run.name, run.spec)[0]
     old_server = builders.unit_job(run, create(run, slot.name), restart_in_place=False)
-    assert "restartPolicyRules" not in old_server["spec"]["template"]["spec"]["containers"][0]
+    container = old_server["spec"]["template"]["spec"]["containers"][0]
+    assert "restartPolicyRules" not in container and "restartPolicy" not in container
+    assert {e["name"]: e.get("value") for e in container["env"]}["DILOCO_SUPERVISE"] == "1"
 
     def condition(allowed: int, server: tuple[int, int] | None) -> tuple[str, str, str]:
         status = in_place.with_condition(DilocoRunStatus(), allowed, server, T0)
         (c,) = [c for c in status.conditions if c.type == "RestartInPlace"]
         return c.status, c.reason, c.message
 
-    assert condition(3, (1, 37))[:2] == ("True", "RestartAllContainers")
+    assert condition(3, (1, 37))[:2] == ("True", "SupervisorAndKubelet")
     assert condition(0, (1, 37))[:2] == ("False", "Disabled")
     status, reason, message = condition(3, (1, 34))
-    assert (status, reason) == ("False", "UnsupportedByServer") and "v1.34" in message
+    assert (status, reason) == ("True", "SupervisorOnly") and "v1.34" in message

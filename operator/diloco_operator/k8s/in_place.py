@@ -1,5 +1,13 @@
-"""Restarts of a crashed learner in its own pod, by the kubelet (the trainer's attempts.py and
-learner/in_place.py hold the other half: the count of starts and the attempt numbering)."""
+"""Restarts of a crashed learner in its own pod (the trainer's attempts.py, learner/in_place.py
+and learner/supervisor.py hold the other half: the attempt numbering, the count of starts and
+the supervisor in the container).
+
+Two layers, the faster first: the learner container's process supervises the learner and forks
+a new one when it crashes (JAX imported already: well under a second to the next join); when
+the container itself dies (the supervisor OOM-killed, the container's main process killed), the
+kubelet's RestartAllContainers rule restarts the pod's containers on the same node. Both count
+against failurePolicy.inPlaceRestarts per pod; past it the learner exits 3 and the unit is
+recreated."""
 
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ CONDITION = "RestartInPlace"
 
 # Container restart rules (beta, on by default, from 1.35) with their RestartAllContainers
 # action (from 1.36). An older API server refuses a Job that has them (a container-level
-# restartPolicy), so there the operator recreates units instead.
+# restartPolicy), so there only the supervisor restarts in place.
 SINCE = (1, 36)
 
 # Exits a restart in place cannot help: complete (0), a config error (2), restarts in place
@@ -24,14 +32,14 @@ NOT_RESTARTED_IN_PLACE = [0, 2, EXIT_GIVE_UP, 143]
 
 
 def restart_in_place(pod_spec: dict[str, Any], allowed: int, server_supports: bool) -> None:
-    """The kubelet's RestartAllContainers rule on the learner: with no growing back-off, it
-    restarts every container of the pod together. The pod's cache volume (an emptyDir: kept
-    across restarts in place, not recreations) counts the starts and holds the XLA compilation
-    cache, so the new process skips compiling. With none allowed the count is kept all the
-    same: the attempts learners report read the same way on every unit (`attempts.split`)."""
-    allowed = allowed if server_supports else 0
+    """The learner's supervisor, and the kubelet's rule where the API server takes it (with no
+    growing back-off, it restarts every container of the pod together). The pod's cache volume
+    (an emptyDir: kept across restarts in place, not recreations) counts the starts and holds
+    the XLA compilation cache, so a new process skips compiling. With none allowed the count is
+    kept all the same: the attempts learners report read the same way on every unit
+    (`attempts.split`)."""
     learner = pod_spec["containers"][0]
-    if allowed > 0:
+    if allowed > 0 and server_supports:
         learner["restartPolicy"] = "Never"
         learner["restartPolicyRules"] = [
             {
@@ -42,6 +50,7 @@ def restart_in_place(pod_spec: dict[str, Any], allowed: int, server_supports: bo
     learner["env"] += [
         {"name": "DILOCO_RESTART_DIR", "value": CACHE_DIR},
         {"name": "DILOCO_IN_PLACE_RESTARTS", "value": str(allowed)},
+        {"name": "DILOCO_SUPERVISE", "value": "1" if allowed > 0 else "0"},
     ]
 
 
@@ -54,19 +63,23 @@ def with_condition(
     status: DilocoRunStatus, allowed: int, server: tuple[int, int] | None, now: float
 ) -> DilocoRunStatus:
     """`status` with the RestartInPlace condition: whether a crashed learner restarts in its
-    pod, and if not, why (the run's failurePolicy, or an API server without the rule)."""
+    pod, by which layers, and if not, why."""
     if allowed == 0:
         state, reason, message = False, "Disabled", "failurePolicy.inPlaceRestarts is 0"
     elif not supported(server):
         shown = "unknown" if server is None else f"v{server[0]}.{server[1]}"
-        state, reason = False, "UnsupportedByServer"
+        state, reason = True, "SupervisorOnly"
         message = (
-            f"the API server ({shown}) lacks container restart rules with RestartAllContainers "
-            f"(v{SINCE[0]}.{SINCE[1]}+): a crashed learner's unit is recreated"
+            f"a crashed learner process restarts in its container, up to {allowed} times per "
+            f"pod; the API server ({shown}) lacks the kubelet's RestartAllContainers rule "
+            f"(v{SINCE[0]}.{SINCE[1]}+), so a crashed container recreates the unit"
         )
     else:
-        state, reason = True, "RestartAllContainers"
-        message = f"a crashed learner restarts in its pod, up to {allowed} times per pod"
+        state, reason = True, "SupervisorAndKubelet"
+        message = (
+            f"a crashed learner process restarts in its container, a crashed container with "
+            f"its pod's containers on the same node; up to {allowed} times per pod"
+        )
     conditions = set_condition(
         list(status.conditions), CONDITION, state, reason, message, now, status.observed_generation
     )

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 import psutil
-from diloco_trainer.learner.forked import die_with_parent
+from diloco_trainer.learner.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 

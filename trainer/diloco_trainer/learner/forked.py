@@ -17,14 +17,12 @@ This module must stay importable without JAX: the supervisor imports it to name 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 
-_PR_SET_PDEATHSIG = 1
+from diloco_trainer.learner.lifetime import die_with_parent
 
 # Modules worth importing once in the fork server (everything a learner imports before its step).
 PRELOAD = (
@@ -34,13 +32,6 @@ PRELOAD = (
     "diloco_trainer.learner.standby",
     "diloco_trainer.learner.loop",
 )
-
-
-def die_with_parent() -> None:
-    """SIGKILL this process when its parent dies. One async-signal-safe system call, so it may
-    also run between fork and exec."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _close_server_fds() -> None:

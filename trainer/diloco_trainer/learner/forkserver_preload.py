@@ -7,6 +7,6 @@ children, which set their own (they die with the server), so the chain superviso
 -> learners leaves no orphan whichever of them dies.
 """
 
-from diloco_trainer.learner.forked import die_with_parent
+from diloco_trainer.learner.lifetime import die_with_parent
 
 die_with_parent()

@@ -72,6 +72,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "is a new attempt at the syncer (in_place.py; else DILOCO_RESTART_DIR; unset: off)",
     )
     add(
+        "--supervise",
+        action="store_true",
+        default=_env_default(env, "DILOCO_SUPERVISE", "") == "1",
+        help="import once, then run the learner in a forked child and fork a new one when it "
+        "crashes (supervisor.py; else DILOCO_SUPERVISE=1)",
+    )
+    add(
         "--in-place-restarts",
         default=_env_default(env, "DILOCO_IN_PLACE_RESTARTS", "3"),
         help=f"restarts in place allowed with --restart-dir before exiting {EXIT_GIVE_UP} "
@@ -205,6 +212,15 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     configure_logging(args.log_level.upper(), log_format)
     if args.standby:
         return standby_main(args, env)
+    if args.supervise:
+        from diloco_trainer.learner.supervisor import supervise
+
+        return supervise(_import_trainer, lambda: _leave_jax(learner_main(args, env)))
+    return learner_main(args, env)
+
+
+def learner_main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    """One learner start: its config and identity, the heavy imports, then training."""
     try:
         cfg, options = resolve(args, env)
     except (ConfigError, UsageError) as exc:
@@ -214,11 +230,20 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         print(f"diloco-learner: {exc}", file=sys.stderr)
         return EXIT_GIVE_UP
     # Heavy imports (JAX) only after the config is known to be good: errors stay fast.
-    with phase(log, "imports"):  # most of a cold start; a forked learner has them already
-        import diloco_trainer.learner.loop  # noqa: F401  (what train() imports)
-        from diloco_trainer.workload.compile_cache import enable_compilation_cache
+    _import_trainer()
+    from diloco_trainer.workload.compile_cache import enable_compilation_cache
+
     enable_compilation_cache()
     return train(cfg, options)
+
+
+def _import_trainer() -> None:
+    """What train() imports: most of a cold start (a forked or supervised learner has them)."""
+    if "diloco_trainer.learner.loop" in sys.modules:
+        return
+    with phase(log, "imports"):
+        import diloco_trainer.learner.loop
+        import diloco_trainer.workload.compile_cache  # noqa: F401
 
 
 def standby_main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
@@ -313,6 +338,15 @@ def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | N
     return 0
 
 
+def _leave_jax(code: int) -> int:
+    """What JAX's own atexit hook would do for a multi-host unit; `code` passed through."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        with contextlib.suppress(Exception):
+            jax.distributed.shutdown()
+    return code
+
+
 def run() -> NoReturn:
     """The console script: `main`, then leave without interpreter finalization.
 
@@ -321,11 +355,7 @@ def run() -> NoReturn:
     thread inside native code (XLA's, via a host copy) then aborts the process with SIGABRT
     ("FATAL: exception not rethrown", seen once in the three-learner test), turning a finished
     learner's exit 0 into a crash. Nothing is left to clean up by then, so flush and exit."""
-    code = main()
-    jax = sys.modules.get("jax")
-    if jax is not None:  # what JAX's own atexit hook would do for a multi-host unit
-        with contextlib.suppress(Exception):
-            jax.distributed.shutdown()
+    code = _leave_jax(main())
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,0 +1,83 @@
+"""Restart a crashed learner inside its container, from a process that has imported JAX already.
+
+A restart in place by the kubelet (in_place.py) still starts a new container: a new interpreter
+that imports JAX and the trainer again, most of a learner's start. With `DILOCO_SUPERVISE` the
+container's process imports them once and forks the learner; when the learner crashes it forks
+the next one at once, which only initialises its devices, builds and compiles its step (from
+the pod's compilation cache) and joins. What the supervisor cannot survive, its own death (the
+OOM killer picking it, a SIGKILL of the container's main process), is the kubelet's rule again.
+
+The child is an ordinary learner start: it counts itself in the pod's restart directory (a new
+attempt at the syncer each time, and exit 3 once the restarts in place are spent), so the two
+kinds of restart share one count and one limit. Exits that a restart cannot help end the
+supervisor with the same code: 0 (complete), 2 (config error), 3 (restarts spent) and any exit
+once the supervisor itself was asked to stop (SIGTERM, SIGINT), which it passes on to the child.
+Forking is safe here because nothing in the parent has started a JAX backend or a thread: it
+only imports (the local runtime's fork server does the same, learner/forked.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from types import FrameType
+
+from diloco_trainer.attempts import EXIT_GIVE_UP
+from diloco_trainer.learner.lifetime import die_with_parent
+
+log = logging.getLogger("diloco_trainer.learner.supervisor")
+
+FINAL_EXITS = frozenset({0, 2, EXIT_GIVE_UP})  # a restart cannot help these
+
+
+def exit_code(status: int) -> int:
+    """A wait status as a shell would report it: the exit code, or 128 + the killing signal."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def supervise(preload: Callable[[], None], learner: Callable[[], int]) -> int:
+    """Run `preload` once, then `learner` in a forked child until it ends with a final exit
+    or the supervisor is stopped; the exit code to leave with."""
+    preload()
+    child = 0
+    stopping = False
+
+    def pass_on(signum: int, _frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        if child:
+            os.kill(child, signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, pass_on)
+    while True:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        child = os.fork()
+        if child == 0:  # the learner: default signal handling, and it dies with its supervisor
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, signal.SIG_DFL)
+            die_with_parent()
+            os._exit(_run(learner))
+        code = exit_code(os.waitpid(child, 0)[1])  # retried on EINTR by Python itself
+        child = 0
+        if stopping or code in FINAL_EXITS:
+            return code
+        log.warning("event=learner_crashed exit=%d action=restart_in_container", code)
+
+
+def _run(learner: Callable[[], int]) -> int:
+    try:
+        code = learner()
+    except BaseException:  # an uncaught error is a crash, as in a process of its own
+        logging.getLogger("diloco_trainer.learner").exception("event=learner_error")
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
