@@ -193,6 +193,7 @@ def manifest(image: str) -> dict[str, Any]:
             "failurePolicy": {
                 "restartBackoffSeconds": BACKOFF_S,
                 "inPlaceRestarts": IN_PLACE_RESTARTS,
+                "kubeletRestartRule": True,  # the real node's kubelet declares the feature
                 "healthyAfterSeconds": 5,
                 "offlineAfterSeconds": 20,
             },
@@ -581,6 +582,18 @@ def test_run_completes_and_children_go_with_it(
     patch = {"spec": {"training": {"totalSteps": budget}}}
     kubectl(cluster, "patch", "dlr", RUN, "-n", ns, "--type=merge", "-p", json.dumps(patch))
     wait_for("phase Succeeded", lambda: st(cluster, ns).get("phase") == "Succeeded", 720)
+    ended = st(cluster, ns)["steps"]
+    if ended >= TOTAL_STEPS:  # what the in-cluster operator did with the new generation
+        obj = get_json(cluster, "get", "dlr", RUN, "-n", ns)
+        say(
+            f"generation {obj['metadata'].get('generation')} observed "
+            f"{obj['status'].get('observedGeneration')} totalSteps "
+            f"{obj['spec']['training'].get('totalSteps')}"
+        )
+        for pod in _operator_pods(cluster):
+            logs = pod_log(cluster, SYSTEM_NS, pod["metadata"]["name"])
+            lines = [line for line in logs.splitlines() if re.search("roster|peer|pause", line)]
+            say(f"{pod['metadata']['name']}:\n" + "\n".join(lines[-40:]))
     # the syncer's final evaluation of the global model follows the budget by a moment
     done = wait_for(
         "finalLoss in status", lambda: (s := st(cluster, ns)).get("finalLoss") and s, 180

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco_operator.api import UnitStatus, parse_spec
+from diloco_operator.api import FailurePolicy, UnitStatus, parse_spec
 from diloco_operator.k8s import builders
 from diloco_operator.k8s.syncer_calls import pod_attempts
 from diloco_operator.planner import LearnerStatus, SyncerStatus
@@ -35,7 +35,12 @@ def learner_container(**failure_policy: Any) -> dict[str, Any]:
 
 
 def test_the_learner_restarts_in_its_pod_unless_that_is_turned_off() -> None:
-    container = learner_container()
+    supervised = learner_container()  # the default: the supervisor, no kubelet rule
+    assert "restartPolicyRules" not in supervised and "restartPolicy" not in supervised
+    env = {e["name"]: e.get("value") for e in supervised["env"]}
+    assert (env["DILOCO_IN_PLACE_RESTARTS"], env["DILOCO_SUPERVISE"]) == ("3", "1")
+
+    container = learner_container(kubeletRestartRule=True)
     assert container["restartPolicy"] == "Never"
     (rule,) = container["restartPolicyRules"]
     assert rule["action"] == "RestartAllContainers"
@@ -43,7 +48,7 @@ def test_the_learner_restarts_in_its_pod_unless_that_is_turned_off() -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert (env["DILOCO_IN_PLACE_RESTARTS"], env["DILOCO_SUPERVISE"]) == ("3", "1")
 
-    off = learner_container(inPlaceRestarts=0)
+    off = learner_container(inPlaceRestarts=0, kubeletRestartRule=True)
     assert "restartPolicyRules" not in off and "restartPolicy" not in off
     env = {e["name"]: e.get("value") for e in off["env"]}
     assert (env["DILOCO_IN_PLACE_RESTARTS"], env["DILOCO_SUPERVISE"]) == ("0", "0")
@@ -82,7 +87,8 @@ def test_an_api_server_without_the_rule_gets_the_supervisor_only_and_a_condition
 
     assert in_place.supported((1, 37)) and in_place.supported((1, 36))
     assert not in_place.supported((1, 35)) and not in_place.supported(None)
-    spec = parse_spec({"image": "t", "training": {"totalSteps": 5}})
+    policy = {"kubeletRestartRule": True}
+    spec = parse_spec({"image": "t", "training": {"totalSteps": 5}, "failurePolicy": policy})
     run = builders.Run("r", "ns", "uid", spec)
     slot = desired_units(run.name, run.spec)[0]
     old_server = builders.unit_job(run, create(run, slot.name), restart_in_place=False)
@@ -90,12 +96,14 @@ def test_an_api_server_without_the_rule_gets_the_supervisor_only_and_a_condition
     assert "restartPolicyRules" not in container and "restartPolicy" not in container
     assert {e["name"]: e.get("value") for e in container["env"]}["DILOCO_SUPERVISE"] == "1"
 
-    def condition(allowed: int, server: tuple[int, int] | None) -> tuple[str, str, str]:
-        status = in_place.with_condition(DilocoRunStatus(), allowed, server, T0)
+    def condition(allowed: int, rule: bool, server: tuple[int, int] | None) -> tuple[str, str, str]:
+        policy = FailurePolicy(in_place_restarts=allowed, kubelet_restart_rule=rule)
+        status = in_place.with_condition(DilocoRunStatus(), policy, server, T0)
         (c,) = [c for c in status.conditions if c.type == "RestartInPlace"]
         return c.status, c.reason, c.message
 
-    assert condition(3, (1, 37))[:2] == ("True", "SupervisorAndKubelet")
-    assert condition(0, (1, 37))[:2] == ("False", "Disabled")
-    status, reason, message = condition(3, (1, 34))
+    assert condition(3, True, (1, 37))[:2] == ("True", "SupervisorAndKubelet")
+    assert condition(3, False, (1, 37))[:2] == ("True", "SupervisorOnly")
+    assert condition(0, True, (1, 37))[:2] == ("False", "Disabled")
+    status, reason, message = condition(3, True, (1, 34))
     assert (status, reason) == ("True", "SupervisorOnly") and "v1.34" in message

@@ -157,9 +157,18 @@ class FailurePolicy(Strict):
         ge=0,
         le=attempts.STRIDE - 1,
         description="Restarts of a crashed learner in its own pod (same node and devices, "
-        "queue admission kept; the kubelet's container restart rule) before the unit is "
-        "recreated instead, per pod. 0: every crash recreates the unit. Not counted in "
+        "queue admission kept: a supervisor in the container forks it again) before the unit "
+        "is recreated instead, per pod. 0: every crash recreates the unit. Not counted in "
         "maxUnitRestarts; a lost pod or node is always a recreation.",
+    )
+    kubelet_restart_rule: bool = Field(
+        False,
+        description="Also give the learner container the kubelet's RestartAllContainers "
+        "restart rule, for a crash that takes its supervisor down too (the container's main "
+        "process killed): the pod's containers restart in place instead of the unit being "
+        "recreated. Needs Kubernetes 1.36+ and nodes that declare the feature (kubelets of "
+        "1.36+): the scheduler places such pods only there, so node pools older than the "
+        "control plane would leave them Pending. Counted in inPlaceRestarts.",
     )
     restart_backoff_seconds: float = Field(
         5.0,

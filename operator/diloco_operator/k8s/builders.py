@@ -362,7 +362,7 @@ def unit_job(run: Run, unit: CreateUnit, restart_in_place: bool = True) -> dict[
         ],
         "volumes": [_config_volume(run)],
     }
-    in_place.restart_in_place(pod_spec, spec.failure_policy.in_place_restarts, restart_in_place)
+    in_place.restart_in_place(pod_spec, spec.failure_policy, restart_in_place)
     place_learner_pod(pod_spec, group, unit.name, node_selector, tolerations)
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name

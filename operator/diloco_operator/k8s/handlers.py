@@ -251,7 +251,7 @@ async def reconcile_once(
     if spec.away:
         new = away_status(new, STATE.reach.get(key), report, now=time.time())
     new = in_place.with_condition(
-        new, spec.failure_policy.in_place_restarts, STATE.options.server_version, now=time.time()
+        new, spec.failure_policy, STATE.options.server_version, now=time.time()
     )
     if STATE.options.chaos and spec.chaos is not None:
         await inject_chaos(run, body, new)

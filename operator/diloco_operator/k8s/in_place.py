@@ -5,7 +5,10 @@ the supervisor in the container).
 Two layers, the faster first: the learner container's process supervises the learner and forks
 a new one when it crashes (JAX imported already: well under a second to the next join); when
 the container itself dies (the supervisor OOM-killed, the container's main process killed), the
-kubelet's RestartAllContainers rule restarts the pod's containers on the same node. Both count
+kubelet's RestartAllContainers rule, where the run asks for it, restarts the pod's containers on
+the same node. It is opt-in (failurePolicy.kubeletRestartRule): the scheduler places pods that
+use it only on nodes that declare the feature, so node pools older than the control plane, a
+common skew, would leave them Pending. Both count
 against failurePolicy.inPlaceRestarts per pod; past it the learner exits 3 and the unit is
 recreated."""
 
@@ -15,7 +18,7 @@ from typing import Any
 
 from diloco_trainer.attempts import EXIT_GIVE_UP
 
-from diloco_operator.api import DilocoRunStatus
+from diloco_operator.api import DilocoRunStatus, FailurePolicy
 from diloco_operator.api.pod_security import CACHE_DIR
 from diloco_operator.planner.conditions import set_condition
 
@@ -31,15 +34,16 @@ SINCE = (1, 36)
 NOT_RESTARTED_IN_PLACE = [0, 2, EXIT_GIVE_UP, 143]
 
 
-def restart_in_place(pod_spec: dict[str, Any], allowed: int, server_supports: bool) -> None:
-    """The learner's supervisor, and the kubelet's rule where the API server takes it (with no
-    growing back-off, it restarts every container of the pod together). The pod's cache volume
-    (an emptyDir: kept across restarts in place, not recreations) counts the starts and holds
-    the XLA compilation cache, so a new process skips compiling. With none allowed the count is
-    kept all the same: the attempts learners report read the same way on every unit
-    (`attempts.split`)."""
+def restart_in_place(pod_spec: dict[str, Any], policy: FailurePolicy, server_ok: bool) -> None:
+    """The learner's supervisor, and the kubelet's rule where the run asks for it and the API
+    server takes it (with no growing back-off, it restarts every container of the pod
+    together). The pod's cache volume (an emptyDir: kept across restarts in place, not
+    recreations) counts the starts and holds the XLA compilation cache, so a new process skips
+    compiling. With none allowed the count is kept all the same: the attempts learners report
+    read the same way on every unit (`attempts.split`)."""
+    allowed = policy.in_place_restarts
     learner = pod_spec["containers"][0]
-    if allowed > 0 and server_supports:
+    if allowed > 0 and policy.kubelet_restart_rule and server_ok:
         learner["restartPolicy"] = "Never"
         learner["restartPolicyRules"] = [
             {
@@ -60,26 +64,29 @@ def supported(server: tuple[int, int] | None) -> bool:
 
 
 def with_condition(
-    status: DilocoRunStatus, allowed: int, server: tuple[int, int] | None, now: float
+    status: DilocoRunStatus, policy: FailurePolicy, server: tuple[int, int] | None, now: float
 ) -> DilocoRunStatus:
     """`status` with the RestartInPlace condition: whether a crashed learner restarts in its
-    pod, by which layers, and if not, why."""
+    pod, by which layers, and why not by the kubelet."""
+    allowed = policy.in_place_restarts
+    supervisor = (
+        f"a crashed learner process restarts in its container, up to {allowed} times per pod"
+    )
     if allowed == 0:
         state, reason, message = False, "Disabled", "failurePolicy.inPlaceRestarts is 0"
-    elif not supported(server):
+    elif policy.kubelet_restart_rule and supported(server):
+        state, reason = True, "SupervisorAndKubelet"
+        message = f"{supervisor}, a crashed container with its pod's containers on the same node"
+    elif policy.kubelet_restart_rule:
         shown = "unknown" if server is None else f"v{server[0]}.{server[1]}"
         state, reason = True, "SupervisorOnly"
         message = (
-            f"a crashed learner process restarts in its container, up to {allowed} times per "
-            f"pod; the API server ({shown}) lacks the kubelet's RestartAllContainers rule "
-            f"(v{SINCE[0]}.{SINCE[1]}+), so a crashed container recreates the unit"
+            f"{supervisor}; the API server ({shown}) lacks the kubelet's RestartAllContainers "
+            f"rule (v{SINCE[0]}.{SINCE[1]}+), so a crashed container recreates the unit"
         )
     else:
-        state, reason = True, "SupervisorAndKubelet"
-        message = (
-            f"a crashed learner process restarts in its container, a crashed container with "
-            f"its pod's containers on the same node; up to {allowed} times per pod"
-        )
+        state, reason = True, "SupervisorOnly"
+        message = f"{supervisor}; a crashed container recreates the unit (kubeletRestartRule)"
     conditions = set_condition(
         list(status.conditions), CONDITION, state, reason, message, now, status.observed_generation
     )

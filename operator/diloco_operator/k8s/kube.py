@@ -59,6 +59,18 @@ def _policy() -> client.PolicyV1Api:
     return client.PolicyV1Api(_apis()[0].api_client)
 
 
+# Every API call's (connect, read) timeout: the client has none by default, and one call hung on
+# a dead connection would stall its run's reconcile loop until the kernel gave up on the socket.
+REQUEST_TIMEOUT = (5.0, 30.0)
+
+
+async def _api(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`call` (a kubernetes client method) off the event loop, with REQUEST_TIMEOUT."""
+    return await asyncio.to_thread(
+        functools.partial(call, *args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+    )
+
+
 def warm_up() -> None:
     _apis()
 
@@ -66,7 +78,7 @@ def warm_up() -> None:
 def server_version() -> tuple[int, int] | None:
     """The API server's (major, minor); None when it cannot be read or parsed."""
     try:
-        info = client.VersionApi(_apis()[0].api_client).get_code()
+        info = client.VersionApi(_apis()[0].api_client).get_code(_request_timeout=REQUEST_TIMEOUT)
         return int(info.major), int(str(info.minor).rstrip("+"))
     except (ApiException, ValueError, OSError) as exc:
         log.warning("event=server_version_unknown error=%r", exc)
@@ -144,13 +156,13 @@ async def create(obj: dict[str, Any], run_uid: str) -> bool:
     refuses it, or when the name is taken by an object that is not this run's."""
     ns, kind, name = obj["metadata"]["namespace"], obj["kind"], obj["metadata"]["name"]
     try:
-        await asyncio.to_thread(_creator(kind), ns, obj)
+        await _api(_creator(kind), ns, obj)
     except ApiException as exc:
         if exc.status != 409:
             if exc.status is not None and 400 <= exc.status < 500:
                 raise ChildError("ChildRejected", kind, name, _api_message(exc)) from exc
             raise
-        existing = await asyncio.to_thread(_reader(kind), name, ns)
+        existing = await _api(_reader(kind), name, ns)
         found = _apis()[0].api_client.sanitize_for_serialization(existing)
         if not ours(found, obj, run_uid):
             owners = [
@@ -174,12 +186,13 @@ async def delete_unit(namespace: str, name: str) -> None:
     its pods are gone, which is exactly the 'wait until gone' the planner needs."""
     body = client.V1DeleteOptions(propagation_policy="Foreground")
     core, _, batch, _ = _apis()
-    for call in (
-        lambda: batch.delete_namespaced_job(name, namespace, body=body),
-        lambda: core.delete_namespaced_service(name, namespace),
-    ):
+    deletes: list[tuple[Callable[..., Any], dict[str, Any]]] = [
+        (batch.delete_namespaced_job, {"body": body}),
+        (core.delete_namespaced_service, {}),
+    ]
+    for delete, extra in deletes:
         try:
-            await asyncio.to_thread(call)
+            await _api(delete, name, namespace, **extra)
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -189,9 +202,7 @@ async def delete_unit(namespace: str, name: str) -> None:
 async def suspend_job(namespace: str, name: str, suspend: bool) -> None:
     """Suspend (the Job controller deletes its pods) or resume a unit's Job; 404 = gone, fine."""
     try:
-        await asyncio.to_thread(
-            _apis()[2].patch_namespaced_job, name, namespace, {"spec": {"suspend": suspend}}
-        )
+        await _api(_apis()[2].patch_namespaced_job, name, namespace, {"spec": {"suspend": suspend}})
     except ApiException as exc:
         if exc.status != 404:
             raise
@@ -201,7 +212,7 @@ async def suspend_job(namespace: str, name: str, suspend: bool) -> None:
 async def scale_deployment(namespace: str, name: str, replicas: int) -> None:
     """Through the scale subresource (RBAC: deployments/scale patch, nothing else)."""
     try:
-        await asyncio.to_thread(
+        await _api(
             _apis()[1].patch_namespaced_deployment_scale,
             name,
             namespace,
@@ -223,7 +234,7 @@ async def local_queue(namespace: str, name: str) -> Literal["found", "missing", 
     serves no localqueues resource in any version we know)."""
     for version in KUEUE_VERSIONS:
         try:
-            await asyncio.to_thread(
+            await _api(
                 _apis()[3].get_namespaced_custom_object,
                 KUEUE_GROUP,
                 version,
@@ -248,7 +259,7 @@ async def local_queue(namespace: str, name: str) -> Literal["found", "missing", 
 
 
 async def patch_status(namespace: str, name: str, status: dict[str, Any]) -> None:
-    await asyncio.to_thread(
+    await _api(
         _apis()[3].patch_namespaced_custom_object_status,
         GROUP,
         VERSION,
@@ -260,7 +271,7 @@ async def patch_status(namespace: str, name: str, status: dict[str, Any]) -> Non
 
 
 async def annotate_run(namespace: str, name: str, annotations: dict[str, str]) -> None:
-    await asyncio.to_thread(
+    await _api(
         _apis()[3].patch_namespaced_custom_object,
         GROUP,
         VERSION,
@@ -273,7 +284,7 @@ async def annotate_run(namespace: str, name: str, annotations: dict[str, str]) -
 
 async def read_token(namespace: str, secret: str, key: str) -> str | None:
     try:
-        obj = await asyncio.to_thread(_apis()[0].read_namespaced_secret, secret, namespace)
+        obj = await _api(_apis()[0].read_namespaced_secret, secret, namespace)
     except ApiException as exc:
         if exc.status == 404:
             return None
@@ -310,7 +321,7 @@ async def kill_pods(namespace: str, selector: str) -> list[str]:
     """Delete the pods matching `selector` with no grace period: the kubelet SIGKILLs their
     containers at once, as a crash would. Returns the pods' names."""
     core = _apis()[0]
-    pods = await asyncio.to_thread(core.list_namespaced_pod, namespace, label_selector=selector)
+    pods = await _api(core.list_namespaced_pod, namespace, label_selector=selector)
     names = [
         str(p.metadata.name)
         for p in pods.items
@@ -319,7 +330,7 @@ async def kill_pods(namespace: str, selector: str) -> list[str]:
     body = client.V1DeleteOptions(grace_period_seconds=0)
     for name in names:
         try:
-            await asyncio.to_thread(core.delete_namespaced_pod, name, namespace, body=body)
+            await _api(core.delete_namespaced_pod, name, namespace, body=body)
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -327,9 +338,7 @@ async def kill_pods(namespace: str, selector: str) -> list[str]:
 
 
 async def pod_nodes(namespace: str, selector: str) -> list[str]:
-    pods = await asyncio.to_thread(
-        _apis()[0].list_namespaced_pod, namespace, label_selector=selector
-    )
+    pods = await _api(_apis()[0].list_namespaced_pod, namespace, label_selector=selector)
     return sorted({p.spec.node_name for p in pods.items if p.spec and p.spec.node_name})
 
 
@@ -345,4 +354,4 @@ async def mark_node_not_ready(node: str, reason: str, message: str) -> None:
         "lastHeartbeatTime": now,
         "lastTransitionTime": now,
     }
-    await asyncio.to_thread(_apis()[0].patch_node_status, node, {"status": {"conditions": [cond]}})
+    await _api(_apis()[0].patch_node_status, node, {"status": {"conditions": [cond]}})
