@@ -69,10 +69,13 @@ FINALIZER = f"{GROUP}/kopf-finalizer"
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Our own Events carry the decisions; kopf's log lines as Events would be noise.
     settings.posting.level = logging.WARNING
-    # Watches end server-side every few minutes and are re-established: a silently dead TCP
-    # connection can never hide changes for long.
-    settings.watching.server_timeout = 270
-    settings.watching.client_timeout = 300
+    # Watches end server-side every minute and are re-established: a stream that stops
+    # delivering (a silently dead TCP connection, or one the API server keeps open without
+    # events) hides changes for at most that long. Runs read their pods, Jobs and spec from the
+    # watch-fed indexes and body: at 270 s the e2e suite twice saw a run act on minutes-old
+    # state (a spec patch, and a pod going Running, not seen for minutes).
+    settings.watching.server_timeout = 60
+    settings.watching.client_timeout = 90
     settings.watching.connect_timeout = 30
     settings.persistence.finalizer = FINALIZER
     # A SIGKILLed leader's keep-alive stays in the peering object: a paused replica takes over
