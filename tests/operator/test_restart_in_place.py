@@ -91,7 +91,7 @@ def test_an_api_server_without_the_rule_gets_the_supervisor_only_and_a_condition
     spec = parse_spec({"image": "t", "training": {"totalSteps": 5}, "failurePolicy": policy})
     run = builders.Run("r", "ns", "uid", spec)
     slot = desired_units(run.name, run.spec)[0]
-    old_server = builders.unit_job(run, create(run, slot.name), restart_in_place=False)
+    old_server = builders.unit_job(run, create(run, slot.name), kubelet_rule_ok=False)
     container = old_server["spec"]["template"]["spec"]["containers"][0]
     assert "restartPolicyRules" not in container and "restartPolicy" not in container
     assert {e["name"]: e.get("value") for e in container["env"]}["DILOCO_SUPERVISE"] == "1"

@@ -53,7 +53,7 @@ async def create_unit(p: Pass, action: CreateUnit) -> None:
     if run_token is None:
         log.info("unit=%s waits for the run's token Secret", action.name)
         return
-    objs = builders.unit_objects(p.run, action, run_token, STATE.options.restart_in_place)
+    objs = builders.unit_objects(p.run, action, run_token, STATE.options.kubelet_rule_ok)
     await _create(p, action, objs, ("create_unit", f"attempt{min(action.attempt, 1)}"))
 
 

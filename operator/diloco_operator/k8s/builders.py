@@ -338,7 +338,7 @@ def _learner_env(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
     ]
 
 
-def unit_job(run: Run, unit: CreateUnit, restart_in_place: bool = True) -> dict[str, Any]:
+def unit_job(run: Run, unit: CreateUnit, kubelet_rule_ok: bool = True) -> dict[str, Any]:
     spec = run.spec
     group: UnitGroup | None = spec.group(unit.group)
     if group is None:
@@ -362,7 +362,7 @@ def unit_job(run: Run, unit: CreateUnit, restart_in_place: bool = True) -> dict[
         ],
         "volumes": [_config_volume(run)],
     }
-    in_place.restart_in_place(pod_spec, spec.failure_policy, restart_in_place)
+    in_place.restart_in_place(pod_spec, spec.failure_policy, kubelet_rule_ok)
     place_learner_pod(pod_spec, group, unit.name, node_selector, tolerations)
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
@@ -439,12 +439,12 @@ def unit_token_secret_name(unit: str) -> str:
 
 
 def unit_objects(
-    run: Run, unit: CreateUnit, run_token: str, restart_in_place: bool = True
+    run: Run, unit: CreateUnit, run_token: str, kubelet_rule_ok: bool = True
 ) -> list[dict[str, Any]]:
     """The children of one unit, Service first so the pods' names resolve from the start, and
-    the unit's token before the Job whose pods mount it (`restart_in_place`: k8s/in_place.py)."""
+    the unit's token before the Job whose pods mount it (`kubelet_rule_ok`: k8s/in_place.py)."""
     return [
         unit_service(run, unit),
         unit_token_secret(run, unit, run_token),
-        unit_job(run, unit, restart_in_place),
+        unit_job(run, unit, kubelet_rule_ok),
     ]

@@ -8,9 +8,8 @@ the container itself dies (the supervisor OOM-killed, the container's main proce
 kubelet's RestartAllContainers rule, where the run asks for it, restarts the pod's containers on
 the same node. It is opt-in (failurePolicy.kubeletRestartRule): the scheduler places pods that
 use it only on nodes that declare the feature, so node pools older than the control plane, a
-common skew, would leave them Pending. Both count
-against failurePolicy.inPlaceRestarts per pod; past it the learner exits 3 and the unit is
-recreated."""
+common skew, would leave them Pending. Both count against failurePolicy.inPlaceRestarts per
+pod; past it the learner exits 3 and the unit is recreated."""
 
 from __future__ import annotations
 

@@ -27,12 +27,12 @@ class Options:
     peering_lifetime: int = 15
     # Set: each run gets a NetworkPolicy letting only its learners and this operator in.
     network_policy: OperatorIdentity | None = None
-    # The API server's (major, minor), read at start: whether learners may restart in their pods
-    # (k8s/in_place.py); None (unknown or older): a crashed learner's unit is recreated.
+    # The API server's (major, minor), read at start: whether it takes the kubelet's restart
+    # rule (k8s/in_place.py); None: unknown, taken as no.
     server_version: tuple[int, int] | None = None
 
     @property
-    def restart_in_place(self) -> bool:
+    def kubelet_rule_ok(self) -> bool:
         return in_place.supported(self.server_version)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from diloco_trainer.budget import Budget
+
 from diloco_operator.api import DilocoRunSpec
 
 
@@ -55,6 +57,5 @@ def roster_document(run: str, spec: DilocoRunSpec, revision: int) -> dict[str, o
         doc["revokedCredentials"] = sorted(set(spec.syncer.revoked_credentials))
     # The one part of spec.training a running run may change: the syncer alone decides when
     # the run is complete, so a new budget reaches it here, with the next revision.
-    budget = {"totalSteps": spec.training.total_steps, "totalTokens": spec.training.total_tokens}
-    doc["budget"] = {key: value for key, value in budget.items() if value is not None}
+    doc["budget"] = Budget.of(spec.training).to_json()
     return doc

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from diloco_trainer.budget import Budget
 from diloco_trainer.syncer.checkpoint import CheckpointStore
 from diloco_trainer.syncer.core import Syncer
-from diloco_trainer.syncer.roster import Budget, Roster
+from diloco_trainer.syncer.roster import Roster
 from test_syncer import TOKEN, LiveSyncer, tiny_cfg
 
 UNITS = {"unit-0": "default", "unit-1": "default"}

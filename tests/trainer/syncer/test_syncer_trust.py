@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from diloco_trainer.auth import unit_token
+from diloco_trainer.budget import Budget
 from diloco_trainer.learner import client as client_module
 from diloco_trainer.learner.client import (
     SyncerBusy,
@@ -26,7 +27,7 @@ from diloco_trainer.learner.client import (
 from diloco_trainer.syncer.checkpoint import CheckpointStore
 from diloco_trainer.syncer.core import Syncer
 from diloco_trainer.syncer.limits import rates_for
-from diloco_trainer.syncer.roster import Budget, Roster
+from diloco_trainer.syncer.roster import Roster
 from diloco_trainer.syncer.trust import Implausible, Plausibility
 from diloco_trainer.wire import MAX_COUNTER, PushHeader, encode_push
 from test_syncer import TOKEN, LiveSyncer, fragment_delta, global_state, tiny_cfg, wait_until

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diloco_trainer.budget import Budget
 from diloco_trainer.join_credentials import ID_PATTERN
 from diloco_trainer.syncer.fragment import Reject
 from diloco_trainer.wire import MAX_COUNTER
@@ -37,51 +38,6 @@ MAX_UNITS = 100_000
 MAX_REVOKED = 100_000
 REVOKED_FIELD = "revokedCredentials"
 BUDGET_FIELD = "budget"
-
-
-@dataclass(frozen=True)
-class Budget:
-    """When the run is complete: after this many inner steps and/or tokens summed over its
-    learners (whichever comes first)."""
-
-    total_steps: int | None = None
-    total_tokens: int | None = None
-
-    @classmethod
-    def from_json(cls, doc: Any, where: str) -> Budget:
-        if not isinstance(doc, dict) or set(doc) - {"totalSteps", "totalTokens"}:
-            raise ValueError(f"{where}: expected an object of totalSteps and/or totalTokens")
-        values = [doc.get("totalSteps"), doc.get("totalTokens")]
-        for key, value in zip(("totalSteps", "totalTokens"), values, strict=True):
-            if value is None:
-                continue
-            if (
-                not isinstance(value, int)
-                or isinstance(value, bool)
-                or not 1 <= value <= MAX_COUNTER
-            ):
-                raise ValueError(f"{where}.{key}: expected an integer in 1..{MAX_COUNTER}")
-        if values == [None, None]:
-            raise ValueError(f"{where}: set totalSteps or totalTokens: a run needs a budget")
-        return cls(*values)
-
-    def to_json(self) -> dict[str, int]:
-        pairs = (("totalSteps", self.total_steps), ("totalTokens", self.total_tokens))
-        return {key: value for key, value in pairs if value is not None}
-
-    def reached(self, steps: int, tokens: int) -> bool:
-        return (self.total_steps is not None and steps >= self.total_steps) or (
-            self.total_tokens is not None and tokens >= self.total_tokens
-        )
-
-    def share_done(self, steps: int, tokens: int) -> float:
-        """The share of the budget counted, in [0, 1]: the larger of the two."""
-        shares = [0.0]
-        if self.total_steps:
-            shares.append(steps / self.total_steps)
-        if self.total_tokens:
-            shares.append(tokens / self.total_tokens)
-        return min(1.0, max(shares))
 
 
 @dataclass(frozen=True)
@@ -109,7 +65,7 @@ class Roster:
                 raise ValueError(f"{where}.units: bad entry {str(name)[:60]!r}: {group!r}")
         revoked = _revoked(doc.get(REVOKED_FIELD, []), where)
         raw_budget = doc.get(BUDGET_FIELD)
-        budget = None if raw_budget is None else Budget.from_json(raw_budget, f"{where}.budget")
+        budget = None if raw_budget is None else _budget(raw_budget, f"{where}.budget")
         return cls(revision, dict(units), revoked, budget)
 
     @classmethod
@@ -139,6 +95,20 @@ class Roster:
             )
         if group is not None and group != known:
             raise Reject(403, "wrong_group", f"unit {unit!r} is in group {known!r}, not {group!r}")
+
+
+def _budget(raw: Any, where: str) -> Budget:
+    if not isinstance(raw, dict) or set(raw) - {"totalSteps", "totalTokens"}:
+        raise ValueError(f"{where}: expected an object of totalSteps and/or totalTokens")
+    values = [raw.get("totalSteps"), raw.get("totalTokens")]
+    for key, value in zip(("totalSteps", "totalTokens"), values, strict=True):
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_COUNTER:
+            raise ValueError(f"{where}.{key}: expected an integer in 1..{MAX_COUNTER}")
+    if values == [None, None]:
+        raise ValueError(f"{where}: set totalSteps or totalTokens: a run needs a budget")
+    return Budget(*values)
 
 
 def _revoked(raw: Any, where: str) -> frozenset[str]:

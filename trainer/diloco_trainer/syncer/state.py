@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from diloco_trainer.budget import Budget
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.merge import Contribution
@@ -36,7 +37,7 @@ from diloco_trainer.syncer.health import Health
 from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.pools import Pools
 from diloco_trainer.syncer.registry import LearnerRegistry
-from diloco_trainer.syncer.roster import Budget, Roster
+from diloco_trainer.syncer.roster import Roster
 from diloco_trainer.workload.check import tokens_per_step
 
 log = logging.getLogger("diloco.syncer")
@@ -167,7 +168,7 @@ class SyncerState:
         held = self.gate.roster
         if held is not None and held.budget is not None:
             return held.budget
-        return Budget(self.cfg.total_steps, self.cfg.total_tokens)
+        return Budget.of(self.cfg)
 
     @property
     def complete(self) -> bool:
