@@ -12,19 +12,26 @@ from typing import Any
 
 import aiohttp
 import yaml
-from diloco_operator.api import DilocoRunStatus, parse_spec
+from diloco_operator.api import DilocoRunStatus, UnitStatus, parse_spec
 from diloco_operator.k8s import builders
-from diloco_operator.k8s.away import away_status, error_reason, refusal_reason
+from diloco_operator.k8s.away import (
+    away_status,
+    error_reason,
+    heard_since_the_link_returned,
+    refusal_reason,
+)
 from diloco_operator.k8s.netpolicy import OperatorIdentity, run_objects_with_policy
 from diloco_operator.k8s.state import Reach
 from diloco_operator.planner import CreateUnit
+from diloco_operator.planner.failure import failure_signal
+from diloco_operator.planner.model import ObservedUnit
 from diloco_trainer.auth import unit_token
 from diloco_trainer.join_credentials import (
     mint_join_credential,
     parse_join_credential,
     unit_token_from_credential,
 )
-from diloco_trainer.status import FragmentStatus, SyncerStatus
+from diloco_trainer.status import FragmentStatus, LearnerStatus, SyncerStatus
 
 OBJCHECK = Path.home() / ".cache" / "diloco-e2e" / "bin" / "objcheck"
 RUN_SECRET = "s3cret"
@@ -133,6 +140,21 @@ def test_an_away_unit_joins_home_with_a_token_of_its_credential_and_its_public_p
     assert ca["secret"]["secretName"] == "home-ca"
 
 
+def test_an_away_unit_brings_the_config_file_its_pods_mount() -> None:
+    """No syncer is created in an away cluster, and the run's config file came with it."""
+    run, home = away_run(), home_run()
+    credential = mint_join_credential(RUN_SECRET, "r", "v5p", int(T0) + 3600)
+    objs = builders.unit_objects(run, unit("r-v5p-0", "v5p", 1), credential)
+    maps = [o for o in objs if o["kind"] == "ConfigMap"]
+    assert [m["metadata"]["name"] for m in maps] == [run.config_map]
+    assert objs.index(maps[0]) < next(i for i, o in enumerate(objs) if o["kind"] == "Job")
+    pod = next(o for o in objs if o["kind"] == "Job")["spec"]["template"]["spec"]
+    mounted = {v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v}
+    assert mounted == {run.config_map}
+    home_objs = builders.unit_objects(home, unit("r-v6e-0", "v6e", 0), RUN_SECRET)
+    assert not [o for o in home_objs if o["kind"] == "ConfigMap"]  # the syncer's, at home
+
+
 def test_an_away_status_names_the_address_and_why_it_did_not_answer() -> None:
     refused = Reach(
         "https://syncer.home.example:8470",
@@ -154,6 +176,36 @@ def test_an_away_status_names_the_address_and_why_it_did_not_answer() -> None:
     assert (condition.status, condition.reason) == ("True", "Reachable")
     assert back.syncer is not None and back.syncer.last_merge is not None
     assert back.syncer.last_merge.timestamp() == T0 - 2
+
+
+def test_silence_across_a_link_outage_is_not_the_away_units() -> None:
+    """The link was down for a minute and came back 2 s ago: the away learner's last heartbeat
+    is 60 s old at the syncer, but counts as 2 s; a unit silent since before the link's return
+    by longer than offlineAfterSeconds is still stale once the link has been up that long."""
+    learners = {
+        "r-v5p-0": LearnerStatus(attempt=0, age_seconds=61.0, step=90),
+        "r-v6e-0": LearnerStatus(attempt=0, age_seconds=0.5, step=400),
+    }
+    report = SyncerStatus(learners=learners)
+    back = Reach("https://syncer.home.example:8470", True, T0, None, since=T0 - 2)
+    bounded = heard_since_the_link_returned(report, back, T0)
+    assert bounded is not None
+    assert bounded.learners["r-v5p-0"].age_seconds == 2.0
+    assert bounded.learners["r-v6e-0"].age_seconds == 0.5
+    later = heard_since_the_link_returned(report, back, T0 + 58)
+    assert later is not None and later.learners["r-v5p-0"].age_seconds == 60.0
+    spec = away_run().spec
+    online = UnitStatus(
+        name="r-v5p-0", group="v5p", index=0, global_index=1, state="Online", attempt=0
+    )
+    observed = ObservedUnit("r-v5p-0", "v5p", 0, 0, "Running")
+    policy = spec.failure_policy.model_copy(update={"offline_after_seconds": 10.0})
+    assert failure_signal(observed, online, bounded, policy, T0) is None
+    signal = failure_signal(observed, online, report, policy, T0)
+    assert signal is not None and signal.reason == "HeartbeatStale"
+    down = Reach("https://syncer.home.example:8470", False, T0 - 60, "refused")
+    assert heard_since_the_link_returned(report, down, T0) is report
+    assert heard_since_the_link_returned(None, back, T0) is None
 
 
 def test_reasons_for_a_syncer_that_did_not_answer() -> None:

@@ -208,15 +208,21 @@ def test_syncer_report_over_real_http() -> None:
         try:
             state.STATE.tokens[("ns", "r")] = "s3cret"
             good = await syncer_calls.syncer_report(run)
+            answering_since = state.STATE.reach[("ns", "r")].since
+            await syncer_calls.syncer_report(run)
+            # a stretch of answers keeps its start
+            assert state.STATE.reach[("ns", "r")].since == answering_since is not None
             state.STATE.tokens[("ns", "r")] = "wrong"
             bad = await syncer_calls.syncer_report(run)
+            assert state.STATE.reach[("ns", "r")].since is None
             await runner.cleanup()
             down = await syncer_calls.syncer_report(run)  # unreachable: tolerated
         finally:
             await state.STATE.http.close()
             state.STATE.http = None
             state.STATE.tokens.clear()
-        assert seen == ["Bearer s3cret", "Bearer wrong"]
+            state.STATE.reach.clear()
+        assert seen == ["Bearer s3cret", "Bearer s3cret", "Bearer wrong"]
         assert down is None
         return good, bad
 
@@ -366,3 +372,28 @@ def test_leftover_pods_of_a_recreated_run_do_not_count() -> None:
     # the same leftover pod under the new Job's uid is a real deletion signal
     old_pod["metadata"]["labels"]["batch.kubernetes.io/controller-uid"] = "new-uid"
     assert observe(new_job, [old_pod]).failure == "PodDeleted"
+
+
+def test_a_run_is_woken_by_what_its_user_changes_not_by_its_status() -> None:
+    """Each pass writes the status it computed; were that write to wake the next pass at once,
+    a status that changes every pass (an away run's lastContact) would make a busy loop."""
+    event = asyncio.Event()
+    state.STATE.wakers[("ns", "r")] = event
+    body: dict[str, Any] = {"metadata": {"generation": 1, "labels": {"a": "1"}}, "status": {}}
+
+    def woken_by(change: dict[str, Any]) -> bool:
+        body.update(change)
+        event.clear()
+        handlers.run_changed(namespace="ns", name="r", body=body)
+        return event.is_set()
+
+    try:
+        assert woken_by({})  # first sighting
+        assert not woken_by({"status": {"syncer": {"lastContact": "2026-12-05T15:00:00Z"}}})
+        assert not woken_by({"status": {"syncer": {"lastContact": "2026-12-05T15:00:02Z"}}})
+        assert woken_by({"metadata": {"generation": 2, "labels": {"a": "1"}}})  # kubectl scale
+        assert woken_by({"metadata": {"generation": 2, "labels": {"a": "2"}}})  # a queue label
+        assert not woken_by({"status": {"phase": "Running"}})
+    finally:
+        state.STATE.wakers.clear()
+        state.STATE.intents.clear()

@@ -5,6 +5,7 @@ names a refused credential or certificate when that is why (docs/multi-cluster.m
 from __future__ import annotations
 
 import ssl
+from dataclasses import replace
 
 import aiohttp
 from diloco_trainer.status import SyncerStatus
@@ -32,6 +33,26 @@ def error_reason(exc: BaseException) -> str:
     verify, or Unreachable."""
     certificate = (aiohttp.ClientConnectorCertificateError, ssl.SSLCertVerificationError)
     return "CertificateNotVerified" if isinstance(exc, certificate) else "Unreachable"
+
+
+def heard_since_the_link_returned(
+    report: SyncerStatus | None, reach: Reach | None, now: float
+) -> SyncerStatus | None:
+    """`report` with each learner's heartbeat age bounded by how long the home syncer has
+    answered without a break. An away learner reaches the syncer over the same link as its
+    operator: while the link was down it could not heartbeat, so silence that spans an outage
+    says nothing about the unit (it kept training), and recreating it would throw away its
+    work. Its first heartbeat after the heal comes within the learner's retry backoff (5 s)."""
+    if report is None or reach is None or reach.since is None:
+        return report
+    bound = max(0.0, now - reach.since)
+    learners = {
+        name: replace(learner, age_seconds=min(learner.age_seconds, bound))
+        if learner.age_seconds is not None
+        else learner
+        for name, learner in report.learners.items()
+    }
+    return replace(report, learners=learners)
 
 
 def away_status(

@@ -442,8 +442,12 @@ def unit_objects(
     run: Run, unit: CreateUnit, run_token: str, kubelet_rule_ok: bool = True
 ) -> list[dict[str, Any]]:
     """The children of one unit, Service first so the pods' names resolve from the start, and
-    the unit's token before the Job whose pods mount it (`kubelet_rule_ok`: k8s/in_place.py)."""
+    the unit's token before the Job whose pods mount it (`kubelet_rule_ok`: k8s/in_place.py).
+    An away run creates no syncer, whose children include the config file the learners mount:
+    its units bring it (creating it again is a no-op)."""
+    away = [config_map(run)] if run.spec.syncer.external is not None else []
     return [
+        *away,
         unit_service(run, unit),
         unit_token_secret(run, unit, run_token),
         unit_job(run, unit, kubelet_rule_ok),

@@ -38,7 +38,7 @@ from diloco_operator.api import (
 )
 from diloco_operator.k8s import builders, chaos, in_place, kube, queue_status, run_metrics
 from diloco_operator.k8s.actions import ACTIONS, apply
-from diloco_operator.k8s.away import away_status
+from diloco_operator.k8s.away import away_status, heard_since_the_link_returned
 from diloco_operator.k8s.observe import (
     CONTROLLER_UID,
     PodView,
@@ -48,7 +48,7 @@ from diloco_operator.k8s.observe import (
     pod_view,
 )
 from diloco_operator.k8s.refusals import report_refusals
-from diloco_operator.k8s.state import STATE, wake
+from diloco_operator.k8s.state import STATE, intent_changed, wake
 from diloco_operator.k8s.syncer_calls import hand_roster, syncer_report
 from diloco_operator.planner import ObservedSyncer, Plan, fault_targets, plan
 
@@ -157,9 +157,12 @@ def cluster_nodes(name: str, body: Any, **_: Any) -> Any:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def run_changed(namespace: str | None, name: str, **_: Any) -> None:
-    # Spec edits (kubectl scale, apply) are acted on at once, not at the next poll.
-    wake(namespace, name)
+def run_changed(namespace: str | None, name: str, body: Any, **_: Any) -> None:
+    # Spec edits (kubectl scale, apply) are acted on at once, not at the next poll. The pass's
+    # own status write is not a reason for another pass: where the status changes every pass
+    # (an away run's lastContact), that would be a busy loop of syncer reads over the link.
+    if intent_changed((namespace or "", name), body):
+        wake(namespace, name)
 
 
 @kopf.on.event("", "v1", "nodes")
@@ -229,6 +232,7 @@ async def reconcile_once(
     report = await syncer_report(run) if syncer.present or spec.away else None
     if spec.away:  # the home syncer: there when it answers
         syncer = ObservedSyncer(present=True, ready=report is not None)
+        report = heard_since_the_link_returned(report, STATE.reach.get(key), time.time())
     generation = body.get("metadata", {}).get("generation")
     if isinstance(generation, int):
         await hand_roster(run, report, generation)

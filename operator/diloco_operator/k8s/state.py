@@ -7,6 +7,7 @@ import asyncio
 import ssl
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -45,6 +46,8 @@ class Reach:
     last_contact: float | None
     error: str | None
     reason: str = "Reachable"  # the SyncerReachable condition's reason (k8s/away.py)
+    # When the current unbroken stretch of answers began (None while it does not answer).
+    since: float | None = None
 
 
 @dataclass
@@ -57,11 +60,34 @@ class State:
     chaos: dict[tuple[str, str], chaos.RunChaos] = field(default_factory=dict)
     http: aiohttp.ClientSession | None = None
     reach: dict[tuple[str, str], Reach] = field(default_factory=dict)
+    # What of each run the user decides (metadata.generation, labels, annotations, deletion):
+    # only a change of it wakes the run's loop, never the operator's own status writes.
+    intents: dict[tuple[str, str], tuple[object, ...]] = field(default_factory=dict)
     # TLS contexts by the sha256 of the CA bundle that verifies with them.
     trust: dict[str, ssl.SSLContext] = field(default_factory=dict)
 
 
 STATE = State()
+
+
+def intent_of(body: Any) -> tuple[object, ...]:
+    meta = body.get("metadata") or {}
+    labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+    return (
+        meta.get("generation"),
+        tuple(sorted(labels.items())),
+        tuple(sorted(annotations.items())),
+        meta.get("deletionTimestamp"),
+    )
+
+
+def intent_changed(key: tuple[str, str], body: Any) -> bool:
+    """Whether `body` (a DilocoRun as a watch delivered it) carries a change the user made
+    since the last one seen; the first sighting counts as one."""
+    intent = intent_of(body)
+    changed = STATE.intents.get(key) != intent
+    STATE.intents[key] = intent
+    return changed
 
 
 def wake(namespace: str | None, run: str | None) -> None:

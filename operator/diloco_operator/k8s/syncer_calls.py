@@ -145,9 +145,13 @@ def _reason_code(body: str) -> object:
 def _saw(run: builders.Run, url: str, error: str | None, reason: str) -> None:
     key = (run.namespace, run.name)
     before = STATE.reach.get(key)
-    contact = time.time() if error is None else (before.last_contact if before else None)
+    now = time.time()
+    contact = now if error is None else (before.last_contact if before else None)
     message = None if error is None else f"{url}: {error}"[:1024]
-    STATE.reach[key] = Reach(url, error is None, contact, message, reason)
+    since = None
+    if error is None:
+        since = before.since if before is not None and before.since is not None else now
+    STATE.reach[key] = Reach(url, error is None, contact, message, reason, since)
 
 
 async def hand_roster(run: builders.Run, report: SyncerStatus | None, generation: int) -> bool:
