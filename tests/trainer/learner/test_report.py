@@ -45,3 +45,26 @@ def test_a_learner_dropping_many_steps_hints_at_rebase_once(
         assert [(int(s), float(v)) for s, v in hints] == [(4 * H, pytest.approx(share, abs=0.05))]
     else:
         assert hints == []
+
+
+class _LinkCounts:
+    """What log_progress reads of a sync link: its counters and its outbox."""
+
+    def __init__(self) -> None:
+        self.stats = {"pushes": 3, "push_failures": 1, "push_combined": 0, "rejected": 1}
+
+    def pending_pushes(self) -> int:
+        return 2
+
+
+def test_progress_lines_count_the_pushes_the_syncer_accepted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A partitioned learner logs the same accepted count until its link heals."""
+    cfg = tiny_cfg(fragments=2, innerSteps=H)
+    opts = LearnerOptions(syncer="http://127.0.0.1:9", token="t", unit=0, num_units=1, log_every=1)
+    reporter = Reporter.starting(cfg, opts, None, [0, 0], False, None, schedule_clock(cfg, 1, 0))  # type: ignore[arg-type]
+    reporter.link = _LinkCounts()  # type: ignore[assignment]
+    with caplog.at_level(logging.INFO, logger="diloco_trainer.learner.report"):
+        reporter.log_progress(5, [4, 3], 0.0)
+    assert re.search(r"event=progress .* versions=4,3 pushes=3 pending_pushes=2 ", caplog.text)

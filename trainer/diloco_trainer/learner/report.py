@@ -122,12 +122,13 @@ class Reporter:
         """step/tokens: this attempt's (what heartbeats report); schedule_step: the unit's step
         in its LR schedule (earlier attempts included, never behind the run: `ScheduleClock`);
         lr: the LR of the last step; overwritten: the share of its fragment-steps so far that
-        installs replaced before a push carried them."""
+        installs replaced before a push carried them; pushes: the pushes the syncer has
+        accepted from this attempt (what tells a partitioned learner from a working one)."""
         progress, clock = self.progress, self.clock
         loss = float(progress.loss) if progress.loss is not None else float("nan")
         log.info(
             "event=progress unit=%s step=%d schedule_step=%d lr=%.3g tokens=%d loss=%.4f "
-            "tokens_per_sec=%.0f versions=%s pending_pushes=%d overwritten_share=%.3f",
+            "tokens_per_sec=%.0f versions=%s pushes=%d pending_pushes=%d overwritten_share=%.3f",
             self.opts.name,
             step,
             clock.position(step),
@@ -136,6 +137,7 @@ class Reporter:
             loss,
             progress.tokens_per_sec,
             ",".join(map(str, versions)),
+            self.link.stats["pushes"] if self.link is not None else 0,
             self.link.pending_pushes() if self.link is not None else 0,
             overwritten,
         )
