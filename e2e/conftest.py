@@ -46,6 +46,8 @@ SYSTEM_NS = "diloco-system"
 CRD_NAME = "dilocoruns.diloco.dev"
 VENV_BIN = Path(sys.executable).parent
 T = TypeVar("T")
+# the real-pod tests' fixtures (the node's facts, the chart's operator in-cluster)
+pytest_plugins = ["real_pods"]
 
 
 def say(msg: str) -> None:
@@ -172,18 +174,24 @@ def tpu_nodes(cluster: harness._ClusterBase) -> dict[str, list[dict[str, Any]]]:
 # chart
 
 
-@pytest.fixture(scope="session")
-def chart(cluster: harness._ClusterBase) -> Iterator[dict[str, str]]:
-    """`helm install` of the chart into diloco-system; yields the release's names. Uninstalled at
-    the end (the CRD stays, as Helm does with crds/)."""
+def helm_env(c: harness._ClusterBase) -> tuple[str, dict[str, str]]:
+    """The pinned helm (or one on PATH) and an environment that keeps its caches and repository
+    config out of the user's HOME."""
     helm = str(harness.expected_binaries().helm)
     if not os.access(helm, os.X_OK):
         helm = "helm"
-    env = cluster.env()
-    # Helm keeps caches and repository config under HOME: keep them out of the user's.
+    env = c.env()
     scratch = tempfile.mkdtemp(prefix="diloco-e2e-helm-")
     env.update(HELM_CACHE_HOME=scratch, HELM_CONFIG_HOME=scratch, HELM_DATA_HOME=scratch)
-    incluster = operator_mode() == "incluster"
+    return helm, env
+
+
+@contextlib.contextmanager
+def installed_chart(c: harness._ClusterBase, incluster: bool) -> Iterator[dict[str, str]]:
+    """`helm install` of the chart into diloco-system, cluster-wide; yields the release's names
+    (its Deployment, scaled to 0 unless the operator runs in-cluster, and ServiceAccount).
+    Uninstalled at the end (the CRD stays, as Helm does with crds/)."""
+    helm, env = helm_env(c)
     args = [
         helm,
         "upgrade",
@@ -195,7 +203,7 @@ def chart(cluster: harness._ClusterBase) -> Iterator[dict[str, str]]:
         "--create-namespace",
         "--wait=false",
         "--kubeconfig",
-        str(cluster.kubeconfig),
+        str(c.kubeconfig),
         # The suite makes a namespace per test module: cluster-wide mode (the chart's default is
         # namespaced, to the release namespace only).
         "--set",
@@ -209,7 +217,7 @@ def chart(cluster: harness._ClusterBase) -> Iterator[dict[str, str]]:
     deploy = wait_for(
         "the chart's operator Deployment",
         lambda: get_json(
-            cluster, "get", "deploy", "-n", SYSTEM_NS, "-l", f"app.kubernetes.io/instance={RELEASE}"
+            c, "get", "deploy", "-n", SYSTEM_NS, "-l", f"app.kubernetes.io/instance={RELEASE}"
         )["items"],
     )[0]
     names = {
@@ -219,16 +227,22 @@ def chart(cluster: harness._ClusterBase) -> Iterator[dict[str, str]]:
     if not incluster:
         # Its pod would only "run" on a fake node (no container ever starts); the real operator
         # runs as a local process instead, with this Deployment's ServiceAccount.
-        kubectl(cluster, "scale", "deploy", names["deployment"], "-n", SYSTEM_NS, "--replicas=0")
+        kubectl(c, "scale", "deploy", names["deployment"], "-n", SYSTEM_NS, "--replicas=0")
     try:
         yield names
     finally:
         subprocess.run(
-            [helm, "uninstall", RELEASE, "-n", SYSTEM_NS, "--kubeconfig", str(cluster.kubeconfig)],
+            [helm, "uninstall", RELEASE, "-n", SYSTEM_NS, "--kubeconfig", str(c.kubeconfig)],
             env=env,
             capture_output=True,
             timeout=120,
         )
+
+
+@pytest.fixture(scope="session")
+def chart(cluster: harness._ClusterBase) -> Iterator[dict[str, str]]:
+    with installed_chart(cluster, operator_mode() == "incluster") as names:
+        yield names
 
 
 @pytest.fixture(scope="session")

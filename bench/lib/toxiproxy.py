@@ -159,9 +159,16 @@ class Link:
 
 
 @contextmanager
-def wan_link(upstream_port: int, shape: Shape, name: str = "wan") -> Iterator[Link]:
-    """A toxiproxy-server on 127.0.0.1 with one proxy to 127.0.0.1:`upstream_port` shaped
-    by `shape`; the toxics are in place before the first client connects (a reset toxic only
+def wan_link(
+    upstream_port: int,
+    shape: Shape,
+    name: str = "wan",
+    *,
+    upstream_host: str = "127.0.0.1",
+    listen_host: str = "127.0.0.1",
+) -> Iterator[Link]:
+    """A toxiproxy-server (its API on 127.0.0.1) with one proxy listening on `listen_host` and
+    forwarding to `upstream_host`:`upstream_port`, shaped by `shape`; the toxics are in place before the first client connects (a reset toxic only
     works on connections that start after it was added), and with resets, every open
     connection's is drawn again every REDRAW_SECONDS (`redraw_resets`) until the link closes."""
     api_port, port = free_port(), free_port()
@@ -172,7 +179,7 @@ def wan_link(upstream_port: int, shape: Shape, name: str = "wan") -> Iterator[Li
         env = {**os.environ, "LOG_LEVEL": "info"}  # not its API's access lines (debug)
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
         api = f"http://127.0.0.1:{api_port}"
-        link = Link(api, name, f"http://127.0.0.1:{port}", shape, log_path)
+        link = Link(api, name, f"http://{listen_host}:{port}", shape, log_path)
         stopped = threading.Event()
         try:
             _wait_api(api, proc)
@@ -181,8 +188,8 @@ def wan_link(upstream_port: int, shape: Shape, name: str = "wan") -> Iterator[Li
                 "/proxies",
                 {
                     "name": name,
-                    "listen": f"127.0.0.1:{port}",
-                    "upstream": f"127.0.0.1:{upstream_port}",
+                    "listen": f"{listen_host}:{port}",
+                    "upstream": f"{upstream_host}:{upstream_port}",
                     "enabled": True,
                 },
             )

@@ -42,7 +42,9 @@ class PKI:
             raise ClusterError("the openssl command is needed to make the cluster's certificates")
         run(["openssl", *args], cwd=self.d)
 
-    def generate(self, real_node_sans: bool = False) -> None:
+    def generate(self, node: real_node_config.Site | None = None) -> None:
+        """node: the site of the cluster's real node (its gateway is the apiserver's address for
+        pods, and its programs get client certificates), or None without one."""
         self.d.mkdir(parents=True, exist_ok=True)
         self._openssl(
             *["req", "-x509", "-new", *_EC_KEY, "-keyout", "ca.key", "-out", "ca.crt"],
@@ -56,7 +58,7 @@ class PKI:
             [
                 "IP:127.0.0.1",
                 f"IP:{KUBERNETES_SERVICE_IP}",
-                *([f"IP:{real_node_config.GATEWAY}"] if real_node_sans else []),
+                *([f"IP:{node.gateway}"] if node else []),
                 "DNS:localhost",
                 "DNS:kubernetes",
                 "DNS:kubernetes.default",
@@ -70,8 +72,8 @@ class PKI:
         self.leaf("kube-scheduler", "/CN=system:kube-scheduler", "clientAuth")
         # kwok plays every fake kubelet (nodes, node leases, pod status, pod deletion).
         self.leaf("kwok", "/O=system:masters/CN=kwok", "clientAuth")
-        if real_node_sans:
-            self._real_node_leaves()
+        if node:
+            self._real_node_leaves(node)
         self._openssl(
             "genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key"
         )
@@ -79,10 +81,9 @@ class PKI:
         for k in self.d.glob("*.key"):
             k.chmod(0o600)
 
-    def _real_node_leaves(self) -> None:
+    def _real_node_leaves(self, site: real_node_config.Site) -> None:
         # the real node's programs, each with the identity a cluster gives it
-        node = real_node.node_name()
-        self.leaf("kubelet", f"/O=system:nodes/CN=system:node:{node}", "clientAuth")
+        self.leaf("kubelet", f"/O=system:nodes/CN=system:node:{site.node_name}", "clientAuth")
         self.leaf("kube-proxy", "/CN=system:kube-proxy", "clientAuth")
         self.leaf("coredns", "/O=system:masters/CN=coredns", "clientAuth")
         # the apiserver's identity towards kubelets (kubectl logs/exec)
@@ -138,11 +139,18 @@ def write_kubeconfig(path: Path, server: str, ca: Path, cert: Path, key: Path, u
     path.chmod(0o600)
 
 
-def argv(binary: Path, pki: PKI, port: int, etcd_url: str, cert_dir: Path) -> list[str]:
+def argv(
+    binary: Path,
+    pki: PKI,
+    port: int,
+    etcd_url: str,
+    cert_dir: Path,
+    node: real_node_config.Site | None,
+) -> list[str]:
     """With the real node, pods reach the apiserver at the bridge's gateway address."""
-    if REAL_NODE:
+    if node:
         network = [
-            f"--advertise-address={real_node_config.GATEWAY}",
+            f"--advertise-address={node.gateway}",
             "--bind-address=0.0.0.0",
             "--kubelet-preferred-address-types=InternalIP,Hostname",
             f"--kubelet-client-certificate={pki.path('apiserver-kubelet-client.crt')}",
@@ -174,11 +182,19 @@ def argv(binary: Path, pki: PKI, port: int, etcd_url: str, cert_dir: Path) -> li
 
 
 def start(
-    procs: Processes, binary: Path, pki: PKI, port: int, etcd_url: str, deadline: float
+    procs: Processes,
+    binary: Path,
+    pki: PKI,
+    port: int,
+    etcd_url: str,
+    deadline: float,
+    node: real_node_config.Site | None = None,
 ) -> str:
     """Start kube-apiserver and wait until /readyz answers 200; returns its URL."""
     server = f"https://127.0.0.1:{port}"
-    procs.spawn("kube-apiserver", argv(binary, pki, port, etcd_url, procs.state_dir / "apiserver"))
+    procs.spawn(
+        "kube-apiserver", argv(binary, pki, port, etcd_url, procs.state_dir / "apiserver", node)
+    )
     procs.wait(
         "kube-apiserver", lambda: request(server, pki, "/readyz", timeout=5)[0] == 200, deadline
     )

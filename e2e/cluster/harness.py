@@ -78,6 +78,8 @@ CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-sche
 # Started on request (start_kueue), stopped with the cluster.
 ON_REQUEST = ("kueue",)
 COMPONENTS = CONTROL_PLANE + (real_node.NODE_COMPONENTS if REAL_NODE else ())
+# What a site's node imports besides the sandbox image: the home node runs the operator too.
+SITE_IMAGES = {"home": ("trainer", "operator"), "away": ("trainer",)}
 PORTS = ("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler")
 DEFAULT_SERVICE_ACCOUNT = "/api/v1/namespaces/default/serviceaccounts/default"
 
@@ -146,7 +148,10 @@ class LocalCluster(_ClusterBase):
         *,
         node_pools: list[NodePool] | None = None,
         build: bool = True,
+        site: real_node_config.Site = real_node_config.HOME,
     ):
+        """site: where this cluster's real node lives on the machine (real_node_config.HOME, or
+        AWAY for a second cluster beside it); no real node without root."""
         self.state_dir = (
             Path(state_dir).expanduser().resolve() if state_dir else default_state_dir().resolve()
         )
@@ -155,7 +160,9 @@ class LocalCluster(_ClusterBase):
         self.kubeconfig = self.state_dir / "kubeconfig"
         self.versions = read_versions()
         self._bins: Binaries | None = None
-        self.procs = Processes(self.state_dir, COMPONENTS + ON_REQUEST, cache_root())
+        self.site = site if REAL_NODE else None
+        self.components = CONTROL_PLANE + (real_node.node_components(site) if self.site else ())
+        self.procs = Processes(self.state_dir, self.components + ON_REQUEST, cache_root())
         self.ports: dict[str, int] = {}
         self.timings: dict[str, float] = {}
         self.images: dict[str, str] = {}
@@ -197,7 +204,7 @@ class LocalCluster(_ClusterBase):
         info = self._read_info()
         if not info:
             return False
-        for name in COMPONENTS:
+        for name in self.components:
             pid = self.procs.recorded_pid(name)
             if pid is None or not proc_alive(pid):
                 return False
@@ -227,7 +234,7 @@ class LocalCluster(_ClusterBase):
         etcd_url = etcd.start(procs, bins.etcd, self.ports, deadline)
         self._took("etcd_ready_s", t_start)
         apiserver.start(
-            procs, bins.kube_apiserver, pki, self.ports["apiserver"], etcd_url, deadline
+            procs, bins.kube_apiserver, pki, self.ports["apiserver"], etcd_url, deadline, self.site
         )
         self._took("apiserver_ready_s", t_start)
         apiserver.write_kubeconfigs(pki, self.server, self.kubeconfig)
@@ -263,9 +270,9 @@ class LocalCluster(_ClusterBase):
         self.stop(quiet=True)
         reset_state_dir(self.state_dir)
         self.ports = {k: free_port() for k in PORTS}
-        self.pki.generate(real_node_sans=REAL_NODE)
+        self.pki.generate(self.site)
         self._took("certs_s", t0)
-        if REAL_NODE:
+        if self.site:
             self.node = self._new_node()
             self.node.lock()
             self.node.prepare()
@@ -274,7 +281,7 @@ class LocalCluster(_ClusterBase):
         """Stop every process of this cluster (by recorded pid, then by a /proc scan for any
         process of our binaries whose command line names this state dir) and verify none is left.
         Raises ClusterError if one survives SIGKILL."""
-        if REAL_NODE:
+        if self.site:
             self._stop_real_node(timeout)
         # etcd last: an API server whose etcd is gone hangs in its graceful shutdown
         self.procs.stop_all(CONTROL_PLANE + ON_REQUEST, last="etcd", quiet=quiet, timeout=timeout)
@@ -297,8 +304,15 @@ class LocalCluster(_ClusterBase):
 
     # -- the real node (real_node.py)
     def _new_node(self) -> real_node.RealNode:
+        assert self.site is not None
         return real_node.RealNode(
-            self.state_dir, cache_root(), self.bins.node, self.procs.spawn, self._apply, log
+            self.state_dir,
+            cache_root(),
+            self.bins.node,
+            self.procs.spawn,
+            self._apply,
+            log,
+            self.site,
         )
 
     def _start_real_node(self, deadline: float) -> None:
@@ -308,11 +322,13 @@ class LocalCluster(_ClusterBase):
         node.start_runtime()
         self.images = build_images()
         tars = {real_node_config.PAUSE_IMAGE: node.pause_tar()}
-        tars.update({img: image_tar(img) for img in self.images.values()})
+        wanted = SITE_IMAGES[node.site.key]
+        tars.update({img: image_tar(img) for role, img in self.images.items() if role in wanted})
         node.import_images(tars)
         self._took("images_s", t0)
         node.start_kubelet(self.pki, self.server, free_port, write_kubeconfig)
-        node.make_volumes()
+        if node.site.services:
+            node.make_volumes()
         self.procs.wait(
             "kubelet",
             lambda: apiserver.nodes_ready(self.server, self.pki, [node.name]),
@@ -341,6 +357,8 @@ class LocalCluster(_ClusterBase):
         self.timings[timing] = round(time.monotonic() - since, 2)
 
     def _apply(self, objs: list[dict[str, Any]]) -> None:
+        if not objs:  # a cluster without fake nodes
+            return
         self.kubectl(
             "apply",
             "-f",

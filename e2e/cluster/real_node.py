@@ -24,7 +24,6 @@ import fcntl
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -32,14 +31,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from real_node_config import (
-    BRIDGE,
     EXT4_VOLUME,
-    GATEWAY,
+    HOME,
     NODE_LABEL,
     PAUSE_IMAGE,
-    POD_SUBNET,
     SERVICE_CIDR,
     TAINT,
+    Site,
     cni_config,
     containerd_config,
     corefile,
@@ -53,21 +51,24 @@ from real_node_config import (
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
-GUARD_CHAIN = "DILOCO-E2E-GUARD"
 TOLERATION = {"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}
 
-NODE_COMPONENTS = ("containerd", "kubelet", "kube-proxy", "coredns")
 CNI_BIN_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
-NODE_LOCK = Path("/run/diloco-e2e-node.lock")
+
+
+def node_components(site: Site) -> tuple[str, ...]:
+    return ("containerd", "kubelet") + (("kube-proxy", "coredns") if site.services else ())
+
+
+NODE_COMPONENTS = node_components(HOME)
 
 
 class NodeError(RuntimeError):
     pass
 
 
-def node_name() -> str:
-    """The machine's hostname: the apiserver reaches the kubelet by it as a fallback address."""
-    return socket.gethostname().split(".")[0].lower()
+def node_name(site: Site = HOME) -> str:
+    return site.node_name
 
 
 def enabled() -> bool:
@@ -116,14 +117,15 @@ def cni_bin_dir() -> str:
 # network: the bridge and the guard
 
 
-def bridge_up() -> None:
+def bridge_up(site: Site) -> None:
     """The bridge exists before the apiserver starts: it advertises the gateway address."""
-    if run(["ip", "link", "show", BRIDGE], check=False).returncode != 0:
-        run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-    addrs = run(["ip", "-4", "-o", "addr", "show", "dev", BRIDGE]).stdout
-    if f" {GATEWAY}/" not in addrs:
-        run(["ip", "addr", "add", f"{GATEWAY}/{POD_SUBNET.split('/')[1]}", "dev", BRIDGE])
-    run(["ip", "link", "set", BRIDGE, "up"])
+    bridge, gateway = site.bridge, site.gateway
+    if run(["ip", "link", "show", bridge], check=False).returncode != 0:
+        run(["ip", "link", "add", bridge, "type", "bridge"])
+    addrs = run(["ip", "-4", "-o", "addr", "show", "dev", bridge]).stdout
+    if f" {gateway}/" not in addrs:
+        run(["ip", "addr", "add", f"{gateway}/{site.pod_subnet.split('/')[1]}", "dev", bridge])
+    run(["ip", "link", "set", bridge, "up"])
     for key, value in (
         ("net/ipv4/ip_forward", "1"),
         ("net/bridge/bridge-nf-call-iptables", "1"),
@@ -131,36 +133,53 @@ def bridge_up() -> None:
         p = Path("/proc/sys") / key
         if p.exists() and p.read_text().strip() != value:
             p.write_text(value)
-    guard_up()
+    guard_up(site)
 
 
-def _guard_rules() -> list[list[str]]:
+def _guard_rules(site: Site) -> list[list[str]]:
     return [
         # a pod may talk to the bridge (pods, the host's gateway address) and nothing beyond it
-        ["-i", BRIDGE, "!", "-o", BRIDGE, "-j", "REJECT"],
+        ["-i", site.bridge, "!", "-o", site.bridge, "-j", "REJECT"],
         # a Service IP that kube-proxy did not rewrite has no endpoint: refuse, never route it
         ["-d", SERVICE_CIDR, "-j", "REJECT"],
     ]
 
 
-def guard_up() -> None:
-    if run(["iptables", "-w", "-L", GUARD_CHAIN, "-n"], check=False).returncode != 0:
-        run(["iptables", "-w", "-N", GUARD_CHAIN])
-    run(["iptables", "-w", "-F", GUARD_CHAIN])
-    for rule in _guard_rules():
-        run(["iptables", "-w", "-A", GUARD_CHAIN, *rule])
-    for chain in ("FORWARD", "OUTPUT"):
-        if run(["iptables", "-w", "-C", chain, "-j", GUARD_CHAIN], check=False).returncode != 0:
-            run(["iptables", "-w", "-I", chain, "1", "-j", GUARD_CHAIN])
+def guard_up(site: Site) -> None:
+    chain = site.guard_chain
+    if run(["iptables", "-w", "-L", chain, "-n"], check=False).returncode != 0:
+        run(["iptables", "-w", "-N", chain])
+    run(["iptables", "-w", "-F", chain])
+    for rule in _guard_rules(site):
+        run(["iptables", "-w", "-A", chain, *rule])
+    for parent in ("FORWARD", "OUTPUT"):
+        if run(["iptables", "-w", "-C", parent, "-j", chain], check=False).returncode != 0:
+            run(["iptables", "-w", "-I", parent, "1", "-j", chain])
 
 
-def network_down() -> None:
-    for chain in ("FORWARD", "OUTPUT"):
-        while run(["iptables", "-w", "-D", chain, "-j", GUARD_CHAIN], check=False).returncode == 0:
+def network_down(site: Site) -> None:
+    chain = site.guard_chain
+    for parent in ("FORWARD", "OUTPUT"):
+        while run(["iptables", "-w", "-D", parent, "-j", chain], check=False).returncode == 0:
             pass
-    run(["iptables", "-w", "-F", GUARD_CHAIN], check=False)
-    run(["iptables", "-w", "-X", GUARD_CHAIN], check=False)
-    run(["ip", "link", "del", BRIDGE], check=False)
+    run(["iptables", "-w", "-F", chain], check=False)
+    run(["iptables", "-w", "-X", chain], check=False)
+    run(["ip", "link", "del", site.bridge], check=False)
+
+
+def cgroup_root_up(site: Site) -> None:
+    """The kubelet refuses a cgroup root that does not exist: make it in every v1 hierarchy
+    (a new cpuset cgroup starts with no CPUs or memory nodes: give it its parent's)."""
+    if site.cgroup_root == "/":
+        return
+    for hier in Path("/sys/fs/cgroup").iterdir():
+        if not (hier / "cgroup.procs").exists() or (hier / "cgroup.controllers").exists():
+            continue  # not a v1 hierarchy (a cgroup v2 mount has cgroup.controllers)
+        d = hier / site.cgroup_dir
+        d.mkdir(exist_ok=True)
+        for knob in ("cpuset.cpus", "cpuset.mems"):
+            if (d / knob).exists() and not (d / knob).read_text().strip():
+                (d / knob).write_text((hier / knob).read_text())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,29 +205,38 @@ class RealNode:
         spawn: Callable[[str, list[str]], None],
         apply: Callable[[list[dict[str, Any]]], object],
         log: Callable[[str], None],
+        site: Site = HOME,
     ) -> None:
+        self.site = site
         self.st = state_dir / "node"
         self.cache = cache
         self.bins = bins
         self._spawn = spawn
         self._apply = apply
         self._log = log
-        self.name = node_name()
+        self.name = site.node_name
         self.sock = self.st / "containerd.sock"
         self.images: dict[str, str] = {}
         self._lock: IO[str] | None = None
 
+    @property
+    def images_root(self) -> Path:
+        """Cached across runs, so that images are imported once; one per site (a containerd
+        owns its root)."""
+        return self.cache / ("node" if self.site == HOME else f"node-{self.site.key}")
+
     # -- lifecycle
     def lock(self) -> None:
-        """One real node per machine: it owns the bridge, port 10250 and the guard chain."""
-        NODE_LOCK.parent.mkdir(parents=True, exist_ok=True)
-        f = open(NODE_LOCK, "w")  # noqa: SIM115 - held until unlock()
+        """One real node per site: it owns the site's bridge, guard chain and cgroup root."""
+        lock = Path(f"/run/diloco-e2e-node{'' if self.site == HOME else '-' + self.site.key}.lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        f = open(lock, "w")  # noqa: SIM115 - held until unlock()
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as e:
             f.close()
             raise NodeError(
-                f"another e2e cluster's real node holds {NODE_LOCK}; stop it first "
+                f"another e2e cluster's real node holds {lock}; stop it first "
                 "(e2e/cluster/down.sh) or set DILOCO_E2E_REAL_NODE=0"
             ) from e
         self._lock = f
@@ -221,21 +249,27 @@ class RealNode:
     def prepare(self) -> None:
         """Before the apiserver: packages, the bridge and the guard."""
         ensure_packages()
-        bridge_up()
+        bridge_up(self.site)
+        cgroup_root_up(self.site)
 
     def start_runtime(self) -> None:
         """containerd, and the images the node needs (imported once into a cached root)."""
         st = self.st
-        for sub in ("containerd-state", "cni/net.d", "cni/ipam", "kubelet", "volumes"):
+        for sub in ("containerd-state", "cni/net.d", "cni/ipam", "kubelet", "volumes", "pod-logs"):
             (st / sub).mkdir(parents=True, exist_ok=True)
-        root = self.cache / "node" / "containerd-root"
-        root.mkdir(parents=True, exist_ok=True)
-        (st / "cni/net.d/10-diloco-e2e.conflist").write_text(
-            json.dumps(cni_config(st / "cni/ipam"), indent=2)
+        root = self.images_root
+        (root / "containerd-root").mkdir(parents=True, exist_ok=True)
+        (st / f"cni/net.d/10-{self.site.network_name}.conflist").write_text(
+            json.dumps(cni_config(self.site, st / "cni/ipam"), indent=2)
         )
         (st / "containerd.toml").write_text(
             containerd_config(
-                root, st / "containerd-state", self.sock, st / "cni/net.d", cni_bin_dir()
+                root / "containerd-root",
+                st / "containerd-state",
+                self.sock,
+                st / "cni/net.d",
+                cni_bin_dir(),
+                st / "runc",
             )
         )
         self._spawn("containerd", ["/usr/bin/containerd", "--config", str(st / "containerd.toml")])
@@ -292,7 +326,16 @@ class RealNode:
         resolv = st / "resolv.conf"
         resolv.write_text("# pods use the cluster DNS only\n")
         (st / "kubelet.yaml").write_text(
-            json.dumps(kubelet_config(pki.path("ca.crt"), self.sock, resolv, free_port()))
+            json.dumps(
+                kubelet_config(
+                    self.site,
+                    pki.path("ca.crt"),
+                    self.sock,
+                    resolv,
+                    (free_port(), free_port()),
+                    st / "pod-logs",
+                )
+            )
         )
         self._spawn(
             "kubelet",
@@ -301,13 +344,25 @@ class RealNode:
                 f"--config={st / 'kubelet.yaml'}",
                 f"--kubeconfig={kc}",
                 f"--hostname-override={self.name}",
-                f"--node-ip={GATEWAY}",
+                f"--node-ip={self.site.gateway}",
                 f"--node-labels={NODE_LABEL}=true",
                 f"--root-dir={st / 'kubelet'}",
                 f"--cert-dir={st / 'kubelet' / 'pki'}",
                 "--v=1",
             ],
         )
+        if self.site.services:
+            self._start_services(pki, server, free_port, write_kubeconfig)
+
+    def _start_services(
+        self,
+        pki: Any,
+        server: str,
+        free_port: Callable[[], int],
+        write_kubeconfig: Callable[[Path, str, Path, Path, Path, str], None],
+    ) -> None:
+        """kube-proxy for Services and CoreDNS behind kube-dns (the home site only)."""
+        st = self.st
         pkc = st / "kube-proxy.kubeconfig"
         write_kubeconfig(
             pkc,
@@ -371,20 +426,21 @@ class RealNode:
                     "--wait=true",
                     "--timeout=40s",
                 )
-        terminate(["kube-proxy", "kubelet", "coredns"])
+        terminate(list(node_components(self.site)[1:]))
         if self.sock.exists():
             with contextlib.suppress(Exception):
                 self._remove_leftover_containers()
         terminate(["containerd"])
-        with contextlib.suppress(Exception):
-            run([str(self.bins.kube_proxy), "--cleanup"], check=False, timeout=60)
+        if self.site.services:
+            with contextlib.suppress(Exception):
+                run([str(self.bins.kube_proxy), "--cleanup"], check=False, timeout=60)
         self._unmount_all()
         dev_file = self.st / "loopdev"
         if dev_file.exists():
             run(["losetup", "-d", dev_file.read_text().strip()], check=False)
             dev_file.unlink()
-        _remove_empty_cgroups("kubepods")
-        network_down()
+        _remove_empty_cgroups(self.site.cgroup_dir)
+        network_down(self.site)
         self.unlock()
 
     # -- internals
@@ -402,7 +458,7 @@ class RealNode:
             self.ctr("containers", "rm", c, check=False)
 
     def _unmount_all(self) -> None:
-        roots = (str(self.st), str(self.cache / "node"))
+        roots = (f"{self.st}/", f"{self.images_root}/")
         mounts = []
         with contextlib.suppress(OSError):
             for line in Path("/proc/mounts").read_text().splitlines():

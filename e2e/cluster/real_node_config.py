@@ -3,16 +3,15 @@ with: pure functions, text and manifests from paths (real_node.py writes and app
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
+import socket
 import tarfile
 from pathlib import Path
 from typing import Any
 
-BRIDGE = "dlc0"
-POD_SUBNET = "10.244.0.0/24"
-GATEWAY = "10.244.0.1"  # the host on the bridge: apiserver, CoreDNS and kubelet are reached here
 SERVICE_CIDR = "10.96.0.0/20"
 KUBERNETES_SERVICE_IP = "10.96.0.1"
 DNS_SERVICE_IP = "10.96.0.10"
@@ -24,7 +23,56 @@ STORAGE_CLASS = "diloco-local"
 EXT4_VOLUME = "ckpt-ext4"
 
 
-def containerd_config(root: Path, state: Path, sock: Path, cni_conf: Path, cni_bin: str) -> str:
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where one cluster's real node lives on this machine. Two sites (the nodes of two clusters)
+    share it without touching each other's bridge, addresses, ports, cgroups, logs or guard.
+
+    Only the home site routes Services (kube-proxy) and serves cluster DNS: kube-proxy's iptables
+    chains are machine-wide, so two of them would rewrite each other's rules. Pods of another site
+    reach what they need by address (the two-cluster tests: the home syncer through a proxy on
+    their own gateway)."""
+
+    key: str
+    bridge: str
+    pod_subnet: str
+    gateway: str  # the host on the bridge: its kubelet (and at home: apiserver, CoreDNS) there
+    name_suffix: str
+    cgroup_root: str  # the kubelet's root for pod cgroups ("/" keeps the usual /kubepods)
+    services: bool  # kube-proxy, CoreDNS and the local PersistentVolumes
+
+    @property
+    def node_name(self) -> str:
+        """Home: the machine's hostname (the apiserver's fallback address for its kubelet)."""
+        return socket.gethostname().split(".")[0].lower() + self.name_suffix
+
+    @property
+    def guard_chain(self) -> str:
+        return "DILOCO-E2E-GUARD" + ("" if self.key == "home" else f"-{self.key.upper()}")
+
+    @property
+    def network_name(self) -> str:
+        return "diloco-e2e" + ("" if self.key == "home" else f"-{self.key}")
+
+    @property
+    def cgroup_dir(self) -> str:
+        """The top-level cgroup its pods live under, removed when the node stops."""
+        return "kubepods" if self.cgroup_root == "/" else self.cgroup_root.strip("/")
+
+
+HOME = Site("home", "dlc0", "10.244.0.0/24", "10.244.0.1", "", "/", services=True)
+AWAY = Site("away", "dlc1", "10.245.0.0/24", "10.245.0.1", "-away", "/diloco-away", services=False)
+SITES = {s.key: s for s in (HOME, AWAY)}
+
+# the home site's, as most of the e2e suite knows them
+BRIDGE = HOME.bridge
+POD_SUBNET = HOME.pod_subnet
+GATEWAY = HOME.gateway
+
+
+def containerd_config(
+    root: Path, state: Path, sock: Path, cni_conf: Path, cni_bin: str, runc_root: Path
+) -> str:
     return f"""version = 2
 root = "{root}"
 state = "{state}"
@@ -40,26 +88,28 @@ state = "{state}"
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        Root = "{runc_root}"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "{cni_bin}"
     conf_dir = "{cni_conf}"
 """
 
 
-def cni_config(ipam_dir: Path) -> dict[str, Any]:
+def cni_config(site: Site, ipam_dir: Path) -> dict[str, Any]:
     return {
         "cniVersion": "1.0.0",
-        "name": "diloco-e2e",
+        "name": site.network_name,
         "plugins": [
             {
                 "type": "bridge",
-                "bridge": BRIDGE,
+                "bridge": site.bridge,
                 "isGateway": True,
                 "ipMasq": False,
                 "hairpinMode": True,
                 "ipam": {
                     "type": "host-local",
-                    "ranges": [[{"subnet": POD_SUBNET, "gateway": GATEWAY}]],
+                    "ranges": [[{"subnet": site.pod_subnet, "gateway": site.gateway}]],
                     # Service IPs only, via the host: no default route, so a pod has no way
                     # to even address anything beyond this machine
                     "routes": [{"dst": SERVICE_CIDR}],
@@ -73,7 +123,10 @@ def cni_config(ipam_dir: Path) -> dict[str, Any]:
     }
 
 
-def kubelet_config(ca: Path, sock: Path, resolv: Path, healthz_port: int) -> dict[str, Any]:
+def kubelet_config(
+    site: Site, ca: Path, sock: Path, resolv: Path, ports: tuple[int, int], logs: Path
+) -> dict[str, Any]:
+    """ports: (serving, healthz); both are picked free, so two kubelets never collide."""
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
@@ -91,8 +144,13 @@ def kubelet_config(ca: Path, sock: Path, resolv: Path, healthz_port: int) -> dic
         "clusterDomain": "cluster.local",
         "resolvConf": str(resolv),
         "registerWithTaints": [TAINT],
+        "address": site.gateway,
+        "port": ports[0],
         "healthzBindAddress": "127.0.0.1",
-        "healthzPort": healthz_port,
+        "healthzPort": ports[1],
+        "cgroupRoot": site.cgroup_root,
+        # a kubelet removes log directories of pods it does not know: one directory per site
+        "podLogsDir": str(logs),
         "readOnlyPort": 0,
         "maxPods": 40,
         # images cannot be pulled again here: never garbage-collect them, never evict for disk

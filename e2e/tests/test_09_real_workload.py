@@ -30,7 +30,6 @@ import os
 import re
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,7 +37,8 @@ from typing import Any
 
 import pytest
 import runs
-from conftest import CHART, RELEASE, SYSTEM_NS, Operator, get_json, kubectl, say, wait_for
+from conftest import SYSTEM_NS, get_json, kubectl, say, wait_for
+from real_pods import on_real_node, operator_pods
 
 from e2e.cluster import harness, real_node
 
@@ -58,102 +58,8 @@ BUDGET_LEFT = 500  # steps to go once the last test lowers it: ~10 s for both un
 IN_PLACE_RESTARTS = int(os.environ.get("DILOCO_E2E_IN_PLACE_RESTARTS", "2"))
 
 
-def cluster_info(c: harness._ClusterBase) -> dict[str, Any]:
-    if not isinstance(c, harness.LocalCluster):
-        return {}
-    return c._read_info()
-
-
-@pytest.fixture(scope="module")
-def real(cluster: harness._ClusterBase) -> dict[str, Any]:
-    """The real node and the images built for it; skips where the cluster has no real node."""
-    info = cluster_info(cluster)
-    if not info.get("real_node") or not info.get("images"):
-        if os.environ.get("DILOCO_E2E_REQUIRE"):
-            pytest.fail("DILOCO_E2E_REQUIRE: the cluster has no real node (needs root)")
-        pytest.skip("the cluster has no real node (e2e/cluster/real_node.py needs root)")
-    return info
-
-
-def _helm(c: harness._ClusterBase, *args: str) -> None:
-    helm = str(harness.expected_binaries().helm)
-    scratch = tempfile.mkdtemp(prefix="diloco-e2e-helm-")
-    env = {**c.env(), "HELM_CACHE_HOME": scratch, "HELM_CONFIG_HOME": scratch}
-    env["HELM_DATA_HOME"] = scratch
-    r = subprocess.run(
-        [helm, *args, "--kubeconfig", str(c.kubeconfig)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert r.returncode == 0, f"helm {' '.join(args)} failed: {r.stderr}"
-
-
-def _on_real_node() -> dict[str, Any]:
-    return {
-        "nodeSelector": {real_node.NODE_LABEL: "true"},
-        "tolerations": [real_node.TOLERATION],
-    }
-
-
-@pytest.fixture(scope="module")
-def incluster(
-    cluster: harness._ClusterBase,
-    real: dict[str, Any],
-    operator: Operator,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[str]:
-    """The chart's operator, in-cluster from its image on the real node, with chaos on. The
-    session's local operator steps aside meanwhile (two operators must never share runs)."""
-    repo, tag = real["images"]["operator"].split(":", 1)
-    values = {
-        "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
-        "chaos": {"enabled": True},
-        "pollIntervalSeconds": 1,
-        **_on_real_node(),
-    }
-    vf = tmp_path_factory.mktemp("helm") / "values.json"
-    vf.write_text(json.dumps(values))
-    operator.stop()
-    t0 = time.monotonic()
-    _helm(cluster, "upgrade", RELEASE, str(CHART), "-n", SYSTEM_NS, "--reuse-values", "-f", str(vf))
-    _scale_chart_operator(cluster, 1)
-    pod = wait_for("the in-cluster operator pod Ready", lambda: _operator_pod(cluster), 180)
-    say(f"in-cluster operator {pod} ready in {time.monotonic() - t0:.1f}s")
-    try:
-        yield pod
-    finally:
-        _scale_chart_operator(cluster, 0)
-        wait_for("the in-cluster operator gone", lambda: not _operator_pods(cluster), 120)
-        operator.start()
-
-
-def _scale_chart_operator(c: harness._ClusterBase, replicas: int) -> None:
-    selector = f"app.kubernetes.io/instance={RELEASE}"
-    kubectl(c, "scale", "deploy", "-n", SYSTEM_NS, "-l", selector, f"--replicas={replicas}")
-
-
-def _operator_pods(c: harness._ClusterBase) -> list[dict[str, Any]]:
-    pods: list[dict[str, Any]] = get_json(
-        c, "get", "pods", "-n", SYSTEM_NS, "-l", f"app.kubernetes.io/instance={RELEASE}"
-    )["items"]
-    return pods
-
-
-def _operator_pod(c: harness._ClusterBase) -> str | None:
-    for p in _operator_pods(c):
-        ready = any(
-            x["type"] == "Ready" and x["status"] == "True"
-            for x in p.get("status", {}).get("conditions") or []
-        )
-        if ready and not p["metadata"].get("deletionTimestamp"):
-            return str(p["metadata"]["name"])
-    return None
-
-
 def manifest(image: str) -> dict[str, Any]:
-    placement = _on_real_node()
+    placement = on_real_node()
     return {
         "apiVersion": "diloco.dev/v1alpha1",
         "kind": "DilocoRun",
@@ -590,7 +496,7 @@ def test_run_completes_and_children_go_with_it(
             f"{obj['status'].get('observedGeneration')} totalSteps "
             f"{obj['spec']['training'].get('totalSteps')}"
         )
-        for pod in _operator_pods(cluster):
+        for pod in operator_pods(cluster):
             logs = pod_log(cluster, SYSTEM_NS, pod["metadata"]["name"])
             lines = [line for line in logs.splitlines() if re.search("roster|peer|pause", line)]
             say(f"{pod['metadata']['name']}:\n" + "\n".join(lines[-40:]))

@@ -1,0 +1,118 @@
+"""Fixtures and helpers of the tests whose pods are real containers on the local cluster's real
+node (e2e/cluster/real_node.py): the node's facts, placement on it, and the chart's operator
+running in-cluster from its image. Loaded as a plugin by conftest.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import (
+    CHART,
+    RELEASE,
+    SYSTEM_NS,
+    Operator,
+    get_json,
+    helm_env,
+    kubectl,
+    say,
+    wait_for,
+)
+
+from e2e.cluster import harness, real_node
+
+
+def cluster_info(c: harness._ClusterBase) -> dict[str, Any]:
+    if not isinstance(c, harness.LocalCluster):
+        return {}
+    return c._read_info()
+
+
+@pytest.fixture(scope="module")
+def real(cluster: harness._ClusterBase) -> dict[str, Any]:
+    """The real node and the images built for it; skips where the cluster has no real node."""
+    info = cluster_info(cluster)
+    if not info.get("real_node") or not info.get("images"):
+        if os.environ.get("DILOCO_E2E_REQUIRE"):
+            pytest.fail("DILOCO_E2E_REQUIRE: the cluster has no real node (needs root)")
+        pytest.skip("the cluster has no real node (e2e/cluster/real_node.py needs root)")
+    return info
+
+
+def helm(c: harness._ClusterBase, *args: str) -> None:
+    binary, env = helm_env(c)
+    r = subprocess.run(
+        [binary, *args, "--kubeconfig", str(c.kubeconfig)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 0, f"helm {' '.join(args)} failed: {r.stderr}"
+
+
+def on_real_node() -> dict[str, Any]:
+    return {
+        "nodeSelector": {real_node.NODE_LABEL: "true"},
+        "tolerations": [real_node.TOLERATION],
+    }
+
+
+@pytest.fixture(scope="module")
+def incluster(
+    cluster: harness._ClusterBase,
+    real: dict[str, Any],
+    operator: Operator,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[str]:
+    """The chart's operator, in-cluster from its image on the real node, with chaos on. The
+    session's local operator steps aside meanwhile (two operators must never share runs)."""
+    repo, tag = real["images"]["operator"].split(":", 1)
+    values = {
+        "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
+        "chaos": {"enabled": True},
+        "pollIntervalSeconds": 1,
+        **on_real_node(),
+    }
+    vf = tmp_path_factory.mktemp("helm") / "values.json"
+    vf.write_text(json.dumps(values))
+    operator.stop()
+    t0 = time.monotonic()
+    helm(cluster, "upgrade", RELEASE, str(CHART), "-n", SYSTEM_NS, "--reuse-values", "-f", str(vf))
+    _scale_chart_operator(cluster, 1)
+    pod = wait_for("the in-cluster operator pod Ready", lambda: _operator_pod(cluster), 180)
+    say(f"in-cluster operator {pod} ready in {time.monotonic() - t0:.1f}s")
+    try:
+        yield pod
+    finally:
+        _scale_chart_operator(cluster, 0)
+        wait_for("the in-cluster operator gone", lambda: not operator_pods(cluster), 120)
+        operator.start()
+
+
+def _scale_chart_operator(c: harness._ClusterBase, replicas: int) -> None:
+    selector = f"app.kubernetes.io/instance={RELEASE}"
+    kubectl(c, "scale", "deploy", "-n", SYSTEM_NS, "-l", selector, f"--replicas={replicas}")
+
+
+def operator_pods(c: harness._ClusterBase) -> list[dict[str, Any]]:
+    pods: list[dict[str, Any]] = get_json(
+        c, "get", "pods", "-n", SYSTEM_NS, "-l", f"app.kubernetes.io/instance={RELEASE}"
+    )["items"]
+    return pods
+
+
+def _operator_pod(c: harness._ClusterBase) -> str | None:
+    for p in operator_pods(c):
+        ready = any(
+            x["type"] == "Ready" and x["status"] == "True"
+            for x in p.get("status", {}).get("conditions") or []
+        )
+        if ready and not p["metadata"].get("deletionTimestamp"):
+            return str(p["metadata"]["name"])
+    return None

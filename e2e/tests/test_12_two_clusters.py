@@ -1,0 +1,532 @@
+"""One run across two clusters, each with its own control plane and its own real node
+(docs/multi-cluster.md, docs/e2e.md "Two clusters").
+
+"home" is the session's cluster: the chart's operator in-cluster, the syncer serving HTTPS and one
+unit group on the home node. "away" is a second control plane started beside it (its own etcd,
+API server, controllers and a real node on another bridge, e2e/cluster/real_node_config.AWAY)
+with one unit group, its operator, and no syncer: its run names the home syncer's address, the
+CA that signed the syncer's certificate and a join credential minted at home. The only path
+between them is a TCP proxy (toxiproxy) on the away node's gateway that forwards to the home
+syncer's Service: the link the tests cut.
+
+In order, one run:
+1. it trains in both clusters: the away learner's pushes are accepted at home, the home status
+   lists the away unit Online (remote), the away status says the syncer is reachable;
+2. the link is cut for 60 s: home goes on merging, the away status names the address and the
+   error, the away unit keeps its pod; after the heal its pushes are accepted again;
+3. the away learner's pod is deleted: the away operator recreates the unit, the new learner
+   joins across the link with the global parameters;
+4. away runs with an expired credential, one for another group, and a CA that did not sign the
+   syncer's certificate are refused, each with a condition that names why;
+5. the budget, lowered at home, is reached: both runs Succeeded.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import runs
+from conftest import VENV_BIN, Operator, installed_chart, kubectl, say, wait_for
+from diloco_operator.api.pod_security import TOKEN_KEY
+from diloco_operator.k8s.join_credential import credential_secret
+from diloco_trainer.join_credentials import (
+    CLOCK_SKEW_SECONDS,
+    mint_join_credential,
+    parse_join_credential,
+)
+from real_pods import on_real_node
+
+from bench.lib.toxiproxy import Link, Shape, wan_link
+from e2e.cluster import harness, real_node_config
+
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.two_clusters]
+
+RUN = "two"
+HOME, AWAY = "home", "away"
+HOME_UNIT, AWAY_UNIT = f"{RUN}-{HOME}-0", f"{RUN}-{AWAY}-0"
+SYNCER_PORT = 8470
+TLS_SECRET = f"{RUN}-syncer-tls"
+CA_SECRET = f"{RUN}-home-ca"
+OFFLINE_AFTER_S = 10
+CUT_SECONDS = 60
+TOTAL_STEPS = 10_000
+BUDGET_LEFT = 400
+
+
+# ----------------------------------------------------------------------------------------------
+# the two clusters and the link
+
+
+@pytest.fixture(scope="module")
+def away(cluster: harness._ClusterBase, real: dict[str, Any]) -> Iterator[harness.LocalCluster]:
+    """A second local cluster whose real node sits beside the home one (AWAY site)."""
+    assert isinstance(cluster, harness.LocalCluster)
+    state = cluster.state_dir.parent / f"away-{cluster.state_dir.name}"
+    c = harness.LocalCluster(state, node_pools=[], site=real_node_config.AWAY)
+    t0 = time.monotonic()
+    c.start(timeout=300)
+    say(f"away cluster up in {time.monotonic() - t0:.1f}s ({state})")
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def away_operator(
+    away: harness.LocalCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Operator]:
+    """The away cluster's operator: a local process with the chart's ServiceAccount there."""
+    with installed_chart(away, incluster=False) as names:
+        op = Operator(away, names, tmp_path_factory.mktemp("away-operator"))
+        op.start()
+        try:
+            yield op
+        finally:
+            op.stop()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory, namespace: str) -> dict[str, Path]:
+    """The home syncer's certificate (names: its Service, and the away gateway's address the
+    away learners dial), its CA, and a second CA that signed nothing of this run."""
+    d = tmp_path_factory.mktemp("syncer-pki")
+    names = [
+        f"DNS:{RUN}-syncer.{namespace}.svc",
+        f"DNS:{RUN}-syncer.{namespace}.svc.cluster.local",
+        f"IP:{real_node_config.AWAY.gateway}",
+    ]
+    for ca in ("ca", "other-ca"):
+        _openssl(d, "req", "-x509", "-new", *_EC, "-keyout", f"{ca}.key", "-out", f"{ca}.crt")
+        _openssl(d, "x509", "-in", f"{ca}.crt", "-noout")  # readable
+    _openssl(
+        d,
+        *["req", "-x509", "-new", *_EC, "-CA", "ca.crt", "-CAkey", "ca.key"],
+        *["-keyout", "tls.key", "-out", "tls.crt", "-subj", f"/CN={RUN}-syncer"],
+        *["-addext", f"subjectAltName={','.join(names)}"],
+        *["-addext", "extendedKeyUsage=serverAuth"],
+    )
+    return {n: d / n for n in ("ca.crt", "other-ca.crt", "tls.crt", "tls.key")}
+
+
+_EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"]
+
+
+def _openssl(d: Path, *args: str) -> None:
+    if args[0] == "req" and "-subj" not in args:
+        args = (*args, "-subj", "/CN=diloco-e2e-syncer-ca")
+    subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def home_run(
+    cluster: harness._ClusterBase,
+    real: dict[str, Any],
+    incluster: str,
+    namespace: str,
+    pki: dict[str, Path],
+) -> str:
+    """The home run: its syncer (HTTPS) and one unit on the home node; the away group remote."""
+    files = [f"--from-file={k}={pki[k]}" for k in ("tls.crt", "tls.key", "ca.crt")]
+    kubectl(
+        cluster,
+        "create",
+        "secret",
+        "generic",
+        TLS_SECRET,
+        "-n",
+        namespace,
+        *files,
+        "--type=kubernetes.io/tls",
+    )
+    runs.apply(cluster, namespace, manifest(real["images"]["trainer"], HOME))
+    return namespace
+
+
+@pytest.fixture(scope="module")
+def link(
+    cluster: harness._ClusterBase, home_run: str, away: harness.LocalCluster
+) -> Iterator[Link]:
+    """The only path from the away cluster to the home syncer: a proxy on the away gateway
+    that forwards to the syncer Service's address (kube-proxy routes it to the pod)."""
+    svc = wait_for(
+        "the home syncer Service",
+        lambda: _get(cluster, "svc", f"{RUN}-syncer", home_run),
+        timeout=120,
+    )
+    with wan_link(
+        SYNCER_PORT,
+        Shape(),
+        "home-syncer",
+        upstream_host=svc["spec"]["clusterIP"],
+        listen_host=real_node_config.AWAY.gateway,
+    ) as link:
+        yield link
+
+
+def address(link: Link) -> str:
+    return link.url.replace("http://", "https://")
+
+
+@pytest.fixture(scope="module")
+def away_run(
+    cluster: harness._ClusterBase,
+    away: harness.LocalCluster,
+    away_operator: Operator,
+    real: dict[str, Any],
+    home_run: str,
+    link: Link,
+    pki: dict[str, Path],
+) -> str:
+    """The away run, in a namespace of the same name: its CA Secret and join credential first."""
+    ns = home_run
+    kubectl(away, "create", "namespace", ns)
+    carry(away, ns, "join", cli_credential(cluster, ns, AWAY, "1h", "join"), pki["ca.crt"])
+    doc = manifest(real["images"]["trainer"], AWAY, external(address(link), "join"))
+    runs.apply(away, ns, doc)
+    return ns
+
+
+def cli_credential(
+    home: harness._ClusterBase, home_ns: str, group: str, expires_in: str, name: str
+) -> str:
+    """A join credential Secret minted at home with `diloco join-credential`, as a user does."""
+    minted = subprocess.run(
+        [
+            str(VENV_BIN / "diloco"),
+            "join-credential",
+            RUN,
+            "--group",
+            group,
+            "--expires-in",
+            expires_in,
+            "-n",
+            home_ns,
+            "--secret-name",
+            name,
+        ],
+        env=home.env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return minted.stdout
+
+
+def carry(away: harness.LocalCluster, ns: str, name: str, secret: str, ca: Path) -> None:
+    """What a user carries to the away namespace: the credential Secret and the CA, as
+    `<name>-ca`."""
+    kubectl(away, "apply", "-n", ns, "-f", "-", input=secret)
+    kubectl(away, "create", "secret", "generic", f"{name}-ca", "-n", ns, f"--from-file=ca.crt={ca}")
+
+
+def external(addr: str, secret: str) -> dict[str, Any]:
+    return {
+        "address": addr,
+        "ca": {"name": f"{secret}-ca", "key": "ca.crt"},
+        "credential": {"name": secret, "key": "credential"},
+    }
+
+
+def manifest(image: str, local: str, joins: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole run as either cluster describes it: the group it does not run is remote."""
+    placement = on_real_node()
+    groups = [
+        {
+            "name": g,
+            **({"replicas": 1} if g != HOME else {}),  # the first group: spec.replicas
+            **(
+                {"remote": True}
+                if g != local
+                else {
+                    "resources": {
+                        "requests": {"cpu": "100m", "memory": "256Mi"},
+                        "limits": {"memory": "1536Mi"},
+                    },
+                    **placement,
+                }
+            ),
+        }
+        for g in (HOME, AWAY)
+    ]
+    syncer: dict[str, Any] = (
+        {"external": joins}
+        if joins
+        else {
+            "tls": {"secretName": TLS_SECRET},
+            "port": SYNCER_PORT,
+            "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+            "checkpoint": {"ephemeral": True},
+            **placement,
+        }
+    )
+    return {
+        "apiVersion": "diloco.dev/v1alpha1",
+        "kind": "DilocoRun",
+        "metadata": {"name": RUN},
+        "spec": {
+            "image": image,
+            "imagePullPolicy": "Never",
+            "replicas": 1,
+            "unitGroups": groups,
+            "training": {
+                "model": {"preset": "tiny", "seqLen": 64},
+                "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 400000},
+                "innerSteps": 10,
+                "fragments": 2,
+                "totalSteps": TOTAL_STEPS,
+                "heartbeatSeconds": 1,
+                "eval": {"everySeconds": 10, "batches": 2},
+            },
+            "syncer": syncer,
+            "failurePolicy": {
+                "restartBackoffSeconds": 1.0,
+                "healthyAfterSeconds": 5,
+                "offlineAfterSeconds": OFFLINE_AFTER_S,
+            },
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def _get(c: harness._ClusterBase, kind: str, name: str, ns: str) -> dict[str, Any] | None:
+    r = kubectl(c, "get", kind, name, "-n", ns, "-o", "json", check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def away_pod(away: harness.LocalCluster, ns: str) -> dict[str, Any] | None:
+    """The away unit's running learner pod."""
+    for p in runs.learner_pods(away, ns, RUN):
+        statuses = p.get("status", {}).get("containerStatuses") or []
+        if (
+            runs.running(p)
+            and statuses
+            and all(s.get("state", {}).get("running") for s in statuses)
+        ):
+            return p
+    return None
+
+
+def pushes(away: harness.LocalCluster, ns: str, pod: str) -> tuple[int, str]:
+    """How many of the learner's pushes the home syncer has accepted (its latest progress
+    line), and its log."""
+    r = kubectl(away, "logs", "-n", ns, pod, "-c", "learner", check=False)
+    text = r.stdout + r.stderr
+    counts = re.findall(r"event=progress .*? pushes=(\d+) ", text)
+    return (int(counts[-1]) if counts else 0), text
+
+
+def outer_step(c: harness._ClusterBase, ns: str) -> int:
+    return int(runs.status(c, ns, RUN).get("outerStep") or 0)
+
+
+def reach(
+    away: harness.LocalCluster, ns: str, status: str, reason: str | None = None
+) -> dict[str, Any] | None:
+    """The away run's SyncerReachable condition once it has this status (and reason)."""
+    cond = runs.condition(runs.status(away, ns, RUN), "SyncerReachable")
+    if cond and cond["status"] == status and reason in (None, cond["reason"]):
+        return cond
+    return None
+
+
+def both_online(c: harness._ClusterBase, ns: str) -> dict[str, dict[str, Any]] | None:
+    units = runs.unit_status(c, ns, RUN)
+    wanted = (HOME_UNIT, AWAY_UNIT)
+    return units if all(units.get(n, {}).get("state") == "Online" for n in wanted) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# the tests, in order: one run goes through all of them
+
+
+def test_one_run_trains_in_both_clusters(
+    cluster: harness._ClusterBase, away: harness.LocalCluster, away_run: str
+) -> None:
+    ns = away_run
+    pod = wait_for("the away learner running", lambda: away_pod(away, ns), timeout=300)
+    assert pod["spec"]["nodeName"] == real_node_config.AWAY.node_name
+    name = pod["metadata"]["name"]
+    wait_for(f"{name}'s pushes accepted at home", lambda: pushes(away, ns, name)[0] >= 2, 300)
+    units = wait_for("both units Online at home", lambda: both_online(cluster, ns), 120)
+    assert units[AWAY_UNIT].get("remote") is True and not units[HOME_UNIT].get("remote")
+    assert units.keys() == {HOME_UNIT, AWAY_UNIT}
+    # the away cluster runs its own unit only, and sees the syncer through the link
+    assert set(runs.jobs(away, ns, RUN)) and all(AWAY_UNIT in j for j in runs.jobs(away, ns, RUN))
+    assert not runs.items(away, "pods", ns, runs.run_selector(RUN, "syncer"))
+    cond = wait_for("SyncerReachable=True away", lambda: reach(away, ns, "True"), 60)
+    syncer = runs.status(away, ns, RUN)["syncer"]
+    assert syncer["reachable"] is True and syncer["address"].startswith("https://"), syncer
+    say(f"both clusters train: {cond['message']}; outer step {outer_step(cluster, ns)}")
+
+
+def test_cut_link_keeps_home_merging_and_away_rejoins(
+    cluster: harness._ClusterBase, away: harness.LocalCluster, away_run: str, link: Link
+) -> None:
+    ns = away_run
+    pod = away_pod(away, ns)
+    assert pod is not None
+    name = pod["metadata"]["name"]
+    accepted_before, _ = pushes(away, ns, name)
+    step_at_cut = outer_step(cluster, ns)
+    link.set_enabled(False)
+    cut_at = time.monotonic()
+    try:
+        cond = wait_for(
+            "SyncerReachable=False away",
+            lambda: reach(away, ns, "False"),
+            timeout=CUT_SECONDS - 15,
+        )
+        assert cond["reason"] == "Unreachable", cond
+        assert real_node_config.AWAY.gateway in cond["message"], cond
+        wait_for(
+            "the away unit Offline at home",
+            lambda: runs.unit_status(cluster, ns, RUN)[AWAY_UNIT]["state"] == "Offline",
+            timeout=CUT_SECONDS - (time.monotonic() - cut_at),
+        )
+        time.sleep(max(0.0, CUT_SECONDS - (time.monotonic() - cut_at)))
+        # home merged on without the away unit
+        assert outer_step(cluster, ns) > step_at_cut, (step_at_cut, outer_step(cluster, ns))
+        accepted_in_cut, _ = pushes(away, ns, name)
+    finally:
+        link.set_enabled(True)
+    healed_at = time.monotonic()
+    wait_for(
+        "an away push accepted after the heal",
+        lambda: pushes(away, ns, name)[0] > accepted_in_cut,
+        timeout=120,
+    )
+    rejoin_s = time.monotonic() - healed_at
+    wait_for(
+        "the away unit Online at home again",
+        lambda: runs.unit_status(cluster, ns, RUN)[AWAY_UNIT]["state"] == "Online",
+        timeout=60,
+    )
+    wait_for("SyncerReachable=True away", lambda: reach(away, ns, "True"))
+    # the partition was an outage of the link, not of the unit: the same pod, never restarted
+    after = away_pod(away, ns)
+    assert after is not None and after["metadata"]["name"] == name
+    assert all(s["restartCount"] == 0 for s in after["status"]["containerStatuses"])
+    assert accepted_in_cut >= accepted_before
+    say(f"cut {CUT_SECONDS}s: away push accepted {rejoin_s:.1f}s after the heal")
+
+
+def test_away_learner_replaced_and_rejoins_across_the_link(
+    cluster: harness._ClusterBase, away: harness.LocalCluster, away_run: str
+) -> None:
+    ns = away_run
+    pod = away_pod(away, ns)
+    assert pod is not None
+    old = pod["metadata"]["name"]
+    attempt = runs.job_attempt(next(iter(runs.live_jobs(away, ns, RUN).values())))
+    kubectl(away, "delete", "pod", old, "-n", ns, "--grace-period=0", "--wait=false")
+    t0 = time.monotonic()
+    new = wait_for(
+        "a new away learner running",
+        lambda: (p := away_pod(away, ns)) and p["metadata"]["name"] != old and p,
+        timeout=240,
+    )
+    name = new["metadata"]["name"]
+    assert int(new["metadata"]["labels"][runs.LABEL_ATTEMPT]) > attempt
+    wait_for(
+        f"{name} joined with the global parameters and pushed",
+        lambda: _joined_and_pushed(pushes(away, ns, name)),
+        timeout=240,
+    )
+    wait_for(
+        "the away unit Online at home",
+        lambda: runs.unit_status(cluster, ns, RUN)[AWAY_UNIT]["state"] == "Online",
+        timeout=60,
+    )
+    say(f"away learner replaced and pushing again in {time.monotonic() - t0:.1f}s")
+
+
+def succeeded(c: harness._ClusterBase, ns: str) -> bool:
+    return runs.status(c, ns, RUN).get("phase") == "Succeeded"
+
+
+def _joined_and_pushed(found: tuple[int, str]) -> bool:
+    accepted, text = found
+    joins = [line for line in text.splitlines() if "event=joined" in line]
+    pulled = bool(joins) and "versions=[0, 0]" not in joins[-1]
+    return pulled and accepted >= 1
+
+
+def run_secret(home: harness._ClusterBase, ns: str) -> str:
+    """The home run's secret (what only the home cluster holds)."""
+    got = kubectl(home, "get", "secret", f"{RUN}-token", "-n", ns, "-o", "json").stdout
+    return base64.b64decode(json.loads(got)["data"][TOKEN_KEY]).decode()
+
+
+def crafted(name: str, secret: str, run: str, expires_at: int) -> str:
+    """A credential Secret as `diloco join-credential` prints it, for what the command will not
+    mint: one already expired, one of another run."""
+    cred = parse_join_credential(mint_join_credential(secret, run, AWAY, expires_at))
+    return json.dumps(credential_secret(name, cred))
+
+
+@pytest.mark.parametrize(
+    "case,reason",
+    [
+        ("expired", "CredentialExpired"),
+        ("foreign-run", "CredentialForeignRun"),
+        ("wrong-ca", "CertificateNotVerified"),
+    ],
+)
+def test_bad_join_is_refused_with_a_condition(
+    cluster: harness._ClusterBase,
+    away: harness.LocalCluster,
+    away_run: str,
+    link: Link,
+    pki: dict[str, Path],
+    real: dict[str, Any],
+    case: str,
+    reason: str,
+) -> None:
+    """Another away namespace joins the same run with a bad credential or the wrong CA: its
+    operator says why in SyncerReachable, and the home run admits none of its units."""
+    ns = f"{away_run[:40]}-{case}"
+    kubectl(away, "create", "namespace", ns)
+    name, now = f"bad-{case}", int(time.time())
+    if case == "expired":  # by more than the syncer's allowance for clock skew
+        secret = crafted(name, run_secret(cluster, away_run), RUN, now - 2 * CLOCK_SKEW_SECONDS)
+    elif case == "foreign-run":
+        secret = crafted(name, "another run's secret", "another-run", now + 3600)
+    else:
+        secret = cli_credential(cluster, away_run, AWAY, "1h", name)
+    ca = pki["other-ca.crt" if case == "wrong-ca" else "ca.crt"]
+    carry(away, ns, name, secret, ca)
+    doc = manifest(real["images"]["trainer"], AWAY, external(address(link), name))
+    doc["spec"]["suspend"] = True  # the operator's own read of the syncer says it all
+    runs.apply(away, ns, doc)
+    cond = wait_for(
+        f"SyncerReachable=False with {reason}",
+        lambda: reach(away, ns, "False", reason),
+        timeout=90,
+    )
+    say(f"{case}: {cond['reason']}: {cond['message']}")
+    assert set(runs.unit_status(cluster, away_run, RUN)) == {HOME_UNIT, AWAY_UNIT}
+    kubectl(away, "delete", "namespace", ns, "--wait=false")
+
+
+def test_budget_reached_both_runs_succeed(
+    cluster: harness._ClusterBase, away: harness.LocalCluster, away_run: str
+) -> None:
+    ns = away_run
+    steps = int(runs.status(cluster, ns, RUN).get("steps") or 0)
+    patch = {"spec": {"training": {"totalSteps": steps + BUDGET_LEFT}}}
+    kubectl(cluster, "patch", "dlr", RUN, "-n", ns, "--type=merge", "-p", json.dumps(patch))
+    wait_for("the home run Succeeded", lambda: succeeded(cluster, ns), timeout=300)
+    wait_for("the away run Succeeded", lambda: succeeded(away, ns), timeout=120)
+    assert runs.status(cluster, ns, RUN).get("finalLoss") is not None
