@@ -31,7 +31,7 @@ typecheck: venv
 	# The e2e cluster harness: its modules import each other as top-level modules.
 	MYPYPATH=e2e/cluster $(BIN)/mypy --explicit-package-bases e2e/cluster/*.py
 	# The e2e suite: pytest puts e2e/ and e2e/tests/ on the path (conftest, runs).
-	MYPYPATH=e2e:e2e/tests $(BIN)/mypy --explicit-package-bases e2e/conftest.py e2e/real_pods.py e2e/tests/*.py
+	MYPYPATH=e2e:e2e/tests $(BIN)/mypy --explicit-package-bases e2e/conftest.py e2e/real_pods.py e2e/two_clusters.py e2e/tests/*.py
 
 unit: venv validators
 	$(BIN)/python -m pytest -q tests

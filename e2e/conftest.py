@@ -46,8 +46,9 @@ SYSTEM_NS = "diloco-system"
 CRD_NAME = "dilocoruns.diloco.dev"
 VENV_BIN = Path(sys.executable).parent
 T = TypeVar("T")
-# the real-pod tests' fixtures (the node's facts, the chart's operator in-cluster)
-pytest_plugins = ["real_pods"]
+# the real-pod tests' fixtures (the node's facts, the chart's operator in-cluster), and the
+# two-cluster tests' (a second cluster, the link, the run on both sides)
+pytest_plugins = ["real_pods", "two_clusters"]
 
 
 def say(msg: str) -> None:
