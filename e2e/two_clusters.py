@@ -33,6 +33,7 @@ OFFLINE_AFTER_S = 10
 CUT_SECONDS = 60
 TOTAL_STEPS = 10_000
 BUDGET_LEFT = 400
+AWAY_COMPRESSION = {"scheme": "int2", "errorFeedback": True}
 
 
 def apply(c: harness._ClusterBase, ns: str, doc: dict[str, Any]) -> None:
@@ -226,6 +227,8 @@ def manifest(image: str, local: str, joins: dict[str, Any] | None = None) -> dic
         {
             "name": g,
             **({"replicas": 1} if g != HOME else {}),  # the first group: spec.replicas
+            # the link is the thin part: the away group pushes 2 bits, home the run's 8
+            **({"compression": AWAY_COMPRESSION} if g == AWAY else {}),
             **(
                 {"remote": True}
                 if g != local
@@ -265,6 +268,7 @@ def manifest(image: str, local: str, joins: dict[str, Any] | None = None) -> dic
                 "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 400000},
                 "innerSteps": 10,
                 "fragments": 2,
+                "compression": {"scheme": "int8"},
                 "totalSteps": TOTAL_STEPS,
                 "heartbeatSeconds": 1,
                 "eval": {"everySeconds": 10, "batches": 2},

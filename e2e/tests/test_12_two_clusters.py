@@ -82,6 +82,17 @@ def pushes(away: harness.LocalCluster, ns: str, pod: str) -> tuple[int, str]:
     return (int(counts[-1]) if counts else 0), text
 
 
+def pushed_schemes(home: harness._ClusterBase, ns: str) -> dict[str, set[str]]:
+    """unit -> the schemes of its pushes the home syncer accepted (from the syncer's log)."""
+    pods = runs.items(home, "pods", ns, runs.run_selector(RUN, "syncer"))
+    name = pods[0]["metadata"]["name"]
+    log = kubectl(home, "logs", "-n", ns, name, "-c", "syncer").stdout
+    found: dict[str, set[str]] = {}
+    for unit, scheme in re.findall(r"event=push_accepted .*?unit=(\S+) .*?scheme=(\w+)", log):
+        found.setdefault(unit, set()).add(scheme)
+    return found
+
+
 def outer_step(c: harness._ClusterBase, ns: str) -> int:
     return int(runs.status(c, ns, RUN).get("outerStep") or 0)
 
@@ -121,6 +132,9 @@ def test_one_run_trains_in_both_clusters(
     assert set(runs.jobs(away, ns, RUN)) and all(AWAY_UNIT in j for j in runs.jobs(away, ns, RUN))
     assert not runs.items(away, "pods", ns, runs.run_selector(RUN, "syncer"))
     cond = wait_for("SyncerReachable=True away", lambda: reach(away, ns, "True"), 60)
+    # each group pushes with its own compression: the away group's int2 crossed the link
+    schemes = pushed_schemes(cluster, ns)
+    assert schemes == {HOME_UNIT: {"int8"}, AWAY_UNIT: {"int2"}}, schemes
     syncer = runs.status(away, ns, RUN)["syncer"]
     assert syncer["reachable"] is True and syncer["address"].startswith("https://"), syncer
     say(f"both clusters train: {cond['message']}; outer step {outer_step(cluster, ns)}")

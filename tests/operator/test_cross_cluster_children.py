@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import yaml
 from diloco_operator.api import DilocoRunStatus, UnitStatus, parse_spec
 from diloco_operator.k8s import builders
@@ -232,3 +233,44 @@ def test_the_network_policy_of_an_exposed_syncer_admits_the_away_ranges_only() -
     plain = parse_spec({"image": "t", "training": {"totalSteps": 10}})
     objs = run_objects_with_policy(builders.Run("r", "ml", "u", plain), identity)
     assert len(next(o for o in objs if o["kind"] == "NetworkPolicy")["spec"]["ingress"]) == 1
+
+
+def test_a_group_across_the_link_pushes_with_its_own_compression() -> None:
+    spec = parse_spec(
+        {
+            "image": "t",
+            "replicas": 1,
+            "unitGroups": [
+                {"name": "v6e"},
+                {
+                    "name": "v5p",
+                    "replicas": 1,
+                    "compression": {"scheme": "int2", "errorFeedback": True},
+                },
+            ],
+            "training": {"totalSteps": 10, "compression": {"scheme": "int8"}},
+        }
+    )
+    run = builders.Run("r", "ml", "uid", spec)
+    far = builders.unit_job(run, unit("r-v5p-0", "v5p", 1))["spec"]["template"]["spec"]
+    near = builders.unit_job(run, unit("r-v6e-0", "v6e", 0))["spec"]["template"]["spec"]
+    assert env_of(far["containers"][0])["DILOCO_COMPRESSION"] == (
+        '{"scheme":"int2","errorFeedback":true}'
+    )
+    assert "DILOCO_COMPRESSION" not in env_of(near["containers"][0])
+
+
+def test_a_groups_compression_must_fit_the_runs() -> None:
+    """The run's int2 downlink packs four values a byte: a group's blocks of 10 cannot carry it."""
+    with pytest.raises(ValueError, match=r"unitGroups\[1\]\.compression: blockSize: 10"):
+        parse_spec(
+            {
+                "image": "t",
+                "replicas": 1,
+                "unitGroups": [
+                    {"name": "near"},
+                    {"name": "far", "replicas": 1, "compression": {"blockSize": 10}},
+                ],
+                "training": {"totalSteps": 10, "compression": {"downlink": "int2"}},
+            }
+        )

@@ -228,6 +228,26 @@ class CompressionConfig(Strict):
         return self
 
 
+class LinkCompression(Strict):
+    """A unit group's own compression of its pushes, over the run's `compression`: a group across
+    a thin link pushes int2 with error feedback while the home region's push int8. The syncer
+    reads each push's scheme from the push itself; what it sends back (the downlink) is one
+    publication per version for every group, so the downlink stays the run's."""
+
+    scheme: Scheme | None = Field(None, description="Quantization of this group's deltas.")
+    block_size: int | None = Field(
+        None, ge=8, le=1 << 16, description="Values per quantization scale."
+    )
+    error_feedback: bool | None = Field(
+        None, description="Carry what quantization left out into the next push (for int2)."
+    )
+
+    def over(self, run: CompressionConfig) -> CompressionConfig:
+        """The run's compression with this group's fields in its place (validated again)."""
+        mine = self.model_dump(exclude_none=True)
+        return CompressionConfig.model_validate({**run.model_dump(), **mine})
+
+
 SERVING_LOCK_FILE = ".serving.lock"  # `diloco-syncer --lock` in a checkpoint folder (on a claim)
 
 

@@ -304,6 +304,13 @@ class DilocoRunSpec(Strict):
                     f"chaos.schedule.{i}.unit: unit {event.unit} does not exist "
                     f"(the run has units 0..{total - 1})"
                 )
+        for i, group in enumerate(self.unit_groups):
+            if group.compression is not None:
+                try:
+                    group.compression.over(self.training.compression)
+                except ValidationError as exc:
+                    why = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+                    raise ValueError(f"unitGroups[{i}].compression: {why}") from None
         syncer = self.syncer
         remote = [g.remote for g in self.unit_groups]
         check_cluster_fields(syncer.external, syncer.expose, syncer.tls, remote)

@@ -170,6 +170,20 @@ RULES: dict[str, list[dict[str, str]]] = {
         for scheme, per_byte in PER_BYTE.items()
         if per_byte > 1
     ],
+    # A group's own push compression: its own fields here; with the run's fields (a blockSize of
+    # the run's against the group's scheme) the operator's spec check (api/__init__.py) and the
+    # learner's start refuse the rest.
+    "LinkCompression": [
+        {
+            "rule": f"!has(self.scheme) || self.scheme != '{scheme}' || !has(self.blockSize) || "
+            f"self.blockSize % {per_byte} == 0",
+            "message": f"blockSize: must be a multiple of {per_byte} with {scheme} "
+            f"({per_byte} values per byte)",
+            "fieldPath": ".blockSize",
+        }
+        for scheme, per_byte in PER_BYTE.items()
+        if per_byte > 1
+    ],
     "TrainingConfig": [
         {
             "rule": "has(self.totalSteps) || has(self.totalTokens)",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from diloco_trainer.config import Strict
+from diloco_trainer.config import LinkCompression, Strict
 from pydantic import Field, model_validator
 
 from diloco_operator.api.accelerators import (
@@ -106,6 +106,17 @@ class UnitGroup(Strict):
         description="Pod customisation merged into this group's pods (labels, annotations, "
         "volumes, env, sidecars, ...); operator-owned fields are refused.",
     )
+    compression: LinkCompression | None = Field(
+        None,
+        description="This group's own compression of its pushes over training.compression "
+        "(a group across a thin link: int2 with errorFeedback). The downlink stays the run's.",
+    )
+
+    def compression_json(self) -> str:
+        """What the group's learners get as DILOCO_COMPRESSION ("" for the run's own)."""
+        if self.compression is None:
+            return ""
+        return self.compression.model_dump_json(by_alias=True, exclude_none=True)
 
     @model_validator(mode="after")
     def _exclusive_by_default_across_hosts(self) -> UnitGroup:

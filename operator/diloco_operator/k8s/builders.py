@@ -319,6 +319,12 @@ def _learner_observability_env() -> list[dict[str, str]]:
     ]
 
 
+def _compression_env(run: Run, group_name: str) -> list[dict[str, str]]:
+    group = run.spec.group(group_name)
+    own = group.compression_json() if group is not None else ""
+    return [{"name": "DILOCO_COMPRESSION", "value": own}] if own else []
+
+
 def _learner_env(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
     return [
         {"name": "DILOCO_SYNCER_ADDR", "value": run.syncer_address},
@@ -327,6 +333,7 @@ def _learner_env(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
         {"name": "DILOCO_NUM_UNITS", "value": str(unit.num_units)},
         {"name": "DILOCO_ATTEMPT", "value": str(unit.attempt)},
         {"name": "DILOCO_GROUP", "value": unit.group},
+        *_compression_env(run, unit.group),
         *_learner_observability_env(),
         {
             "name": "TPU_WORKER_ID",

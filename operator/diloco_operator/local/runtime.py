@@ -170,7 +170,9 @@ class LocalRuntime:
         slowdown = self.slowdown.get(action.group, 1.0)
         log_path = self.logs_dir / f"{action.name}.log"
         token = unit_token(self.syncer.token, action.name)
-        if not self.spares.take(action, slowdown, token, log_path, now):
+        group = self.run.spec.group(action.group)
+        compression = group.compression_json() if group is not None else ""
+        if not self.spares.take(action, slowdown, token, compression, log_path, now):
             env = self._learner_env()
             env.update(
                 {
@@ -181,6 +183,7 @@ class LocalRuntime:
                     "DILOCO_GROUP": action.group,
                     "DILOCO_SLOWDOWN": f"{slowdown:g}",
                     "DILOCO_TOKEN": token,
+                    **({"DILOCO_COMPRESSION": compression} if compression else {}),
                 }
             )
             args = ["--config", str(self.config)]

@@ -81,7 +81,13 @@ class SparePool:
         return self.server
 
     def take(
-        self, action: CreateUnit, slowdown: float, token: str, log_path: Path, now: float
+        self,
+        action: CreateUnit,
+        slowdown: float,
+        token: str,
+        compression: str,
+        log_path: Path,
+        now: float,
     ) -> bool:
         """Make the oldest live spare this unit (it has imported JAX and compiled the train step
         already), with `token`, the unit's own bearer token; False when there is none, and the
@@ -94,6 +100,7 @@ class SparePool:
             "group": action.group,
             "slowdown": slowdown,
             "token": token,
+            "compression": compression,  # the group's own (JSON), "" for the run's
             "log": str(log_path.resolve()),
         }
         line = (json.dumps(identity) + "\n").encode()

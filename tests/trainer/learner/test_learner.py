@@ -12,7 +12,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from diloco_trainer.config import TrainingConfig
+from diloco_trainer.config import ConfigError, TrainingConfig
 from diloco_trainer.learner.client import PushReply, SyncerUnavailable
 from diloco_trainer.learner.loop import learner_horizon
 from diloco_trainer.learner.main import build_parser, main
@@ -275,3 +275,33 @@ def test_a_spare_takes_its_units_token_from_the_identity() -> None:
     args = build_parser({}).parse_args(["--config", "x", "--standby"])
     take_identity(args, {"unit": 1, "unitName": "r-default-1", "token": "t1"})
     assert args.token == "t1"
+
+
+def test_a_group_pushes_with_its_own_compression_over_the_runs(tmp_path: Path) -> None:
+    """DILOCO_COMPRESSION (the operator's, from unitGroups[].compression) replaces the fields it
+    names; the downlink and the rest stay the run's; bad ones name the flag and the field."""
+    from diloco_trainer.learner.main import resolve
+
+    config = _write(
+        tmp_path,
+        "totalSteps: 10\ncompression: {scheme: int8, downlink: int4, blockSize: 64}\n",
+    )
+    base = ["--config", config, "--unit", "0", "--syncer", "http://x:1", "--token", "t"]
+    parser = build_parser({})
+    run_own = resolve(parser.parse_args(base), {})[0].compression
+    assert (run_own.scheme, run_own.downlink, run_own.error_feedback) == ("int8", "int4", False)
+    env = {"DILOCO_COMPRESSION": '{"scheme": "int2", "errorFeedback": true}'}
+    own = resolve(build_parser(env).parse_args(base), env)[0].compression
+    assert (own.scheme, own.error_feedback, own.downlink, own.block_size) == (
+        "int2",
+        True,
+        "int4",
+        64,
+    )
+    spare = build_parser({}).parse_args(["--config", config, "--standby"])
+    take_identity(spare, {"unit": 0, "compression": '{"scheme": "int4"}'})
+    assert spare.compression == '{"scheme": "int4"}'
+    for bad, field in (('{"scheme": "int3"}', "scheme"), ('{"blockSize": 101}', "blockSize")):
+        env = {"DILOCO_COMPRESSION": bad}
+        with pytest.raises(ConfigError, match=f"DILOCO_COMPRESSION.*{field}"):
+            resolve(build_parser(env).parse_args(base), env)

@@ -24,9 +24,17 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from pydantic import ValidationError
+
 from diloco_trainer.attempts import EXIT_GIVE_UP, wire_attempt
 from diloco_trainer.auth import resolve_token
-from diloco_trainer.config import ConfigError, TrainingConfig, load_training_config
+from diloco_trainer.config import (
+    ConfigError,
+    LinkCompression,
+    TrainingConfig,
+    format_validation_error,
+    load_training_config,
+)
 from diloco_trainer.join_credentials import parse_join_public
 from diloco_trainer.learner.in_place import RestartsSpent, count_start
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
@@ -104,6 +112,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="public part of the run's join credential, for a unit of an away cluster "
         "(else DILOCO_JOIN)",
     )
+    add(
+        "--compression",
+        default=_env_default(env, "DILOCO_COMPRESSION", ""),
+        help="JSON of this unit group's own push compression over the config's, e.g. "
+        '\'{"scheme": "int2", "errorFeedback": true}\' (else DILOCO_COMPRESSION)',
+    )
     add("--log-level", default="INFO")
     add("--log-format", choices=FORMATS, default=None, help=f"text or json (else {LOG_FORMAT_ENV})")
     add(
@@ -134,12 +148,24 @@ def _port(value: str | None) -> int:
     return port
 
 
+def with_link_compression(cfg: TrainingConfig, text: str) -> TrainingConfig:
+    """`cfg` with its unit group's own push compression (JSON of LinkCompression), if any."""
+    if not text:
+        return cfg
+    try:
+        link = LinkCompression.model_validate_json(text)
+        return cfg.model_copy(update={"compression": link.over(cfg.compression)})
+    except ValidationError as exc:
+        problems = format_validation_error(exc, "compression").replace("\n", "; ")
+        raise ConfigError(f"--compression (DILOCO_COMPRESSION): {problems}") from exc
+
+
 def resolve(
     args: argparse.Namespace, env: Mapping[str, str]
 ) -> tuple[TrainingConfig, dict[str, Any]]:
     """The training config and the LearnerOptions fields from flags/env; raises ConfigError or
     UsageError naming what is wrong."""
-    cfg = load_training_config(args.config)
+    cfg = with_link_compression(load_training_config(args.config), args.compression)
     unit = _int(args.unit, "--unit", "DILOCO_UNIT")
     num_units = _int(args.num_units or str(unit + 1), "--num-units", "DILOCO_NUM_UNITS", 1)
     if unit >= num_units:

@@ -43,6 +43,7 @@ IDENTITY_ARGS = {
     "group": "group",
     "slowdown": "slowdown",
     "token": "token",  # the unit's own token (auth.unit_token): a spare holds none before
+    "compression": "compression",  # its group's own push compression (JSON), "" for the run's
 }
 
 
