@@ -38,6 +38,8 @@ from diloco_operator.k8s.cross_cluster import (
     expose,
     unit_secret_data,
 )
+from diloco_operator.k8s.learner_env import LEARNER_METRICS_PORT as LEARNER_METRICS_PORT
+from diloco_operator.k8s.learner_env import LOG_FORMAT_ENV, learner_env
 from diloco_operator.k8s.placement import group_placement, place_learner_pod
 from diloco_operator.k8s.run_ref import Run
 from diloco_operator.k8s.syncer_disruption import disruption_budget, keep_on_its_node
@@ -52,11 +54,6 @@ CHECKPOINT_MOUNT = "/var/lib/diloco/checkpoints"
 LEARNER = "learner"
 SYNCER = "syncer"
 MANAGED_BY = "diloco-operator"
-COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
-# Learners serve Prometheus metrics here (DILOCO_METRICS_PORT); the chart's monitors scrape the
-# container port named "metrics". Pods log JSON for Cloud Logging (docs/gke.md, "Logs").
-LEARNER_METRICS_PORT = 9100
-LOG_FORMAT_ENV = {"name": "DILOCO_LOG_FORMAT", "value": "json"}
 
 
 def labels(run: Run, component: str, **extra: str) -> dict[str, str]:
@@ -307,50 +304,12 @@ def unit_service(run: Run, unit: CreateUnit) -> dict[str, Any]:
     }
 
 
-def _worker_hostnames(unit: CreateUnit) -> str:
-    # Indexed Job pods are named <job>-<index>; with subdomain=<service> they resolve as below.
-    return ",".join(f"{unit.name}-{i}.{unit.name}" for i in range(unit.hosts))
-
-
-def _learner_observability_env() -> list[dict[str, str]]:
-    return [
-        {"name": "DILOCO_METRICS_PORT", "value": str(LEARNER_METRICS_PORT)},
-        dict(LOG_FORMAT_ENV),
-    ]
-
-
-def _compression_env(run: Run, group_name: str) -> list[dict[str, str]]:
-    group = run.spec.group(group_name)
-    own = group.compression_json() if group is not None else ""
-    return [{"name": "DILOCO_COMPRESSION", "value": own}] if own else []
-
-
-def _learner_env(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
-    return [
-        {"name": "DILOCO_SYNCER_ADDR", "value": run.syncer_address},
-        {"name": "DILOCO_UNIT", "value": str(unit.global_index)},
-        {"name": "DILOCO_UNIT_NAME", "value": unit.name},
-        {"name": "DILOCO_NUM_UNITS", "value": str(unit.num_units)},
-        {"name": "DILOCO_ATTEMPT", "value": str(unit.attempt)},
-        {"name": "DILOCO_GROUP", "value": unit.group},
-        *_compression_env(run, unit.group),
-        *_learner_observability_env(),
-        {
-            "name": "TPU_WORKER_ID",
-            "valueFrom": {
-                "fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}
-            },
-        },
-        {"name": "TPU_WORKER_HOSTNAMES", "value": _worker_hostnames(unit)},
-    ]
-
-
 def unit_job(run: Run, unit: CreateUnit, kubelet_rule_ok: bool = True) -> dict[str, Any]:
     spec = run.spec
     group: UnitGroup | None = spec.group(unit.group)
     if group is None:
         raise ValueError(f"unit {unit.name}: group {unit.group!r} is not in spec.unitGroups")
-    env = _learner_env(run, unit)
+    env = learner_env(run, unit)
     node_selector, tolerations, chips = group_placement(group)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
