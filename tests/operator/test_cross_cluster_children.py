@@ -9,6 +9,7 @@ import ssl
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import aiohttp
 import pytest
@@ -274,3 +275,30 @@ def test_a_groups_compression_must_fit_the_runs() -> None:
                 "training": {"totalSteps": 10, "compression": {"downlink": "int2"}},
             }
         )
+
+
+def test_the_charts_certificate_is_the_secret_the_syncer_serves_and_names_its_address() -> None:
+    """A cert-manager Certificate from the chart: its Secret is the one the home syncer mounts,
+    and it names the address home learners dial and the one away clusters dial."""
+    from test_monitoring import rendered
+
+    run = home_run()
+    docs = rendered(
+        *("--set", "syncerCertificates[0].run=r", "--set", "syncerCertificates[0].namespace=ml"),
+        *("--set", "syncerCertificates[0].secretName=syncer-tls"),
+        *("--set", "syncerCertificates[0].issuerRef.name=ca"),
+        *("--set", "syncerCertificates[0].dnsNames[0]=r-syncer.home.example"),
+    )
+    cert = next(d for d in docs if d["kind"] == "Certificate")
+    pod = builders.syncer_deployment(run)["spec"]["template"]["spec"]
+    mounted = next(v for v in pod["volumes"] if v["name"] == "syncer-tls")["secret"]
+    assert (cert["metadata"]["namespace"], cert["spec"]["secretName"]) == (
+        run.namespace,
+        mounted["secretName"],
+    )
+    learner = builders.unit_job(run, unit("r-v6e-0", "v6e", 0))["spec"]["template"]["spec"]
+    dialled = urlparse(env_of(learner["containers"][0])["DILOCO_SYNCER_ADDR"]).hostname
+    assert dialled in cert["spec"]["dnsNames"]
+    assert "r-syncer.home.example" in cert["spec"]["dnsNames"]
+    assert "server auth" in cert["spec"]["usages"]
+    assert not [d for d in rendered() if d["kind"] == "Certificate"]  # none unless asked
