@@ -79,60 +79,60 @@ def away_operator(
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory, namespace: str) -> dict[str, Path]:
-    """The home syncer's certificate (names: its Service, and the away gateway's address the
-    away learners dial), its CA, and a second CA that signed nothing of this run."""
-    d = tmp_path_factory.mktemp("syncer-pki")
-    names = [
-        f"DNS:{RUN}-syncer.{namespace}.svc",
-        f"DNS:{RUN}-syncer.{namespace}.svc.cluster.local",
-        f"IP:{real_node_config.AWAY.gateway}",
-    ]
-    for ca in ("ca", "other-ca"):
-        _openssl(d, "req", "-x509", "-new", *_EC, "-keyout", f"{ca}.key", "-out", f"{ca}.crt")
-        _openssl(d, "x509", "-in", f"{ca}.crt", "-noout")  # readable
-    _openssl(
-        d,
-        *["req", "-x509", "-new", *_EC, "-CA", "ca.crt", "-CAkey", "ca.key"],
-        *["-keyout", "tls.key", "-out", "tls.crt", "-subj", f"/CN={RUN}-syncer"],
-        *["-addext", f"subjectAltName={','.join(names)}"],
-        *["-addext", "extendedKeyUsage=serverAuth"],
+def other_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA that signed nothing of this run (what a wrong CA Secret would hold)."""
+    d = tmp_path_factory.mktemp("other-ca")
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-new",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=another CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+        ],
+        cwd=d,
+        check=True,
+        capture_output=True,
     )
-    return {n: d / n for n in ("ca.crt", "other-ca.crt", "tls.crt", "tls.key")}
-
-
-_EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"]
-
-
-def _openssl(d: Path, *args: str) -> None:
-    if args[0] == "req" and "-subj" not in args:
-        args = (*args, "-subj", "/CN=diloco-e2e-syncer-ca")
-    subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    return d / "ca.crt"
 
 
 @pytest.fixture(scope="module")
 def home_run(
-    cluster: harness._ClusterBase,
-    real: dict[str, Any],
-    incluster: str,
-    namespace: str,
-    pki: dict[str, Path],
+    cluster: harness._ClusterBase, real: dict[str, Any], incluster: str, namespace: str
 ) -> str:
-    """The home run: its syncer (HTTPS) and one unit on the home node; the away group remote."""
-    files = [f"--from-file={k}={pki[k]}" for k in ("tls.crt", "tls.key", "ca.crt")]
-    kubectl(
-        cluster,
-        "create",
-        "secret",
-        "generic",
-        TLS_SECRET,
-        "-n",
-        namespace,
-        *files,
-        "--type=kubernetes.io/tls",
-    )
+    """The home run: its syncer over HTTPS with the certificate the operator makes (a private CA
+    of the run; it also names the away gateway's address, which away learners dial) and one unit
+    on the home node; the away group remote."""
     apply(cluster, namespace, manifest(real["images"]["trainer"], HOME))
     return namespace
+
+
+@pytest.fixture(scope="module")
+def home_ca(
+    cluster: harness._ClusterBase, home_run: str, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The home syncer's CA, as a user copies it from the home cluster (docs/multi-cluster.md)."""
+    secret = wait_for(
+        "the operator-made syncer certificate",
+        lambda: get(cluster, "secret", TLS_SECRET, home_run),
+        timeout=120,
+    )
+    path = tmp_path_factory.mktemp("home-ca") / "ca.crt"
+    path.write_bytes(base64.b64decode(secret["data"]["ca.crt"]))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -168,12 +168,12 @@ def away_run(
     real: dict[str, Any],
     home_run: str,
     link: Link,
-    pki: dict[str, Path],
+    home_ca: Path,
 ) -> str:
     """The away run, in a namespace of the same name: its CA Secret and join credential first."""
     ns = home_run
     kubectl(away, "create", "namespace", ns)
-    carry(away, ns, "join", cli_credential(cluster, ns, AWAY, "1h", "join"), pki["ca.crt"])
+    carry(away, ns, "join", cli_credential(cluster, ns, AWAY, "1h", "join"), home_ca)
     doc = manifest(real["images"]["trainer"], AWAY, external(address(link), "join"))
     apply(away, ns, doc)
     return ns
@@ -247,7 +247,7 @@ def manifest(image: str, local: str, joins: dict[str, Any] | None = None) -> dic
         {"external": joins}
         if joins
         else {
-            "tls": {"secretName": TLS_SECRET},
+            "tls": {"ipAddresses": [real_node_config.AWAY.gateway]},
             "port": SYNCER_PORT,
             "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
             "checkpoint": {"ephemeral": True},

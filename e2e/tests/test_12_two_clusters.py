@@ -249,7 +249,8 @@ def test_bad_join_is_refused_with_a_condition(
     away: harness.LocalCluster,
     away_run: str,
     link: Link,
-    pki: dict[str, Path],
+    home_ca: Path,
+    other_ca: Path,
     real: dict[str, Any],
     case: str,
     reason: str,
@@ -265,7 +266,7 @@ def test_bad_join_is_refused_with_a_condition(
         secret = crafted(name, "another run's secret", "another-run", now + 3600)
     else:
         secret = cli_credential(cluster, away_run, AWAY, "1h", name)
-    ca = pki["other-ca.crt" if case == "wrong-ca" else "ca.crt"]
+    ca = other_ca if case == "wrong-ca" else home_ca
     carry(away, ns, name, secret, ca)
     doc = manifest(real["images"]["trainer"], AWAY, external(address(link), name))
     doc["spec"]["suspend"] = True  # the operator's own read of the syncer says it all

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from diloco_trainer.config import Strict
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from diloco_operator.api.kubesyntax import DNS_SUBDOMAIN, ENV_NAME
 
@@ -24,6 +24,8 @@ CIDR = r"^[0-9a-fA-F:.]+/[0-9]{1,3}$"
 # A join credential's id (the trainer's join_credentials.ID_PATTERN).
 CredentialId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", max_length=64)]
 Cidr = Annotated[str, Field(pattern=CIDR, max_length=43)]
+DnsName = Annotated[str, Field(pattern=DNS_SUBDOMAIN, max_length=253)]
+IpAddress = Annotated[str, Field(pattern=r"^[0-9a-fA-F:.]+$", max_length=39)]
 INTERNAL_LB_ANNOTATION = "networking.gke.io/load-balancer-type"
 # The CA bundle's key in the syncer's kubernetes.io/tls Secret and in an away run's CA Secret.
 CA_KEY = "ca.crt"
@@ -89,12 +91,43 @@ class SyncerTls(Strict):
     `tls.key`, and `ca.crt` for clients), kept current by cert-manager or by hand: the syncer
     and the learners pick up a renewed certificate without restarting."""
 
-    secret_name: str = Field(
+    secret_name: str | None = Field(
+        None,
         max_length=253,
         pattern=DNS_SUBDOMAIN,
         description="Secret with tls.crt, tls.key and ca.crt; its certificate must name the "
-        "syncer Service's DNS name and the load balancer's address when exposed.",
+        "syncer Service's DNS name and the load balancer's address when exposed. Omitted: the "
+        "operator makes <run>-syncer-tls, signed by a private CA of the run's own whose key it "
+        "does not keep (a convenience for runs in one cluster; give away clusters its ca.crt).",
     )
+    dns_names: list[DnsName] | None = Field(
+        None,
+        max_length=16,
+        description="More names for the operator-made certificate (what away clusters dial); "
+        "only without secretName.",
+    )
+    ip_addresses: list[IpAddress] | None = Field(
+        None,
+        max_length=16,
+        description="IP addresses for the operator-made certificate; only without secretName.",
+    )
+
+    def secret(self, run: str) -> str:
+        """The Secret the syncer serves from: the user's, or the one the operator makes."""
+        return self.secret_name or f"{run}-syncer-tls"
+
+    @property
+    def operator_made(self) -> bool:
+        return self.secret_name is None
+
+    @model_validator(mode="after")
+    def _names_only_for_the_operators(self) -> SyncerTls:
+        if self.secret_name is not None and (self.dns_names or self.ip_addresses):
+            raise ValueError(
+                "syncer.tls.dnsNames: names are for the operator-made certificate; a given "
+                "secretName's certificate already has its own"
+            )
+        return self
 
 
 def check_cluster_fields(

@@ -170,6 +170,14 @@ RULES: dict[str, list[dict[str, str]]] = {
         for scheme, per_byte in PER_BYTE.items()
         if per_byte > 1
     ],
+    "SyncerTls": [
+        {
+            "rule": "!has(self.secretName) || (!has(self.dnsNames) && !has(self.ipAddresses))",
+            "message": "syncer.tls.dnsNames: names are for the operator-made certificate; a "
+            "given secretName's certificate already has its own",
+            "fieldPath": ".dnsNames",
+        }
+    ],
     # A group's own push compression: its own fields here; with the run's fields (a blockSize of
     # the run's against the group's scheme) the operator's spec check (api/__init__.py) and the
     # learner's start refuse the rest.

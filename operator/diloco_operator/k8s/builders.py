@@ -8,6 +8,7 @@ Secret, the ConfigMap holding the config file both programs read, and the checkp
 
 from __future__ import annotations
 
+import datetime
 import json
 import secrets
 from typing import Any
@@ -31,7 +32,7 @@ from diloco_operator.api.accelerators import (
 from diloco_operator.api.pod_security import TOKEN_KEY, secure_pod
 from diloco_operator.api.pod_template import apply_template
 from diloco_operator.api.unit_group import UnitGroup
-from diloco_operator.k8s import in_place, kueue
+from diloco_operator.k8s import in_place, kueue, private_ca
 from diloco_operator.k8s.cross_cluster import (
     add_learner_transport,
     add_syncer_tls,
@@ -374,9 +375,34 @@ def unit_job(run: Run, unit: CreateUnit, kubelet_rule_ok: bool = True) -> dict[s
     }
 
 
+def syncer_tls_secret(run: Run) -> dict[str, Any] | None:
+    """The syncer's certificate Secret when the operator makes it (`syncer.tls` without
+    `secretName`): signed by a private CA of the run's own (private_ca.py), naming the Service
+    and `syncer.tls.dnsNames` / `ipAddresses`. Created once (a conflict keeps the existing)."""
+    tls = run.spec.syncer.tls
+    if tls is None or not tls.operator_made:
+        return None
+    service = f"{run.syncer_name}.{run.namespace}"
+    names = [run.syncer_name, service, f"{service}.svc", f"{service}.svc.cluster.local"]
+    pem = private_ca.syncer_certificate(
+        run.name,
+        names + list(tls.dns_names or []),
+        list(tls.ip_addresses or []),
+        datetime.datetime.now(datetime.UTC),
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "kubernetes.io/tls",
+        "metadata": _meta(run, tls.secret(run.name), SYNCER),
+        "stringData": pem,
+    }
+
+
 def run_objects(run: Run, token: str | None = None) -> list[dict[str, Any]]:
     """Every per-run object (not the units), in creation order."""
-    objs = [token_secret(run, token), config_map(run)]
+    tls = syncer_tls_secret(run)
+    objs = [token_secret(run, token), config_map(run), *([tls] if tls else [])]
     claim = checkpoint_claim(run)
     if claim is not None:
         objs.append(claim)

@@ -29,7 +29,7 @@ def ca_source(run: Run) -> tuple[str, str] | None:
     if syncer.external is not None:
         return syncer.external.ca.name, syncer.external.ca.key
     if syncer.tls is not None:
-        return syncer.tls.secret_name, CA_KEY
+        return syncer.tls.secret(run.name), CA_KEY
     return None
 
 
@@ -67,7 +67,7 @@ def add_syncer_tls(template: dict[str, Any], run: Run, containers: tuple[str, ..
         {
             "name": "syncer-tls",
             "secret": {
-                "secretName": tls.secret_name,
+                "secretName": tls.secret(run.name),
                 "items": [{"key": k, "path": k} for k in (TLS_CERT, TLS_KEY)],
             },
         }
