@@ -116,6 +116,13 @@ def unreadable(name: str, spec: DilocoRunSpec) -> list[str]:
                     why = unprovided(path, container, pod.get("volumes", []))
                     if why:
                         problems.append(f"{where} {container['name']}: {field} {why}")
+    # A group's compile cache: its learners write there.
+    for group in spec.unit_groups:
+        pod = pods.get(f"unitGroups[{group.name}]")
+        if group.compile_cache and pod is not None:
+            why = unprovided(group.compile_cache, pod["containers"][0], pod.get("volumes", []))
+            if why:
+                problems.append(f"unitGroups[{group.name}] learner: compileCache {why}")
     # The syncer's checkpoints: the operator's own volume, or a bucket.
     for container in pods["syncer"]["containers"]:
         env = {e["name"]: e.get("value") for e in container["env"]}
@@ -171,3 +178,33 @@ def test_the_check_names_a_path_no_volume_provides() -> None:
     relative = {**training, "data": {**memmap, "path": "tokens"}, "model": {}}
     problems = unreadable("r", parse_spec({**both, "training": relative}))
     assert problems and all("tokens is relative" in problem for problem in problems)
+
+
+def test_a_groups_compile_cache_is_where_its_learners_mount_a_volume() -> None:
+    """A recreated pod reads what the last one compiled only if the cache is on a volume."""
+    volume = {"name": "xla", "persistentVolumeClaim": {"claimName": "xla-cache"}}
+    mounted = {
+        "spec": {"volumes": [volume]},
+        "mainContainer": {"volumeMounts": [{"name": "xla", "mountPath": "/cache"}]},
+    }
+    groups = [
+        {"name": "v6e", "compileCache": "/cache/xla", "template": mounted},
+        {"name": "v5p", "replicas": 1, "compileCache": "/nowhere/xla"},
+    ]
+    spec = parse_spec({"image": "t", "unitGroups": groups, "training": {"totalSteps": 5}})
+    assert unreadable("r", spec) == [
+        "unitGroups[v5p] learner: compileCache /nowhere/xla: no volume of the pod is mounted there"
+    ]
+    pods = pods_of("r", spec)
+    env = {e["name"]: e.get("value") for e in pods["unitGroups[v6e]"]["containers"][0]["env"]}
+    assert env["JAX_COMPILATION_CACHE_DIR"] == "/cache/xla"
+    syncer_env = {e["name"] for e in pods["syncer"]["containers"][0]["env"]}
+    assert "JAX_COMPILATION_CACHE_DIR" not in syncer_env
+    with pytest.raises(ValueError, match="compileCache"):
+        parse_spec(
+            {
+                "image": "t",
+                "unitGroups": [{"name": "g", "compileCache": "relative/xla"}],
+                "training": {"totalSteps": 5},
+            }
+        )

@@ -19,7 +19,7 @@ from diloco_operator.api.accelerators import (
     hosts,
     topology_chips,
 )
-from diloco_operator.api.kubesyntax import DNS_LABEL, MAX_UNITS
+from diloco_operator.api.kubesyntax import DNS_LABEL, MAX_UNITS, NORMAL_PATH
 from diloco_operator.api.kubetypes import NodeSelector, ResourceRequirements, Toleration
 from diloco_operator.api.pod_template import PodTemplate
 
@@ -105,6 +105,15 @@ class UnitGroup(Strict):
         None,
         description="Pod customisation merged into this group's pods (labels, annotations, "
         "volumes, env, sidecars, ...); operator-owned fields are refused.",
+    )
+    compile_cache: str | None = Field(
+        None,
+        max_length=1024,
+        pattern=NORMAL_PATH,
+        description="Where this group's learners keep JAX's persistent compilation cache (an "
+        "absolute path on a volume the group's template mounts: a PVC or a GCS FUSE bucket), "
+        "shared by every attempt and unit of the group: a recreated pod skips compiling. "
+        "Default: a pod-local emptyDir, kept across restarts in place only.",
     )
     compression: LinkCompression | None = Field(
         None,

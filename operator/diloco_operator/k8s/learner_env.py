@@ -34,6 +34,12 @@ def _compression_env(run: Run, group_name: str) -> list[dict[str, str]]:
     return [{"name": "DILOCO_COMPRESSION", "value": own}] if own else []
 
 
+def _compile_cache_env(run: Run, group_name: str) -> list[dict[str, str]]:
+    group = run.spec.group(group_name)
+    path = group.compile_cache if group is not None else None
+    return [{"name": "JAX_COMPILATION_CACHE_DIR", "value": path}] if path else []
+
+
 def learner_env(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
     return [
         {"name": "DILOCO_SYNCER_ADDR", "value": run.syncer_address},
@@ -43,6 +49,7 @@ def learner_env(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
         {"name": "DILOCO_ATTEMPT", "value": str(unit.attempt)},
         {"name": "DILOCO_GROUP", "value": unit.group},
         *_compression_env(run, unit.group),
+        *_compile_cache_env(run, unit.group),
         *_learner_observability_env(),
         {
             "name": "TPU_WORKER_ID",

@@ -184,6 +184,11 @@ class LocalRuntime:
                     "DILOCO_SLOWDOWN": f"{slowdown:g}",
                     "DILOCO_TOKEN": token,
                     **({"DILOCO_COMPRESSION": compression} if compression else {}),
+                    **(
+                        {"JAX_COMPILATION_CACHE_DIR": group.compile_cache}
+                        if group is not None and group.compile_cache
+                        else {}
+                    ),
                 }
             )
             args = ["--config", str(self.config)]
