@@ -10,15 +10,18 @@ between them is a TCP proxy (toxiproxy) on the away node's gateway that forwards
 syncer's Service: the link the tests cut.
 
 In order, one run:
-1. it trains in both clusters: the away learner's pushes are accepted at home, the home status
-   lists the away unit Online (remote), the away status says the syncer is reachable;
+1. it trains in both clusters: the away learner's pushes are accepted at home (each group with
+   its own compression: int2 away, int8 home), the home status lists the away unit Online
+   (remote), the away status says the syncer is reachable;
 2. the link is cut for 60 s: home goes on merging, the away status names the address and the
    error, the away unit keeps its pod; after the heal its pushes are accepted again;
 3. the away learner's pod is deleted: the away operator recreates the unit, the new learner
    joins across the link with the global parameters;
-4. away runs with an expired credential, one for another group, and a CA that did not sign the
-   syncer's certificate are refused, each with a condition that names why;
-5. the budget, lowered at home, is reached: both runs Succeeded.
+4. the join credential is replaced in the away Secret and home revokes the old one: the unit is
+   recreated with a token of the new one and pushes again;
+5. away runs with an expired credential, another run's credential, and a CA that did not sign
+   the syncer's certificate are refused, each with a condition that names why;
+6. the budget, lowered at home, is reached: both runs Succeeded.
 """
 
 from __future__ import annotations
@@ -234,6 +237,47 @@ def _joined_and_pushed(found: tuple[int, str]) -> bool:
     joins = [line for line in text.splitlines() if "event=joined" in line]
     pulled = bool(joins) and "versions=[0, 0]" not in joins[-1]
     return pulled and accepted >= 1
+
+
+def pod_after(away: harness.LocalCluster, ns: str, attempt: int) -> dict[str, Any] | None:
+    """The away unit's running pod of an attempt after `attempt`."""
+    pod = away_pod(away, ns)
+    if pod is not None and int(pod["metadata"]["labels"][runs.LABEL_ATTEMPT]) > attempt:
+        return pod
+    return None
+
+
+def test_a_replaced_credential_takes_over_once_home_revokes_the_old_one(
+    cluster: harness._ClusterBase, away: harness.LocalCluster, away_run: str
+) -> None:
+    """Rotation as a user does it: a new credential minted at home replaces the old one in the
+    away Secret, then home revokes the old one. The away learner, refused, goes stale; the away
+    operator reads the credential again and recreates the unit with a token of the new one."""
+    ns = away_run
+    old_secret = json.loads(kubectl(away, "get", "secret", "join", "-n", ns, "-o", "json").stdout)
+    old_id = old_secret["metadata"]["annotations"]["diloco.dev/credential-id"]
+    pod = away_pod(away, ns)
+    assert pod is not None
+    attempt = int(pod["metadata"]["labels"][runs.LABEL_ATTEMPT])
+    kubectl(
+        away, "apply", "-n", ns, "-f", "-", input=cli_credential(cluster, ns, AWAY, "1h", "join")
+    )
+    revoke = {"spec": {"syncer": {"revokedCredentials": [old_id]}}}
+    kubectl(cluster, "patch", "dlr", RUN, "-n", ns, "--type=merge", "-p", json.dumps(revoke))
+    t0 = time.monotonic()
+    new = wait_for(
+        "the away unit recreated with the new credential",
+        lambda: pod_after(away, ns, attempt),
+        timeout=180,
+    )
+    name = new["metadata"]["name"]
+    wait_for(f"{name} pushing again", lambda: pushes(away, ns, name)[0] >= 1, timeout=180)
+    wait_for("SyncerReachable=True away", lambda: reach(away, ns, "True"), timeout=60)
+    mounted = {v["secret"]["secretName"] for v in new["spec"]["volumes"] if "secret" in v}
+    assert not any(old_id[:12] in m for m in mounted), mounted
+    say(
+        f"credential replaced and the old one revoked: pushing again in {time.monotonic() - t0:.1f}s"
+    )
 
 
 @pytest.mark.parametrize(

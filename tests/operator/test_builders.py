@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 from diloco_operator.api import parse_spec, pod_security
-from diloco_operator.k8s import builders
+from diloco_operator.k8s import builders, object_meta, run_secrets
 from diloco_operator.planner import CreateUnit, desired_units
 from diloco_trainer.auth import unit_token
 from diloco_trainer.config import SERVING_LOCK_FILE, load_training_config
@@ -209,7 +209,7 @@ def test_checkpoint_storage_variants(
 
 def test_token_is_random_per_run() -> None:
     run = make_run()
-    a, b = builders.token_secret(run), builders.token_secret(run)
+    a, b = run_secrets.token_secret(run), run_secrets.token_secret(run)
     assert a["stringData"]["token"] != b["stringData"]["token"]
     assert len(a["stringData"]["token"]) >= 32
 
@@ -321,7 +321,7 @@ def test_each_unit_gets_its_own_token_derived_from_the_run_secret() -> None:
     assert secret["stringData"]["token"] == unit_token("the-run-secret", "mix-cpu-0")
     assert secret["stringData"]["token"] != "the-run-secret"
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-123"
-    other = builders.unit_token_secret(run, create(run, "mix-v5p-0"), "the-run-secret")
+    other = run_secrets.unit_token_secret(run, "mix-v5p-0", "the-run-secret")
     assert other["stringData"]["token"] != secret["stringData"]["token"]
     roundtrip(secret)
 
@@ -405,7 +405,7 @@ def test_the_syncer_is_kept_from_node_consolidation_and_drains(standby: bool) ->
     deployment = objs[kinds.index("Deployment")]
     # A child of the run under a name a restarted operator finds again (a create meets a 409).
     assert budget["metadata"]["name"] == "mix-syncer" == run.syncer_name
-    assert budget["metadata"]["ownerReferences"] == [builders.owner_reference(run)]
+    assert budget["metadata"]["ownerReferences"] == [object_meta.owner_reference(run)]
     assert budget["metadata"]["labels"]["diloco.dev/run"] == "mix"
     # No voluntary eviction: the standby is a container of the same pod, so it goes with it.
     assert budget["spec"]["maxUnavailable"] == 0 and "minAvailable" not in budget["spec"]

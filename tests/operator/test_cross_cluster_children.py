@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 import yaml
 from diloco_operator.api import DilocoRunStatus, UnitStatus, parse_spec
-from diloco_operator.k8s import builders
+from diloco_operator.k8s import builders, run_secrets
 from diloco_operator.k8s.away import (
     away_status,
     error_reason,
@@ -128,18 +128,39 @@ def test_an_away_unit_joins_home_with_a_token_of_its_credential_and_its_public_p
     run = away_run()
     credential = mint_join_credential(RUN_SECRET, "r", "v5p", int(T0) + 3600)
     the_unit = unit("r-v5p-0", "v5p", 1)
-    secret = builders.unit_token_secret(run, the_unit, credential)
+    objs = builders.unit_objects(run, the_unit, credential)
+    secret = next(o for o in objs if o["kind"] == "Secret")
     data = secret["stringData"]
     assert data["token"] == unit_token_from_credential(credential, "r-v5p-0")
     assert data["token"] != unit_token(RUN_SECRET, "r-v5p-0")
     assert data["join"] == parse_join_credential(credential).public
     assert credential not in data.values()  # the key stays with the operator
-    pod = builders.unit_job(run, the_unit)["spec"]["template"]["spec"]
+    pod = next(o for o in objs if o["kind"] == "Job")["spec"]["template"]["spec"]
     env = env_of(pod["containers"][0])
     assert env["DILOCO_SYNCER_ADDR"] == "https://syncer.home.example:8470"
-    assert env["DILOCO_JOIN"] == {"secretKeyRef": {"name": "r-v5p-0-token", "key": "join"}}
+    name = secret["metadata"]["name"]
+    assert env["DILOCO_JOIN"] == {"secretKeyRef": {"name": name, "key": "join"}}
     ca = next(v for v in pod["volumes"] if v["name"] == "syncer-ca")
     assert ca["secret"]["secretName"] == "home-ca"
+
+
+def test_a_replaced_credential_gives_new_units_a_secret_of_their_own() -> None:
+    """The operator may create Secrets, never change them: a unit created after the credential
+    was replaced gets a token Secret under a new name, which its Job mounts."""
+    run, the_unit = away_run(), unit("r-v5p-0", "v5p", 1)
+    names = []
+    for expires in (3600, 7200):
+        credential = mint_join_credential(RUN_SECRET, "r", "v5p", int(T0) + expires)
+        objs = builders.unit_objects(run, the_unit, credential)
+        secret = next(o for o in objs if o["kind"] == "Secret")
+        pod = next(o for o in objs if o["kind"] == "Job")["spec"]["template"]["spec"]
+        mounted = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        assert secret["metadata"]["name"] in mounted
+        names.append(secret["metadata"]["name"])
+    assert names[0] != names[1] and all(n.startswith("r-v5p-0-token-") for n in names)
+    home = home_run()
+    home_secret = run_secrets.unit_token_secret(home, "r-v6e-0", RUN_SECRET)
+    assert home_secret["metadata"]["name"] == "r-v6e-0-token"  # derived from what never changes
 
 
 def test_an_away_unit_brings_the_config_file_its_pods_mount() -> None:

@@ -13,7 +13,7 @@ import pytest
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from diloco_operator.api import parse_spec
-from diloco_operator.k8s import builders, private_ca
+from diloco_operator.k8s import builders, private_ca, run_secrets
 from diloco_operator.k8s.cross_cluster import ca_source
 
 NOW = datetime.datetime(2026, 12, 5, tzinfo=datetime.UTC)
@@ -65,7 +65,7 @@ def test_learners_verify_the_operator_made_certificate_by_the_service_name(
     tmp_path: Path,
 ) -> None:
     run = run_with({"ipAddresses": ["10.245.0.1"], "dnsNames": ["r-syncer.home.example"]})
-    secret = builders.syncer_tls_secret(run)
+    secret = run_secrets.syncer_tls_secret(run)
     assert secret is not None and secret["type"] == "kubernetes.io/tls"
     assert secret["metadata"]["name"] == "r-syncer-tls"
     pem = secret["stringData"]
@@ -99,7 +99,7 @@ def test_the_private_cas_key_is_in_no_output_and_signs_nothing_else() -> None:
 
 def test_a_given_secret_is_used_as_it_is() -> None:
     run = run_with({"secretName": "mine"})
-    assert builders.syncer_tls_secret(run) is None
+    assert run_secrets.syncer_tls_secret(run) is None
     assert ca_source(run) == ("mine", "ca.crt")
     with pytest.raises(ValueError, match=r"syncer\.tls\.dnsNames"):
         run_with({"secretName": "mine", "dnsNames": ["x.example"]})

@@ -8,9 +8,7 @@ Secret, the ConfigMap holding the config file both programs read, and the checkp
 
 from __future__ import annotations
 
-import datetime
 import json
-import secrets
 from typing import Any
 
 import yaml
@@ -29,20 +27,27 @@ from diloco_operator.api import (
 from diloco_operator.api.accelerators import (
     TPU_RESOURCE,
 )
-from diloco_operator.api.pod_security import TOKEN_KEY, secure_pod
+from diloco_operator.api.pod_security import secure_pod
 from diloco_operator.api.pod_template import apply_template
 from diloco_operator.api.unit_group import UnitGroup
-from diloco_operator.k8s import in_place, kueue, private_ca
+from diloco_operator.k8s import in_place, kueue
 from diloco_operator.k8s.cross_cluster import (
     add_learner_transport,
     add_syncer_tls,
     expose,
-    unit_secret_data,
 )
 from diloco_operator.k8s.learner_env import LEARNER_METRICS_PORT as LEARNER_METRICS_PORT
 from diloco_operator.k8s.learner_env import LOG_FORMAT_ENV, learner_env
+from diloco_operator.k8s.object_meta import LEARNER as LEARNER
+from diloco_operator.k8s.object_meta import SYNCER as SYNCER
+from diloco_operator.k8s.object_meta import child_meta, labels
 from diloco_operator.k8s.placement import group_placement, place_learner_pod
 from diloco_operator.k8s.run_ref import Run
+from diloco_operator.k8s.run_secrets import (
+    syncer_tls_secret,
+    token_secret,
+    unit_token_secret,
+)
 from diloco_operator.k8s.syncer_disruption import disruption_budget, keep_on_its_node
 from diloco_operator.k8s.syncer_standby import STANDBY, add_standby, lock_env
 from diloco_operator.planner import CreateUnit
@@ -52,41 +57,6 @@ CONFIG_DIR = "/etc/diloco"
 CONFIG_FILE = "run.yaml"
 UNITS_FILE = "units.json"  # the syncer's roster at creation (syncer/roster.py in the trainer)
 CHECKPOINT_MOUNT = "/var/lib/diloco/checkpoints"
-LEARNER = "learner"
-SYNCER = "syncer"
-MANAGED_BY = "diloco-operator"
-
-
-def labels(run: Run, component: str, **extra: str) -> dict[str, str]:
-    base = {
-        "app.kubernetes.io/name": "diloco",
-        "app.kubernetes.io/instance": run.name,
-        "app.kubernetes.io/managed-by": MANAGED_BY,
-        LABEL_COMPONENT: component,
-        LABEL_RUN: run.name,
-    }
-    return {**base, **extra}
-
-
-def owner_reference(run: Run) -> dict[str, Any]:
-    """Children are garbage-collected with their run, so no finalizer is needed for cleanup."""
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "name": run.name,
-        "uid": run.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def _meta(run: Run, name: str, component: str, **extra: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": run.namespace,
-        "labels": labels(run, component, **extra),
-        "ownerReferences": [owner_reference(run)],
-    }
 
 
 def _resources(res: ResourceRequirements | None, tpu_chips: int = 0) -> dict[str, Any]:
@@ -111,23 +81,12 @@ def config_map(run: Run) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(run, run.config_map, "config"),
+        "metadata": child_meta(run, run.config_map, "config"),
         "data": {
             CONFIG_FILE: yaml.safe_dump(doc, sort_keys=False),
             # Revision 0: the operator's PUT of the roster (revision = generation) supersedes it.
             UNITS_FILE: json.dumps(roster_document(run.name, run.spec, 0)),
         },
-    }
-
-
-def token_secret(run: Run, token: str | None = None) -> dict[str, Any]:
-    """Created once per run (a create conflict keeps the existing token)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "Opaque",
-        "metadata": _meta(run, run.token_secret, "token"),
-        "stringData": {TOKEN_KEY: token or secrets.token_urlsafe(32)},
     }
 
 
@@ -145,7 +104,7 @@ def checkpoint_claim(run: Run) -> dict[str, Any] | None:
     }
     if ckpt.storage_class:
         spec["storageClassName"] = ckpt.storage_class
-    meta = _meta(run, run.checkpoint_claim, SYNCER)
+    meta = child_meta(run, run.checkpoint_claim, SYNCER)
     if ckpt.retention_policy == "Retain":
         del meta["ownerReferences"]
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
@@ -236,7 +195,7 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(run, run.syncer_name, SYNCER),
+        "metadata": child_meta(run, run.syncer_name, SYNCER),
         "spec": {
             "replicas": 1,
             # A rollout stops the old pod before it starts the new one; a pod deleted or evicted
@@ -255,7 +214,7 @@ def _syncer_selector(run: Run) -> dict[str, str]:
 
 def syncer_disruption_budget(run: Run) -> dict[str, Any]:
     """The syncer pod's PodDisruptionBudget (syncer_disruption.py): no eviction moves it."""
-    return disruption_budget(_meta(run, run.syncer_name, SYNCER), _syncer_selector(run))
+    return disruption_budget(child_meta(run, run.syncer_name, SYNCER), _syncer_selector(run))
 
 
 def syncer_service(run: Run) -> dict[str, Any]:
@@ -266,7 +225,7 @@ def _syncer_service(run: Run) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(run, run.syncer_name, SYNCER),
+        "metadata": child_meta(run, run.syncer_name, SYNCER),
         "spec": {
             "selector": {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER},
             "ports": [{"name": "http", "port": run.spec.syncer.port, "targetPort": "http"}],
@@ -294,7 +253,7 @@ def unit_service(run: Run, unit: CreateUnit) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(
+        "metadata": child_meta(
             run, unit.name, LEARNER, **{LABEL_GROUP: unit.group, LABEL_UNIT: unit.name}
         ),
         "spec": {
@@ -305,7 +264,10 @@ def unit_service(run: Run, unit: CreateUnit) -> dict[str, Any]:
     }
 
 
-def unit_job(run: Run, unit: CreateUnit, kubelet_rule_ok: bool = True) -> dict[str, Any]:
+def unit_job(
+    run: Run, unit: CreateUnit, kubelet_rule_ok: bool = True, token_secret: str | None = None
+) -> dict[str, Any]:
+    """`token_secret`: the unit's token Secret (run_secrets.py; default its home name)."""
     spec = run.spec
     group: UnitGroup | None = spec.group(unit.group)
     if group is None:
@@ -333,14 +295,15 @@ def unit_job(run: Run, unit: CreateUnit, kubelet_rule_ok: bool = True) -> dict[s
     place_learner_pod(pod_spec, group, unit.name, node_selector, tolerations)
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
-    secure_pod(pod_spec, unit_token_secret_name(unit.name))
-    add_learner_transport(pod_spec, run, unit_token_secret_name(unit.name))
+    token = token_secret or f"{unit.name}-token"
+    secure_pod(pod_spec, token)
+    add_learner_transport(pod_spec, run, token)
     job_labels = unit_labels(run, unit)
     queue_labels = kueue.job_labels(run.labels)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _meta(
+        "metadata": child_meta(
             run,
             unit.name,
             LEARNER,
@@ -375,30 +338,6 @@ def unit_job(run: Run, unit: CreateUnit, kubelet_rule_ok: bool = True) -> dict[s
     }
 
 
-def syncer_tls_secret(run: Run) -> dict[str, Any] | None:
-    """The syncer's certificate Secret when the operator makes it (`syncer.tls` without
-    `secretName`): signed by a private CA of the run's own (private_ca.py), naming the Service
-    and `syncer.tls.dnsNames` / `ipAddresses`. Created once (a conflict keeps the existing)."""
-    tls = run.spec.syncer.tls
-    if tls is None or not tls.operator_made:
-        return None
-    service = f"{run.syncer_name}.{run.namespace}"
-    names = [run.syncer_name, service, f"{service}.svc", f"{service}.svc.cluster.local"]
-    pem = private_ca.syncer_certificate(
-        run.name,
-        names + list(tls.dns_names or []),
-        list(tls.ip_addresses or []),
-        datetime.datetime.now(datetime.UTC),
-    )
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "kubernetes.io/tls",
-        "metadata": _meta(run, tls.secret(run.name), SYNCER),
-        "stringData": pem,
-    }
-
-
 def run_objects(run: Run, token: str | None = None) -> list[dict[str, Any]]:
     """Every per-run object (not the units), in creation order."""
     tls = syncer_tls_secret(run)
@@ -411,25 +350,6 @@ def run_objects(run: Run, token: str | None = None) -> list[dict[str, Any]]:
     return objs
 
 
-def unit_token_secret(run: Run, unit: CreateUnit, run_token: str) -> dict[str, Any]:
-    """The unit's own credential (HMAC of the run secret and its name, docs/protocol.md; in an
-    away run, of the join credential's key): a learner pod holds this, never the run secret or
-    the credential, so it can speak only as its own unit."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "Opaque",
-        "metadata": _meta(
-            run, unit_token_secret_name(unit.name), LEARNER, **{LABEL_UNIT: unit.name}
-        ),
-        "stringData": unit_secret_data(run, unit.name, run_token, TOKEN_KEY),
-    }
-
-
-def unit_token_secret_name(unit: str) -> str:
-    return f"{unit}-token"
-
-
 def unit_objects(
     run: Run, unit: CreateUnit, run_token: str, kubelet_rule_ok: bool = True
 ) -> list[dict[str, Any]]:
@@ -438,9 +358,10 @@ def unit_objects(
     An away run creates no syncer, whose children include the config file the learners mount:
     its units bring it (creating it again is a no-op)."""
     away = [config_map(run)] if run.spec.syncer.external is not None else []
+    secret = unit_token_secret(run, unit.name, run_token)
     return [
         *away,
         unit_service(run, unit),
-        unit_token_secret(run, unit, run_token),
-        unit_job(run, unit, kubelet_rule_ok),
+        secret,
+        unit_job(run, unit, kubelet_rule_ok, secret["metadata"]["name"]),
     ]

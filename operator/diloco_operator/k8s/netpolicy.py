@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_operator.api import LABEL_COMPONENT, LABEL_RUN
-from diloco_operator.k8s.builders import LEARNER, SYNCER, Run, _meta, run_objects
+from diloco_operator.k8s.builders import LEARNER, SYNCER, Run, run_objects
+from diloco_operator.k8s.object_meta import child_meta
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
@@ -27,7 +28,7 @@ def syncer_network_policy(run: Run, operator: OperatorIdentity) -> dict[str, Any
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(run, run.syncer_name, SYNCER),
+        "metadata": child_meta(run, run.syncer_name, SYNCER),
         "spec": {
             "podSelector": {"matchLabels": {**own, LABEL_COMPONENT: SYNCER}},
             "policyTypes": ["Ingress"],

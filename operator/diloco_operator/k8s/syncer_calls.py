@@ -27,6 +27,7 @@ from diloco_trainer.join_credentials import (
 )
 from diloco_trainer.status import SyncerStatus
 
+from diloco_operator.api.pod_security import TOKEN_KEY
 from diloco_operator.k8s import builders, kube
 from diloco_operator.k8s.away import error_reason, refusal_reason
 from diloco_operator.k8s.cross_cluster import ca_source
@@ -58,7 +59,7 @@ async def read_run_token(run: builders.Run) -> str | None:
         secret, field = (
             (external.credential.name, external.credential.key)
             if external is not None
-            else (run.token_secret, builders.TOKEN_KEY)
+            else (run.token_secret, TOKEN_KEY)
         )
         token = await kube.read_token(run.namespace, secret, field)
         if token is not None:
@@ -113,6 +114,10 @@ async def syncer_report(run: builders.Run) -> SyncerStatus | None:
                 why = f"HTTP {resp.status}: {text[:300]}"
                 log.debug("syncer status run=%s %s", run.name, why)
                 _saw(run, url, why, refusal_reason(_reason_code(text)))
+                if run.spec.syncer.external is not None and resp.status in (401, 403):
+                    # a refused join credential may have been replaced in its Secret since:
+                    # read it again next pass (units created from then on use the new one)
+                    STATE.tokens.pop((run.namespace, run.name), None)
                 return None
             report = pod_attempts(SyncerStatus.from_json(await resp.json()))
     except (aiohttp.ClientError, TimeoutError, ValueError, ssl.SSLError) as exc:
