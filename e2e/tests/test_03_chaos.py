@@ -191,12 +191,24 @@ def test_node_not_ready_units_recreated_elsewhere(cluster: Any, namespace: str, 
     finally:
         for node in broken:
             cluster.kubectl("label", "node", node, f"{NODE_NOT_READY_LABEL}-")
+    # Ready, and seen Ready by the node lifecycle controller: until it lifts its not-ready taint,
+    # a pod the scheduler puts there (the scale-up below) is marked not Ready, and KWOK never
+    # marks it Ready again.
     for node in broken:
         wait_for(f"node {node} Ready again", partial(_node_ready, cluster, node), timeout=60)
+        wait_for(f"node {node} untainted", partial(_node_untainted, cluster, node), timeout=90)
 
 
 def _node_not_ready(cluster: Any, node: str) -> bool:
     return not _node_ready(cluster, node)
+
+
+NODE_HEALTH_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+
+
+def _node_untainted(cluster: Any, node: str) -> bool:
+    taints = node_of(cluster, node).get("spec", {}).get("taints") or []
+    return not any(t["key"] in NODE_HEALTH_TAINTS for t in taints)
 
 
 def _node_ready(cluster: Any, node: str) -> bool:
