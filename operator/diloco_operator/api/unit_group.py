@@ -127,6 +127,13 @@ class UnitGroup(Strict):
             return ""
         return self.compression.model_dump_json(by_alias=True, exclude_none=True)
 
+    def learner_env(self) -> dict[str, str]:
+        """The environment this group's learners get on top of every learner's (its own push
+        compression, its compile cache), on Kubernetes and in the local runtime alike."""
+        env = {"DILOCO_COMPRESSION": self.compression_json()}
+        env["JAX_COMPILATION_CACHE_DIR"] = self.compile_cache or ""
+        return {k: v for k, v in env.items() if v}
+
     @model_validator(mode="after")
     def _exclusive_by_default_across_hosts(self) -> UnitGroup:
         # A unit's hosts must be the hosts of one slice: the scheduler alone may place them on

@@ -28,16 +28,10 @@ def _learner_observability_env() -> list[dict[str, str]]:
     ]
 
 
-def _compression_env(run: Run, group_name: str) -> list[dict[str, str]]:
+def _group_env(run: Run, group_name: str) -> list[dict[str, str]]:
     group = run.spec.group(group_name)
-    own = group.compression_json() if group is not None else ""
-    return [{"name": "DILOCO_COMPRESSION", "value": own}] if own else []
-
-
-def _compile_cache_env(run: Run, group_name: str) -> list[dict[str, str]]:
-    group = run.spec.group(group_name)
-    path = group.compile_cache if group is not None else None
-    return [{"name": "JAX_COMPILATION_CACHE_DIR", "value": path}] if path else []
+    own = group.learner_env() if group is not None else {}
+    return [{"name": k, "value": v} for k, v in own.items()]
 
 
 def learner_env(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
@@ -48,8 +42,7 @@ def learner_env(run: Run, unit: CreateUnit) -> list[dict[str, Any]]:
         {"name": "DILOCO_NUM_UNITS", "value": str(unit.num_units)},
         {"name": "DILOCO_ATTEMPT", "value": str(unit.attempt)},
         {"name": "DILOCO_GROUP", "value": unit.group},
-        *_compression_env(run, unit.group),
-        *_compile_cache_env(run, unit.group),
+        *_group_env(run, unit.group),
         *_learner_observability_env(),
         {
             "name": "TPU_WORKER_ID",

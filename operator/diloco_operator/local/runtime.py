@@ -183,12 +183,7 @@ class LocalRuntime:
                     "DILOCO_GROUP": action.group,
                     "DILOCO_SLOWDOWN": f"{slowdown:g}",
                     "DILOCO_TOKEN": token,
-                    **({"DILOCO_COMPRESSION": compression} if compression else {}),
-                    **(
-                        {"JAX_COMPILATION_CACHE_DIR": group.compile_cache}
-                        if group is not None and group.compile_cache
-                        else {}
-                    ),
+                    **(group.learner_env() if group is not None else {}),
                 }
             )
             args = ["--config", str(self.config)]
