@@ -7,6 +7,7 @@ object's root, the one place a rule sees both the run's name and its pod templat
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 from diloco_trainer.config import PER_BYTE, CompressionConfig, TrainingConfig
 
@@ -31,6 +32,21 @@ def _or_default(path: str, model: type[api.Strict], field: str) -> str:
     parent = path.rpartition(".")[0]
     guards = " && ".join(f"has({p})" for p in _prefixes(parent)) + f" && has({path})"
     return f"({guards.removeprefix(' && ')} ? {path} : {_default(model, field)})"
+
+
+def _blocks_fill_bytes(uses: Callable[[str], str], block_size: str) -> list[dict[str, str]]:
+    """One rule per packed scheme: where `uses(scheme)` holds, `block_size` is a multiple of the
+    values that scheme packs in a byte (CompressionConfig's model check, in CEL)."""
+    return [
+        {
+            "rule": f"!{uses(scheme)} || {block_size} % {per_byte} == 0",
+            "message": f"blockSize: must be a multiple of {per_byte} with {scheme} "
+            f"({per_byte} values per byte)",
+            "fieldPath": ".blockSize",
+        }
+        for scheme, per_byte in PER_BYTE.items()
+        if per_byte > 1
+    ]
 
 
 def _prefixes(path: str) -> list[str]:
@@ -158,18 +174,13 @@ RULES: dict[str, list[dict[str, str]]] = {
             "fieldPath": ".restartBackoffSeconds",
         }
     ],
-    "CompressionConfig": [
-        {
-            "rule": f"!((has(self.scheme) && self.scheme == '{scheme}') || (has(self.downlink) && "
-            f"self.downlink == '{scheme}')) || "
-            f"{_or_default('self.blockSize', CompressionConfig, 'block_size')} % {per_byte} == 0",
-            "message": f"blockSize: must be a multiple of {per_byte} with {scheme} "
-            f"({per_byte} values per byte)",
-            "fieldPath": ".blockSize",
-        }
-        for scheme, per_byte in PER_BYTE.items()
-        if per_byte > 1
-    ],
+    "CompressionConfig": _blocks_fill_bytes(
+        lambda scheme: (
+            f"((has(self.scheme) && self.scheme == '{scheme}') || "
+            f"(has(self.downlink) && self.downlink == '{scheme}'))"
+        ),
+        _or_default("self.blockSize", CompressionConfig, "block_size"),
+    ),
     "SyncerTls": [
         {
             "rule": "!has(self.secretName) || (!has(self.dnsNames) && !has(self.ipAddresses))",
@@ -181,17 +192,10 @@ RULES: dict[str, list[dict[str, str]]] = {
     # A group's own push compression: its own fields here; with the run's fields (a blockSize of
     # the run's against the group's scheme) the operator's spec check (api/__init__.py) and the
     # learner's start refuse the rest.
-    "LinkCompression": [
-        {
-            "rule": f"!has(self.scheme) || self.scheme != '{scheme}' || !has(self.blockSize) || "
-            f"self.blockSize % {per_byte} == 0",
-            "message": f"blockSize: must be a multiple of {per_byte} with {scheme} "
-            f"({per_byte} values per byte)",
-            "fieldPath": ".blockSize",
-        }
-        for scheme, per_byte in PER_BYTE.items()
-        if per_byte > 1
-    ],
+    "LinkCompression": _blocks_fill_bytes(
+        lambda scheme: f"(has(self.scheme) && self.scheme == '{scheme}' && has(self.blockSize))",
+        "self.blockSize",
+    ),
     "TrainingConfig": [
         {
             "rule": "has(self.totalSteps) || has(self.totalTokens)",
