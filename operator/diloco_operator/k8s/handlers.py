@@ -342,6 +342,7 @@ async def run_loop(
         STATE.tokens.pop(key, None)
         STATE.chaos.pop(key, None)
         STATE.reach.pop(key, None)
+        STATE.intents.pop(key, None)
         queue_status.forget(namespace, name)
         with contextlib.suppress(KeyError):
             UNITS_ONLINE.remove(namespace, name)
