@@ -314,14 +314,8 @@ class RealNode:
         write_kubeconfig: Callable[[Path, str, Path, Path, Path, str], None],
     ) -> None:
         st = self.st
-        kc = st / "kubelet.kubeconfig"
-        write_kubeconfig(
-            kc,
-            server,
-            pki.path("ca.crt"),
-            pki.path("kubelet.crt"),
-            pki.path("kubelet.key"),
-            f"system:node:{self.name}",
+        kc = _client_kubeconfig(
+            st, pki, server, write_kubeconfig, "kubelet", f"system:node:{self.name}"
         )
         resolv = st / "resolv.conf"
         resolv.write_text("# pods use the cluster DNS only\n")
@@ -363,28 +357,14 @@ class RealNode:
     ) -> None:
         """kube-proxy for Services and CoreDNS behind kube-dns (the home site only)."""
         st = self.st
-        pkc = st / "kube-proxy.kubeconfig"
-        write_kubeconfig(
-            pkc,
-            server,
-            pki.path("ca.crt"),
-            pki.path("kube-proxy.crt"),
-            pki.path("kube-proxy.key"),
-            "system:kube-proxy",
+        pkc = _client_kubeconfig(
+            st, pki, server, write_kubeconfig, "kube-proxy", "system:kube-proxy"
         )
         (st / "kube-proxy.yaml").write_text(
             json.dumps(kube_proxy_config(pkc, self.name, (free_port(), free_port())))
         )
         self._spawn("kube-proxy", [str(self.bins.kube_proxy), f"--config={st / 'kube-proxy.yaml'}"])
-        ckc = st / "coredns.kubeconfig"
-        write_kubeconfig(
-            ckc,
-            server,
-            pki.path("ca.crt"),
-            pki.path("coredns.crt"),
-            pki.path("coredns.key"),
-            "coredns",
-        )
+        ckc = _client_kubeconfig(st, pki, server, write_kubeconfig, "coredns", "coredns")
         (st / "Corefile").write_text(corefile(ckc))
         self._spawn("coredns", [str(self.bins.coredns), "-conf", str(st / "Corefile")])
         self._apply(dns_objects())
@@ -467,6 +447,23 @@ class RealNode:
                     mounts.append(target)
         for m in sorted(mounts, key=len, reverse=True):
             run(["umount", "-l", m], check=False)
+
+
+def _client_kubeconfig(
+    st: Path,
+    pki: Any,
+    server: str,
+    write_kubeconfig: Callable[[Path, str, Path, Path, Path, str], None],
+    client: str,
+    user: str,
+) -> Path:
+    """<st>/<client>.kubeconfig: the node program `client` with its own certificate (the PKI's
+    <client>.crt/.key, made for the identity `user`)."""
+    path = st / f"{client}.kubeconfig"
+    write_kubeconfig(
+        path, server, pki.path("ca.crt"), pki.path(f"{client}.crt"), pki.path(f"{client}.key"), user
+    )
+    return path
 
 
 def _normalized(image: str) -> str:
