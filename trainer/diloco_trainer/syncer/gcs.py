@@ -235,6 +235,15 @@ class BucketPrefix:
                     self._download(rel, Path(tmp) / file)
             yield Path(tmp)
 
+    def objects(self, sub: str) -> list[str]:
+        """Every object whose name starts with `prefix + sub`, at any depth, relative to the
+        prefix (for readers of other files than checkpoints: `initFrom` weights)."""
+        return self._list(sub)[0]
+
+    def download(self, rel: str, local: Path) -> None:
+        """One object into the local file `local`, its CRC32C checked."""
+        self._download(rel, local)
+
     def _download(self, rel: str, local: Path) -> None:
         blob = self._bucket().blob(self._key(rel))
         self._call(

@@ -10,7 +10,8 @@ to the manifest's metadata.name or the config file's stem). The checkpoint path 
 or `gs://bucket/prefix` (Application Default Credentials: Workload Identity on GKE). Exit 2 on a
 config error (the message names the field), `training.model.initFrom` weights that cannot be
 read or do not fit the model and a checkpoint bucket this process cannot use (no credential,
-access denied, no such bucket) included; exit 1 when the checkpoints cannot be read.
+access denied, no such bucket) included; exit 1 when the checkpoints (or `gs://` initFrom
+weights, the storage failing) cannot be read.
 SIGTERM/SIGINT stop serving, write a final checkpoint and exit 0; a standby told to stop exits 0
 without serving, even when the lock it waited for comes free at that moment. Exit 3: another
 syncer wrote the checkpoint path after this one claimed it (two syncers on one `gs://` path, gcs.py):
@@ -62,7 +63,7 @@ from diloco_trainer.syncer.fragment import InitFn, default_init
 from diloco_trainer.syncer.roster import Roster
 from diloco_trainer.syncer.standby import ServingLock, wait_as_standby
 from diloco_trainer.tls import ServerTls
-from diloco_trainer.workload.weights import WeightsError
+from diloco_trainer.workload.weights import WeightsError, WeightsUnavailable
 from diloco_trainer.workload.weights import init_from as init_from_weights
 
 if TYPE_CHECKING:
@@ -302,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             init_fn = starting_params(cfg.model.init_from, snapshot)
     except WeightsError as exc:
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
-        return 2
+        # A bucket that failed to serve the weights may serve them to a restart; a wrong file won't.
+        return 1 if isinstance(exc, WeightsUnavailable) else 2
     with phase(log, "imports"):  # JAX and the trainer: seconds of a cold start
         from diloco_trainer.syncer.core import Syncer
         from diloco_trainer.workload.compile_cache import enable_compilation_cache

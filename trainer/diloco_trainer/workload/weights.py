@@ -2,11 +2,13 @@
 
 Both sides speak the flat ``name -> array`` form of the wire (`workload.pytree`): a leaf's name
 is its pytree path joined by dots. Reading takes a safetensors file, or an orbax checkpoint
-directory when `orbax-checkpoint` is installed (an optional dependency, imported only then).
+directory when `orbax-checkpoint` is installed (an optional dependency, imported only then),
+locally or in a bucket (`gs://`: fetched to a temporary copy by `workload.bucket_weights`).
 Checking compares what was read with the leaves the model expects and reports every kind of
 mismatch in one error that names the manifest field and the file; values are cast to the
 model's dtype (the syncer keeps float32). Writing is atomic: a temporary file beside the target,
-fsynced, then renamed over it.
+fsynced, then renamed over it; an orbax export is written by orbax, which renames a temporary
+directory into place itself.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from diloco_trainer.config import TrainingConfig
+from diloco_trainer.syncer.storage import is_bucket_url
+from diloco_trainer.workload.bucket_weights import BucketWeightsError, fetched
 
 log = logging.getLogger("diloco.weights")
 
@@ -34,17 +38,39 @@ class WeightsError(ValueError):
     """Weights that cannot be read or do not fit the model; the message names field and file."""
 
 
+class WeightsUnavailable(WeightsError):
+    """The storage holding the weights failed (not the setting): a later start may read them."""
+
+
+ORBAX_MISSING = "install orbax-checkpoint, or export the weights to a safetensors file"
+
+
 def read_weights(path: str | Path, field: str = FIELD) -> dict[str, np.ndarray]:
-    """A flat ``name -> array`` dict from a safetensors file or an orbax checkpoint directory."""
-    source = Path(path)
+    """A flat ``name -> array`` dict from a safetensors file or an orbax checkpoint directory,
+    local or at a `gs://` URL (an object, or the prefix of an orbax checkpoint)."""
+    if is_bucket_url(path):
+        return _read_bucket(str(path), field)
+    return _read_local(Path(path), field, str(path))
+
+
+def _read_bucket(url: str, field: str) -> dict[str, np.ndarray]:
+    try:
+        with fetched(url, field) as local:
+            return _read_local(local, field, url)
+    except BucketWeightsError as exc:
+        raise (WeightsUnavailable if exc.unavailable else WeightsError)(str(exc)) from exc
+
+
+def _read_local(source: Path, field: str, shown: str) -> dict[str, np.ndarray]:
+    """Read `source`; messages name it as `shown` (the URL it was fetched from, if it was)."""
     if source.is_dir():
-        return _read_orbax(source, field)
+        return _read_orbax(source, field, shown)
     if not source.exists():
-        raise WeightsError(f"{field}: {source}: no such file or directory")
+        raise WeightsError(f"{field}: {shown}: no such file or directory")
     try:
         return dict(load_file(source))
     except (SafetensorError, OSError, ValueError, TypeError) as exc:
-        raise WeightsError(f"{field}: {source}: not a readable safetensors file: {exc}") from exc
+        raise WeightsError(f"{field}: {shown}: not a readable safetensors file: {exc}") from exc
 
 
 def _orbax_item_dir(root: Path) -> Path:
@@ -55,26 +81,34 @@ def _orbax_item_dir(root: Path) -> Path:
     return chosen / "default" if (chosen / "default").is_dir() else chosen
 
 
-def _read_orbax(root: Path, field: str) -> dict[str, np.ndarray]:
+def _import_orbax() -> Any:
+    """`orbax.checkpoint`, imported only when an orbax checkpoint is read or written (it is
+    large and pulls in JAX); ImportError when it is not installed."""
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+def _read_orbax(root: Path, field: str, shown: str) -> dict[str, np.ndarray]:
     try:
-        import orbax.checkpoint as ocp
+        ocp = _import_orbax()
     except ImportError as exc:
         raise WeightsError(
-            f"{field}: {root} is a directory (an orbax checkpoint?): reading one needs the "
-            "orbax-checkpoint package; install orbax-checkpoint, or export the weights to a "
-            "safetensors file"
+            f"{field}: {shown} is a directory (an orbax checkpoint?): reading one needs the "
+            f"orbax-checkpoint package; {ORBAX_MISSING}"
         ) from exc
     from diloco_trainer.workload.pytree import LeafNameError, flatten  # JAX, as orbax is
 
     item = _orbax_item_dir(root)
+    where = shown if item == root else f"{shown.rstrip('/')}/{item.relative_to(root)}"
     try:
         tree = ocp.StandardCheckpointer().restore(item.resolve())
     except Exception as exc:  # orbax raises many types (ValueError, FileNotFoundError, ...)
-        raise WeightsError(f"{field}: {item}: not a readable orbax checkpoint: {exc}") from exc
+        raise WeightsError(f"{field}: {where}: not a readable orbax checkpoint: {exc}") from exc
     try:
         return {name: np.asarray(leaf) for name, leaf in flatten(tree).items()}
     except LeafNameError as exc:
-        raise WeightsError(f"{field}: {item}: {exc}") from exc
+        raise WeightsError(f"{field}: {where}: {exc}") from exc
 
 
 def _listed(items: list[str]) -> str:
@@ -163,4 +197,24 @@ def write_safetensors(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return target
+
+
+def write_orbax(
+    tensors: Mapping[str, np.ndarray], out: str | Path, metadata: Mapping[str, str]
+) -> Path:
+    """Write `tensors` as one orbax `StandardCheckpointer` checkpoint at `out`, which must not
+    exist, with `metadata` as its custom metadata. The tree is nested by the dotted names
+    (``params.Dense_0.kernel`` -> ``{"params": {"Dense_0": {"kernel": ...}}}``): the user's own
+    pytree for a flax-style model, and what `read_weights` flattens back to the same names.
+    ImportError without orbax-checkpoint; FileExistsError when `out` exists."""
+    target = Path(out).resolve()  # orbax wants an absolute path
+    if target.exists():
+        raise FileExistsError(f"{target} exists")
+    ocp = _import_orbax()
+    from diloco_trainer.workload.pytree import nest  # JAX, as orbax is
+
+    tree = nest({name: np.asarray(leaf) for name, leaf in tensors.items()})
+    with ocp.StandardCheckpointer() as checkpointer:  # leaving it waits for the save
+        checkpointer.save(target, tree, custom_metadata=dict(metadata))
     return target
