@@ -4,7 +4,8 @@
                          [--no-fork-server] [--start-timeout S]
                          [--resume-from DIR | --checkpoint-dir DIR]
     diloco simulate [--chips 150000,...] [--learners 1,2,...] [--plot FILE] [--json]
-    diloco export RUN_OR_CHECKPOINT --out FILE.safetensors
+    diloco export RUN_OR_CHECKPOINT --out FILE.safetensors [--names pytree|hf]
+    diloco export RUN_OR_CHECKPOINT --out DIR --format orbax
     diloco data tokenize FILES_OR_DIRS... --out DIR (--tokenizer FILE | --train-vocab N)
                          [--shard-tokens N] [--pattern GLOB] [--eod-token TEXT]
     diloco data inspect DIR [--tokens N]
@@ -140,9 +141,11 @@ def _add_join_credential(sub: argparse._SubParsersAction[argparse.ArgumentParser
 def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     export = sub.add_parser(
         "export",
-        help="write a run's global model to a safetensors file (leaf names = pytree paths)",
+        help="write a run's global model to a safetensors file or an orbax checkpoint",
         description="Write the global parameters of a syncer checkpoint to one safetensors "
-        "file, loadable with safetensors.flax.load_file.",
+        "file (leaf names = pytree paths, loadable with safetensors.flax.load_file; or Hugging "
+        "Face GPT-2 names for the bundled GPT, with a config.json beside it) or to an orbax "
+        "checkpoint directory (which training.model.initFrom reads back).",
     )
     export.add_argument(
         "source",
@@ -150,16 +153,34 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="a checkpoint (ckpt-*), a checkpoint directory or gs://bucket/prefix (its newest "
         "valid checkpoint) or a local run's report folder",
     )
-    export.add_argument("--out", type=Path, required=True, help="the .safetensors file to write")
+    export.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="the .safetensors file to write (--format orbax: a new directory)",
+    )
+    export.add_argument(
+        "--format",
+        choices=["safetensors", "orbax"],
+        default="safetensors",
+        help="safetensors (default) or an orbax checkpoint (needs orbax-checkpoint)",
+    )
+    export.add_argument(
+        "--names",
+        choices=["pytree", "hf"],
+        default="pytree",
+        help="pytree paths (default) or Hugging Face GPT-2 names (the bundled GPT only; "
+        "RMSNorm and no biases, so not transformers' GPT-2: see docs/library.md)",
+    )
     export.set_defaults(handler=_export)
 
 
 def _export(args: argparse.Namespace) -> int:
-    # numpy + safetensors only: no JAX import for an export.
+    # numpy + safetensors only: no JAX import for a safetensors export (orbax brings its own).
     from diloco_trainer.syncer.export import ExportError, export_checkpoint
 
     try:
-        done = export_checkpoint(args.source, args.out)
+        done = export_checkpoint(args.source, args.out, names=args.names, fmt=args.format)
     except ExportError as exc:
         print(f"diloco export: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

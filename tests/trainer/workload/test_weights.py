@@ -17,6 +17,7 @@ from diloco_trainer.workload.weights import (
     fit_to_model,
     init_from,
     read_weights,
+    write_orbax,
     write_safetensors,
 )
 from safetensors.numpy import load_file, save_file
@@ -153,3 +154,16 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(
         write_safetensors(_shifted(), out, {})
     assert out.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_write_orbax_nests_dotted_names_and_never_replaces_a_directory(tmp_path: Path) -> None:
+    pytest.importorskip("orbax.checkpoint")
+    flat = {"params.Dense_0.kernel": np.ones((2, 3), np.float32), "step_scale": np.zeros(1)}
+    out = write_orbax(flat, tmp_path / "o", {"run": "r"})
+    assert (out / "d").is_dir()  # orbax's layout, in place: no temporary directory left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+    got = read_weights(tmp_path / "o")
+    assert sorted(got) == sorted(flat)
+    np.testing.assert_array_equal(got["params.Dense_0.kernel"], flat["params.Dense_0.kernel"])
+    with pytest.raises(FileExistsError):
+        write_orbax(flat, tmp_path / "o", {})

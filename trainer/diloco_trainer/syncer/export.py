@@ -1,28 +1,43 @@
-"""`diloco export`: the global model of a syncer checkpoint as one safetensors file.
+"""`diloco export`: the global model of a syncer checkpoint, as a file other tools load.
 
 The source is one checkpoint (`ckpt-<seq>/`), a checkpoint directory or `gs://bucket/prefix`
 (the syncer's `checkpoint.path`: its newest checkpoint that reads back intact) or a local run's
-report folder (its `checkpoints/`). Only the global parameters are written, under their leaf names (pytree
-paths), so `safetensors.flax.load_file` / `safetensors.numpy.load_file` give a flat dict the
-user's model unflattens; the outer optimizer's momentum stays behind. `__metadata__` records the
-run, the outer step, the fragment versions, the checkpoint's sequence number and the config hash.
+report folder (its `checkpoints/`). Only the global parameters are written; the outer
+optimizer's momentum stays behind. The metadata records the run, the outer step, the fragment
+versions, the checkpoint's sequence number and the config hash.
+
+Two formats, two namings:
+- safetensors (default), leaves under their pytree paths: `safetensors.flax.load_file` /
+  `safetensors.numpy.load_file` give a flat dict the user's model unflattens;
+- safetensors with Hugging Face GPT-2 names (`--names hf`, the bundled GPT only: `hf_names`),
+  with a config.json beside it;
+- an orbax checkpoint directory (`--format orbax`), which `training.model.initFrom` reads back.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
+import numpy as np
 from safetensors import SafetensorError
 
 from diloco_trainer.syncer.checkpoint import CheckpointError, CheckpointStore, Snapshot
+from diloco_trainer.syncer.hf_names import NAMES as HF_NAMES
+from diloco_trainer.syncer.hf_names import HfNamingError, gpt_sizes, hf_config, hf_gpt2_tensors
 from diloco_trainer.syncer.storage import is_bucket_url
-from diloco_trainer.workload.weights import write_safetensors
+from diloco_trainer.workload.weights import write_orbax, write_safetensors
 
 EXPORT_FORMAT = "diloco-export/1"
 LOCAL_RUN_CHECKPOINTS = "checkpoints"
+HF_CONFIG = "config.json"
+Names = Literal["pytree", "hf"]
+Format = Literal["safetensors", "orbax"]
 
 
 class ExportError(Exception):
@@ -104,17 +119,88 @@ def export_metadata(snap: Snapshot, checkpoint: Path | str) -> dict[str, str]:
     }
 
 
-def export_checkpoint(source: str | Path, out: str | Path) -> Exported:
+def _is_our_config(path: Path) -> bool:
+    try:
+        return "diloco_names" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_out(out: Path, fmt: Format, names: Names) -> None:
+    """Refuse an `--out` (or a combination) that cannot be written, before reading anything."""
+    if names == "hf" and fmt != "safetensors":
+        raise ExportError("--names hf writes safetensors only (the format Hugging Face loads)")
+    if not out.parent.is_dir():
+        raise ExportError(f"--out {out}: directory {out.parent} does not exist")
+    if fmt == "safetensors" and out.suffix != ".safetensors":
+        raise ExportError(f"--out {out}: the file name must end in .safetensors")
+    if fmt == "orbax" and out.exists():
+        # Not replaced: orbax would delete the whole directory, whatever else it holds.
+        raise ExportError(f"--out {out}: exists; an orbax export writes a new directory")
+    config = out.with_name(HF_CONFIG)
+    if names == "hf" and config.exists() and not _is_our_config(config):
+        raise ExportError(
+            f"--out {out}: {config} exists and was not written by diloco export (it is "
+            "replaced by the model's): export into another directory"
+        )
+
+
+def hf_export(params: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """(tensors under Hugging Face names, their config.json); ExportError naming the leaf when
+    `params` is not the bundled GPT."""
+    try:
+        return hf_gpt2_tensors(params), hf_config(gpt_sizes(params))
+    except HfNamingError as exc:
+        raise ExportError(f"--names hf: {exc}") from exc
+
+
+def write_json(data: Mapping[str, Any], target: Path) -> None:
+    """`target` replaced at once (temp file beside it, then renamed)."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_export(
+    tensors: Mapping[str, np.ndarray],
+    target: Path,
+    metadata: dict[str, str],
+    fmt: Format,
+    config: Mapping[str, Any] | None,
+) -> None:
+    try:
+        if fmt == "orbax":
+            write_orbax(tensors, target, metadata)
+        else:
+            write_safetensors(tensors, target, metadata)
+        if config is not None:
+            write_json(config, target.with_name(HF_CONFIG))
+    except ImportError as exc:
+        raise ExportError(
+            f"--format orbax needs the orbax-checkpoint package ({exc}): install "
+            "orbax-checkpoint, or export to safetensors"
+        ) from exc
+    except (OSError, SafetensorError, ValueError) as exc:  # ValueError: orbax, pytree names
+        raise ExportError(f"--out {target}: cannot write: {exc}") from exc
+
+
+def export_checkpoint(
+    source: str | Path, out: str | Path, names: Names = "pytree", fmt: Format = "safetensors"
+) -> Exported:
     """Write the global parameters of `source`'s checkpoint to `out` (atomically)."""
     target = Path(out)
-    if target.suffix != ".safetensors":
-        raise ExportError(f"--out {target}: the file name must end in .safetensors")
-    if not target.parent.is_dir():
-        raise ExportError(f"--out {target}: directory {target.parent} does not exist")
+    check_out(target, fmt, names)
     snap, checkpoint = load_checkpoint(source)
     metadata = export_metadata(snap, checkpoint)
-    try:
-        write_safetensors(snap.params, target, metadata)
-    except (OSError, SafetensorError) as exc:
-        raise ExportError(f"--out {target}: cannot write: {exc}") from exc
-    return Exported(target, checkpoint, len(snap.params), snap.outer_step, metadata)
+    tensors, config = snap.params, None
+    if names == "hf":
+        tensors, config = hf_export(snap.params)
+        # transformers' loader refuses a safetensors file whose "format" is not a framework's;
+        # the tensors are laid out as GPT-2's PyTorch modules hold them.
+        metadata = {**metadata, "format": "pt", "exportFormat": EXPORT_FORMAT, "names": HF_NAMES}
+    write_export(tensors, target, metadata, fmt, config)
+    return Exported(target, checkpoint, len(tensors), snap.outer_step, metadata)
