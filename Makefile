@@ -6,10 +6,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_CACHE_DIR ?= $(HOME)/.cache/pip
 export UV_CACHE_DIR ?= $(HOME)/.cache/uv
+# The release: one version (pyproject.toml's) for the package, the images and the chart; the
+# registry a release publishes to (.github/workflows/release.yaml, docs/release.md).
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+REGISTRY ?= ghcr.io/elastic-diloco
 # JAX on CPU: keep XLA from grabbing every core for its thread pool in tests.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: venv demo test lint typecheck unit unit-deps validators crds bench bench-quick e2e e2e-two-clusters cluster-up cluster-down e2e-deps images clean
+.PHONY: venv demo test lint typecheck unit unit-deps validators crds bench bench-quick e2e e2e-two-clusters cluster-up cluster-down e2e-deps images clean print-version release-chart release-images release-push locks
 
 venv: $(STAMP)
 
@@ -66,8 +70,9 @@ e2e-deps: venv
 
 # The trainer (CPU JAX) and operator images from docker/, on a base made with debootstrap (needs
 # root: installs docker.io and debootstrap when missing). Content-hashed: a warm call builds nothing.
+# Also tagged $(REGISTRY)/<image>:$(VERSION), the names the chart and examples use.
 images: venv
-	PYTHON=$(BIN)/python bash e2e/node/images.sh --save $${DILOCO_E2E_CACHE:-$$HOME/.cache/diloco-e2e}/images
+	RELEASE_TAG_PREFIX=$(REGISTRY) RELEASE_VERSION=$(VERSION) PYTHON=$(BIN)/python bash e2e/node/images.sh --save $${DILOCO_E2E_CACHE:-$$HOME/.cache/diloco-e2e}/images
 
 # End-to-end suite (docs/e2e.md): a local control plane started and stopped by the fixture, or
 # DILOCO_E2E_KUBECONFIG=... for an existing cluster.
@@ -91,6 +96,33 @@ bench: venv
 
 bench-quick: venv
 	$(BIN)/python -m bench.run --quick
+
+# Release artefacts (docs/release.md): the chart packaged into dist/ and the four images tagged
+# $(REGISTRY)/<image>:$(VERSION), each installing the pinned packages of docker/locks/.
+HELM ?= helm
+RELEASE_IMAGES := diloco-trainer=docker/trainer.Dockerfile \
+	diloco-trainer-gpu=docker/trainer-gpu.Dockerfile \
+	diloco-trainer-cpu=docker/trainer-cpu.Dockerfile \
+	diloco-operator=docker/operator.Dockerfile
+
+print-version:
+	@echo $(VERSION)
+
+release-chart:
+	$(HELM) package charts/diloco-operator --version $(VERSION) --app-version $(VERSION) -d dist
+
+release-images:
+	set -e; for pair in $(RELEASE_IMAGES); do \
+	  docker build -f $${pair#*=} -t $(REGISTRY)/$${pair%%=*}:$(VERSION) . ; done
+
+release-push: release-images release-chart
+	set -e; for pair in $(RELEASE_IMAGES); do docker push $(REGISTRY)/$${pair%%=*}:$(VERSION); done
+	$(HELM) push dist/diloco-operator-$(VERSION).tgz oci://$(REGISTRY)/charts
+
+# The pinned packages of the images (docker/locks/*.txt), resolved again: after a dependency or
+# JAX change, and before a release.
+locks: venv
+	$(BIN)/python docker/lock.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -12,12 +12,13 @@ ENV PIP_FIND_LINKS=/src PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
 # .wheels (optional: e2e/node/images.sh provides it) lands as loose wheels in /src, a find-links
 # folder; the glob lets the build go on without it.
+# cpu.txt: every dependency pinned (docker/lock.py), so two builds hold the same packages.
 # (a stub README: the package metadata needs one, the dependencies do not need ours)
-COPY pyproject.toml .wheel[s] ./
+COPY pyproject.toml docker/locks/cpu.txt .wheel[s] ./
 RUN mkdir -p operator/diloco_operator trainer/diloco_trainer \
  && touch README.md operator/diloco_operator/__init__.py trainer/diloco_trainer/__init__.py \
  && python3 -m venv /opt/diloco \
- && PIP_NO_INDEX=${PIP_NO_INDEX} /opt/diloco/bin/pip install ".[trainer,gcs]" \
+ && PIP_NO_INDEX=${PIP_NO_INDEX} /opt/diloco/bin/pip install -c cpu.txt ".[trainer,gcs]" \
  && /opt/diloco/bin/pip uninstall -y elastic-diloco
 
 FROM deps AS code

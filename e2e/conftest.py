@@ -187,6 +187,11 @@ def helm_env(c: harness._ClusterBase) -> tuple[str, dict[str, str]]:
     return helm, env
 
 
+def extra_helm_args() -> list[str]:
+    """What DILOCO_E2E_HELM_ARGS adds to every install of the chart (docs/e2e.md)."""
+    return os.environ.get("DILOCO_E2E_HELM_ARGS", "").split()
+
+
 @contextlib.contextmanager
 def installed_chart(c: harness._ClusterBase, incluster: bool) -> Iterator[dict[str, str]]:
     """`helm install` of the chart into diloco-system, cluster-wide; yields the release's names
@@ -210,9 +215,10 @@ def installed_chart(c: harness._ClusterBase, incluster: bool) -> Iterator[dict[s
         "--set",
         "clusterWide=true",
     ]
-    extra = os.environ.get("DILOCO_E2E_HELM_ARGS", "").split()
     t0 = time.monotonic()
-    r = subprocess.run([*args, *extra], env=env, capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [*args, *extra_helm_args()], env=env, capture_output=True, text=True, timeout=180
+    )
     assert r.returncode == 0, f"helm install failed: {r.stderr}"
     say(f"helm install done in {time.monotonic() - t0:.1f}s")
     deploy = wait_for(

@@ -4,19 +4,24 @@ running in-cluster from its image. Loaded as a plugin by conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
+import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import (
     CHART,
     RELEASE,
+    REPO,
     SYSTEM_NS,
     Operator,
+    extra_helm_args,
     get_json,
     helm_env,
     kubectl,
@@ -63,6 +68,11 @@ def on_real_node() -> dict[str, Any]:
     }
 
 
+# The chart as published at the previous release (`helm package` of it): where an upgrade starts.
+PREVIOUS_CHART = REPO / "e2e" / "fixtures" / "charts" / "diloco-operator-0.1.0.tgz"
+CRD_FILE = "diloco.dev_dilocoruns.yaml"
+
+
 @pytest.fixture(scope="module")
 def incluster(
     cluster: harness._ClusterBase,
@@ -72,6 +82,56 @@ def incluster(
 ) -> Iterator[str]:
     """The chart's operator, in-cluster from its image on the real node, with chaos on. The
     session's local operator steps aside meanwhile (two operators must never share runs)."""
+    with chart_operator(cluster, real, operator, tmp_path_factory, CHART) as pod:
+        yield pod
+
+
+@pytest.fixture(scope="module")
+def incluster_previous_release(
+    cluster: harness._ClusterBase,
+    real: dict[str, Any],
+    operator: Operator,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[str]:
+    """As `incluster`, from the previous release's chart and with its CRD in the cluster, as an
+    install of that release leaves them (a test then upgrades with `upgrade_chart`). The image is
+    this tree's: only the chart and the CRD are the previous release's."""
+    with tarfile.open(PREVIOUS_CHART) as tgz:
+        member = tgz.extractfile(f"diloco-operator/crds/{CRD_FILE}")
+        assert member is not None
+        previous_crd = tmp_path_factory.mktemp("crd") / CRD_FILE
+        previous_crd.write_bytes(member.read())
+    kubectl(cluster, "replace", "-f", str(previous_crd))
+    try:
+        # As installed afresh: none of the values the suite's release got from this tree's chart.
+        fresh = ["--reset-values", "--set", "clusterWide=true", *extra_helm_args()]
+        with chart_operator(
+            cluster, real, operator, tmp_path_factory, PREVIOUS_CHART, fresh
+        ) as pod:
+            try:
+                yield pod
+            finally:  # whatever the test did, later modules get this tree's chart (a second
+                # upgrade to the same chart changes no object)
+                upgrade_chart(cluster)
+    finally:  # and its CRD
+        kubectl(cluster, "replace", "-f", str(CHART / "crds" / CRD_FILE))
+
+
+def upgrade_chart(cluster: harness._ClusterBase) -> None:
+    """`helm upgrade` to this tree's chart the way docs/operator.md says: the new chart's
+    defaults, then the values the release was installed with."""
+    helm(cluster, "upgrade", RELEASE, str(CHART), "-n", SYSTEM_NS, "--reset-then-reuse-values")
+
+
+@contextlib.contextmanager
+def chart_operator(
+    cluster: harness._ClusterBase,
+    real: dict[str, Any],
+    operator: Operator,
+    tmp_path_factory: pytest.TempPathFactory,
+    chart: Path,
+    how: Sequence[str] = ("--reuse-values",),
+) -> Iterator[str]:
     repo, tag = real["images"]["operator"].split(":", 1)
     values = {
         "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
@@ -83,9 +143,9 @@ def incluster(
     vf.write_text(json.dumps(values))
     operator.stop()
     t0 = time.monotonic()
-    helm(cluster, "upgrade", RELEASE, str(CHART), "-n", SYSTEM_NS, "--reuse-values", "-f", str(vf))
+    helm(cluster, "upgrade", RELEASE, str(chart), "-n", SYSTEM_NS, *how, "-f", str(vf))
     _scale_chart_operator(cluster, 1)
-    pod = wait_for("the in-cluster operator pod Ready", lambda: _operator_pod(cluster), 180)
+    pod = wait_for("the in-cluster operator pod Ready", lambda: operator_pod(cluster), 180)
     say(f"in-cluster operator {pod} ready in {time.monotonic() - t0:.1f}s")
     try:
         yield pod
@@ -107,7 +167,7 @@ def operator_pods(c: harness._ClusterBase) -> list[dict[str, Any]]:
     return pods
 
 
-def _operator_pod(c: harness._ClusterBase) -> str | None:
+def operator_pod(c: harness._ClusterBase) -> str | None:
     for p in operator_pods(c):
         ready = any(
             x["type"] == "Ready" and x["status"] == "True"

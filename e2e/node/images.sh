@@ -54,15 +54,17 @@ content_hash() {
     | sha256sum | cut -c1-12
 }
 
-# dependency_hash: what decides the wheelhouse (dependencies and build backend), not the tool
+# dependency_hash: what decides the wheelhouse (dependencies, their pinned versions in
+# docker/locks/cpu.txt and the build backend), not the tool
 # settings that share pyproject.toml with them: a ruff or mypy change must not re-download it.
 dependency_hash() {
-  "$PY" - "$REPO/pyproject.toml" <<'PYTHON' | sha256sum | cut -c1-12
+  "$PY" - "$REPO/pyproject.toml" "$REPO/docker/locks/cpu.txt" <<'PYTHON' | sha256sum | cut -c1-12
 import json, sys, tomllib
 doc = tomllib.load(open(sys.argv[1], "rb"))
 project = doc["project"]
 wanted = [project.get("dependencies"), project.get("optional-dependencies"), doc["build-system"]]
 print(json.dumps(wanted, sort_keys=True))
+print(open(sys.argv[2]).read())
 PYTHON
 }
 
@@ -73,7 +75,7 @@ wheels() {
   log "wheelhouse: pip wheel the dependencies into $dir"
   rm -rf "$dir"; mkdir -p "$dir"
   # PIP_FIND_LINKS of this machine may point at a local wheel folder: fine, it is only a source.
-  "$PY" -m pip wheel -q -w "$dir" "$REPO[trainer,operator,gcs]" hatchling >&2
+  "$PY" -m pip wheel -q -w "$dir" -c "$REPO/docker/locks/cpu.txt" "$REPO[trainer,operator,gcs]" hatchling >&2
   rm -f "$dir"/elastic_diloco-*.whl
   touch "$dir/.complete"
 }
@@ -120,6 +122,11 @@ for repo in diloco-trainer-cpu diloco-operator; do
 done
 if [[ -n "$save_dir" ]]; then
   find "$save_dir" -name 'diloco-*_h-*.tar' ! -name "*_h-$hash.tar" -delete
+fi
+# The release's names for the same images (make images): what the chart and the examples name.
+if [[ -n "${RELEASE_TAG_PREFIX:-}" && -n "${RELEASE_VERSION:-}" ]]; then
+  docker tag "$trainer" "$RELEASE_TAG_PREFIX/diloco-trainer-cpu:$RELEASE_VERSION"
+  docker tag "$operator" "$RELEASE_TAG_PREFIX/diloco-operator:$RELEASE_VERSION"
 fi
 echo "trainer=$trainer"
 echo "operator=$operator"

@@ -6,7 +6,9 @@ syncer pods are real containers of the trainer image. The namespace enforces the
 Security profile. In order, one run:
 
 1. the learners reach the syncer through its Service by DNS and train: `kubectl get dlr` shows
-   steps, tokens and loss rising from the syncer's report;
+   steps, tokens and loss rising from the syncer's report; the operator and CRD are the previous
+   release's chart's, and `helm upgrade` to this chart mid-run upgrades the CRD (the new
+   operator does) while the run trains on in the same pods;
 2. the run's own `spec.chaos` kills unit 0 (the operator, started with chaos on, deletes its pod
    with no grace): Offline, recreated, the new pod joins and pulls the global parameters;
 3. a learner's process is SIGKILLed inside its container (from the node, as the OOM killer
@@ -38,7 +40,8 @@ from typing import Any
 import pytest
 import runs
 from conftest import SYSTEM_NS, get_json, kubectl, say, wait_for
-from real_pods import on_real_node, operator_pods
+from diloco_operator.api import crdgen
+from real_pods import on_real_node, operator_pod, operator_pods, upgrade_chart
 
 from e2e.cluster import harness, real_node
 
@@ -118,7 +121,10 @@ def restricted(cluster: harness._ClusterBase, namespace: str) -> str:
 
 @pytest.fixture(scope="module")
 def run(
-    cluster: harness._ClusterBase, real: dict[str, Any], incluster: str, restricted: str
+    cluster: harness._ClusterBase,
+    real: dict[str, Any],
+    incluster_previous_release: str,
+    restricted: str,
 ) -> Iterator[dict[str, Any]]:
     ns = restricted
     t0 = time.time()
@@ -308,6 +314,65 @@ def test_learners_train_in_pods_and_status_rises(
     pod = training_pod(cluster, ns, unit_name(1), units(cluster, ns)[unit_name(1)]["attempt"])
     assert pod is not None
     assert runs.env_of(pod["spec"]["containers"][0])["DILOCO_SYNCER_ADDR"] == syncer_dns
+
+
+def test_helm_upgrade_mid_run_upgrades_the_crd_and_training_goes_on(
+    cluster: harness._ClusterBase, run: dict[str, Any]
+) -> None:
+    """The run so far was made by the previous release's chart and CRD. `helm upgrade` to this
+    tree's chart (docs/operator.md, "Upgrades") replaces the operator pod; the new operator
+    brings the CRD to this release's schema, takes the run over and it trains on: unit 1's pod is
+    the same pod, its container never restarted. (Unit 0 is left out: the chaos schedule kills it
+    at 40 s, whenever that falls.)"""
+    ns = run["ns"]
+    crd_name = "dilocoruns.diloco.dev"
+    before_crd = get_json(cluster, "get", "crd", crd_name)["metadata"].get("annotations") or {}
+    assert crdgen.VERSION_ANNOTATION not in before_crd  # the previous release's CRD
+    old_operator = operator_pod(cluster)
+    unit = unit_name(1)
+    pod = training_pod(cluster, ns, unit, units(cluster, ns)[unit]["attempt"])
+    assert pod is not None
+    restarts = sum(c["restartCount"] for c in pod["status"]["containerStatuses"])
+    t0 = time.monotonic()
+    upgrade_chart(cluster)
+    new_operator = wait_for(
+        "the upgraded operator pod Ready",
+        lambda: (p := operator_pod(cluster)) and p != old_operator and p,
+        180,
+    )
+    say(f"helm upgrade -> {new_operator} ready in {time.monotonic() - t0:.1f}s")
+    wanted = crdgen.crd()
+    crd = wait_for(
+        "the CRD upgraded by the new operator",
+        lambda: (
+            (c := get_json(cluster, "get", "crd", crd_name))["metadata"].get("annotations", {})
+            == c["metadata"].get("annotations", {}) | wanted["metadata"]["annotations"]
+            and c
+        ),
+        60,
+    )
+    served = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert as_floats(served) == as_floats(
+        wanted["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    )
+    outer = st(cluster, ns).get("outerStep", 0)
+    wait_for(
+        "the outer step rising under the new operator",
+        lambda: st(cluster, ns).get("outerStep", 0) > outer,
+        120,
+    )
+    took = time.monotonic() - t0
+    after = get_json(cluster, "get", "pod", "-n", ns, pod["metadata"]["name"])
+    assert after["metadata"]["uid"] == pod["metadata"]["uid"]
+    assert sum(c["restartCount"] for c in after["status"]["containerStatuses"]) == restarts
+    version = crd["metadata"]["annotations"][crdgen.VERSION_ANNOTATION]
+    say(f"helm upgrade mid-run: CRD at {version}, training on after {took:.1f}s")
+
+
+def as_floats(schema: Any) -> Any:
+    """The API server stores a schema's numbers as JSON numbers: 1 comes back as 1.0, and
+    int64 bounds rounded; compare them as floats."""
+    return json.loads(json.dumps(schema), parse_int=float)
 
 
 def test_chaos_kill_from_the_manifest_replaces_the_unit(

@@ -70,8 +70,9 @@ class ModelConfig(Strict):
         None,
         min_length=1,
         max_length=4096,
-        description="A safetensors file or orbax checkpoint directory holding the starting "
-        "global parameters, named by pytree path (as `diloco export` writes them). Read by "
+        description="A safetensors file or orbax checkpoint directory, or a gs:// object or "
+        "prefix holding either, with the starting global parameters named by pytree path (as "
+        "`diloco export` writes them). Read by "
         "the syncer on a fresh run; a run resuming from its own checkpoint ignores it.",
     )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import shutil
 import sys
@@ -24,10 +25,15 @@ import yaml
 from diloco_operator import api
 from diloco_operator.api import pod_security
 from diloco_operator.api.crd_rules import RULES, root_rules
+from diloco_operator.version import release
 
 DEFAULT_MAX_LENGTH = 1024
 DEFAULT_MAX_ITEMS = 1000
 CRD_FILE = "diloco.dev_dilocoruns.yaml"
+# The release that made the CRD and a digest of its spec: the operator upgrades an older CRD to
+# its own at start (k8s/crd_upgrade.py), and the digest tells it when there is nothing to do.
+VERSION_ANNOTATION = f"{api.GROUP}/version"
+SCHEMA_ANNOTATION = f"{api.GROUP}/schema-sha256"
 
 # Lists whose items have a unique key: the API server then rejects duplicates itself.
 LIST_MAP_KEYS = {"unitGroups": ["name"]}
@@ -166,39 +172,56 @@ def _printer_columns() -> list[dict[str, Any]]:
 
 
 def crd() -> dict[str, Any]:
+    spec = _crd_spec()
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{api.PLURAL}.{api.GROUP}"},
-        "spec": {
-            "group": api.GROUP,
-            "names": {
-                "kind": api.KIND,
-                "listKind": f"{api.KIND}List",
-                "plural": api.PLURAL,
-                "singular": api.SINGULAR,
-                "shortNames": api.SHORT_NAMES,
-                "categories": ["all", "diloco"],
+        "metadata": {
+            "name": f"{api.PLURAL}.{api.GROUP}",
+            "annotations": {
+                VERSION_ANNOTATION: release(),
+                SCHEMA_ANNOTATION: schema_digest(spec),
             },
-            "scope": "Namespaced",
-            "versions": [
-                {
-                    "name": api.VERSION,
-                    "served": True,
-                    "storage": True,
-                    "schema": {"openAPIV3Schema": _root_schema()},
-                    "subresources": {
-                        "status": {},
-                        "scale": {
-                            "specReplicasPath": ".spec.replicas",
-                            "statusReplicasPath": ".status.replicas",
-                            "labelSelectorPath": ".status.selector",
-                        },
-                    },
-                    "additionalPrinterColumns": _printer_columns(),
-                }
-            ],
         },
+        "spec": spec,
+    }
+
+
+def schema_digest(spec: dict[str, Any]) -> str:
+    """A short digest of a CRD spec as we render it (not as the API server stores it: it adds
+    defaults, so only our own rendering is ever digested)."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _crd_spec() -> dict[str, Any]:
+    return {
+        "group": api.GROUP,
+        "names": {
+            "kind": api.KIND,
+            "listKind": f"{api.KIND}List",
+            "plural": api.PLURAL,
+            "singular": api.SINGULAR,
+            "shortNames": api.SHORT_NAMES,
+            "categories": ["all", "diloco"],
+        },
+        "scope": "Namespaced",
+        "versions": [
+            {
+                "name": api.VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": _root_schema()},
+                "subresources": {
+                    "status": {},
+                    "scale": {
+                        "specReplicasPath": ".spec.replicas",
+                        "statusReplicasPath": ".status.replicas",
+                        "labelSelectorPath": ".status.selector",
+                    },
+                },
+                "additionalPrinterColumns": _printer_columns(),
+            }
+        ],
     }
 
 

@@ -36,7 +36,15 @@ from diloco_operator.api import (
     DilocoRunStatus,
     parse_spec,
 )
-from diloco_operator.k8s import builders, chaos, in_place, kube, queue_status, run_metrics
+from diloco_operator.k8s import (
+    builders,
+    chaos,
+    crd_upgrade,
+    in_place,
+    kube,
+    queue_status,
+    run_metrics,
+)
 from diloco_operator.k8s.actions import ACTIONS, apply
 from diloco_operator.k8s.away import away_status, heard_since_the_link_returned
 from diloco_operator.k8s.observe import (
@@ -94,6 +102,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # build it now, off the event loop, instead of inside the first run's first pass.
     await asyncio.to_thread(kube.warm_up)
     STATE.options.server_version = await asyncio.to_thread(kube.server_version)
+    if STATE.options.manage_crd:
+        await asyncio.to_thread(crd_upgrade.ensure_current)
     STATE.http = aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=STATE.options.syncer_timeout)
     )

@@ -85,6 +85,25 @@ def server_version() -> tuple[int, int] | None:
         return None
 
 
+def _extensions() -> client.ApiextensionsV1Api:
+    return client.ApiextensionsV1Api(_apis()[0].api_client)
+
+
+def read_crd(name: str) -> dict[str, Any]:
+    """A CustomResourceDefinition as the API server returns it (plain JSON, not a client model:
+    it goes back in a replace unchanged but for what we set)."""
+    read: Callable[..., Any] = _extensions().read_custom_resource_definition
+    r = read(name, _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+    crd: dict[str, Any] = json.loads(r.data)
+    return crd
+
+
+def replace_crd(name: str, body: dict[str, Any]) -> None:
+    """Conditional on body's resourceVersion: 409 when someone wrote it since it was read."""
+    replace: Callable[..., Any] = _extensions().replace_custom_resource_definition
+    replace(name, body, _request_timeout=REQUEST_TIMEOUT)
+
+
 def _creator(kind: str) -> Callable[..., Any]:
     core, apps, batch, _ = _apis()
     creators: dict[str, Callable[..., Any]] = {

@@ -91,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "NotReady); off by default: fault injection is the cluster owner's choice",
     )
     p.add_argument(
+        "--manage-crd",
+        action="store_true",
+        help="at start, replace the cluster's DilocoRun CRD with this operator's when it is of "
+        "an older version (needs get and update on that CRD); Helm never upgrades a chart's CRDs",
+    )
+    p.add_argument(
         "--release-runs",
         action="store_true",
         help="remove the operator's finalizer from every DilocoRun in scope and exit (use before "
@@ -156,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         poll_interval=args.poll_interval,
         syncer_url=args.syncer_url,
         chaos=args.enable_chaos,
+        manage_crd=args.manage_crd,
         peering_lifetime=args.peering_lifetime,
         network_policy=(
             OperatorIdentity(args.operator_namespace, args.operator_pod_labels)

@@ -31,6 +31,8 @@ class Options:
     # The API server's (major, minor), read at start: whether it takes the kubelet's restart
     # rule (k8s/in_place.py); None: unknown, taken as no.
     server_version: tuple[int, int] | None = None
+    # Upgrade the cluster's DilocoRun CRD to this operator's at start (k8s/crd_upgrade.py).
+    manage_crd: bool = False
 
     @property
     def kubelet_rule_ok(self) -> bool:
