@@ -12,6 +12,10 @@ serve the API server at 127.0.0.1).
   resumed, new Jobs are queued and admitted. Throughout: no restart, no preemption counted, no
   unit Failed, no UnitOffline Event.
 - A run labelled with a LocalQueue that does not exist: QueueFound=False and a Warning Event.
+- Topology-aware scheduling: a group's `kueueTopology.required` reaches Kueue on the unit Jobs'
+  pod templates; through a ResourceFlavor with a topology (blocks of two slices each, labelled on
+  the fake nodes) Kueue admits each unit into one block and its pods run on the hosts Kueue
+  assigned; a level no topology has is never admitted (the unit stays Queued).
 """
 
 from __future__ import annotations
@@ -339,3 +343,137 @@ def test_a_queue_that_does_not_exist_is_reported(
     )
     nothing_counted(cluster, namespace, run)
     delete_run(cluster, namespace, run)
+
+
+BLOCK = "cloud.google.com/gce-topology-block"
+HOSTNAME = "kubernetes.io/hostname"
+
+
+def tas_objects(namespace: str) -> list[dict[str, Any]]:
+    """A topology of blocks and hosts, a TAS flavor of the v6e nodes and a queue using it."""
+    big = [{"name": k, "nominalQuota": v} for k, v in {"cpu": "1000", "memory": "10Ti"}.items()]
+    return [
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "Topology",
+            "metadata": {"name": "blocks"},
+            "spec": {"levels": [{"nodeLabel": BLOCK}, {"nodeLabel": HOSTNAME}]},
+        },
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "ResourceFlavor",
+            "metadata": {"name": "tas-v6e"},
+            "spec": {
+                "nodeLabels": {"cloud.google.com/gke-tpu-accelerator": "tpu-v6e-slice"},
+                "topologyName": "blocks",
+            },
+        },
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "ClusterQueue",
+            "metadata": {"name": f"tas-{namespace}"},
+            "spec": {
+                "namespaceSelector": {},
+                "resourceGroups": [
+                    {
+                        "coveredResources": ["cpu", "memory", TPU],
+                        "flavors": [
+                            {
+                                "name": "tas-v6e",
+                                "resources": [*big, {"name": TPU, "nominalQuota": 4 * UNIT_CHIPS}],
+                            }
+                        ],
+                    }
+                ],
+            },
+        },
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "LocalQueue",
+            "metadata": {"name": "tas", "namespace": namespace},
+            "spec": {"clusterQueue": f"tas-{namespace}"},
+        },
+    ]
+
+
+def label_blocks(cluster: Any, v6e_nodes: list[dict[str, Any]]) -> dict[str, str]:
+    """Two slices (node pools) per block, as a data centre block holds several slices."""
+    pools = sorted({n["metadata"]["labels"]["cloud.google.com/gke-nodepool"] for n in v6e_nodes})
+    block_of_pool = {pool: f"block-{i // 2}" for i, pool in enumerate(pools)}
+    blocks = {}
+    for n in v6e_nodes:
+        name = n["metadata"]["name"]
+        blocks[name] = block_of_pool[n["metadata"]["labels"]["cloud.google.com/gke-nodepool"]]
+        kubectl(cluster, "label", "node", name, f"{BLOCK}={blocks[name]}", "--overwrite")
+    return blocks
+
+
+def assigned_hosts(workload: dict[str, Any]) -> list[str]:
+    """The hostname of each pod in Kueue's topology assignment of the workload (v1beta2:
+    slices of domains, values stored as prefix + root + suffix or one universal value)."""
+    (podset,) = workload["status"]["admission"]["podSetAssignments"]
+    assignment = podset["topologyAssignment"]
+    assert assignment["levels"] == [HOSTNAME], assignment  # the lowest level names the node
+    hosts: list[str] = []
+    for piece in assignment["slices"]:
+        n = piece["domainCount"]
+        level = piece["valuesPerLevel"][0]
+        if "universal" in level:
+            values = [level["universal"]] * n
+        else:
+            ind = level["individual"]
+            values = [ind.get("prefix", "") + r + ind.get("suffix", "") for r in ind["roots"]]
+        counts = piece["podCounts"].get("individual") or [piece["podCounts"]["universal"]] * n
+        for value, count in zip(values, counts, strict=True):
+            hosts += [value] * count
+    return hosts
+
+
+def test_kueue_topology_places_each_unit_in_one_block(
+    cluster: Any, operator: Operator, tpu_nodes: Any, namespace: str, kueue: None
+) -> None:
+    blocks = label_blocks(cluster, tpu_nodes["tpu-v6e-slice"])
+    kubectl_apply(cluster, tas_objects(namespace))
+    run = "tas"
+    doc = tpu_run(run, 2, {QUEUE_LABEL: "tas"})
+    doc["spec"]["unitGroups"][0]["kueueTopology"] = {"required": BLOCK}
+    apply(cluster, namespace, doc)
+    wait_for("2 units Online", lambda: all_units_online(cluster, namespace, run, 2), timeout=120)
+    admitted = [w for w in workloads(cluster, namespace) if w["status"].get("admission")]
+    assert len(admitted) == 2
+    for workload in admitted:
+        hosts = assigned_hosts(workload)
+        assert len(hosts) == 2 and len({blocks[h] for h in hosts}) == 1, (hosts, blocks)
+    pods = [p for p in learner_pods(cluster, namespace, run) if running(p)]
+    assert len(pods) == 4
+    placed = {p["spec"]["nodeName"] for p in pods}
+    assert placed == {h for w in admitted for h in assigned_hosts(w)}
+    for job in jobs(cluster, namespace, run).values():
+        annotations = job["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["kueue.x-k8s.io/podset-required-topology"] == BLOCK
+    nothing_counted(cluster, namespace, run)
+    delete_run(cluster, namespace, run)
+
+    # A level no topology has: Kueue never admits the unit, the operator reports it Queued.
+    lost = "no-level"
+    doc = tpu_run(lost, 1, {QUEUE_LABEL: "tas"})
+    doc["spec"]["unitGroups"][0]["kueueTopology"] = {"required": "example.com/no-such-level"}
+    apply(cluster, namespace, doc)
+    refusal = wait_for(
+        "Kueue refusing the unit's Workload a flavor",
+        lambda: next(
+            (
+                c["message"]
+                for w in workloads(cluster, namespace)
+                if w["metadata"]["name"].startswith(f"job-{lost}-")
+                for c in w["status"].get("conditions") or []
+                if c["type"] == "QuotaReserved" and c["status"] == "False"
+            ),
+            None,
+        ),
+        timeout=60,
+    )
+    say(f"Kueue: {refusal}")
+    assert "does not contain the requested level" in refusal
+    assert unit_states(cluster, namespace, lost) == ["Queued"]
+    delete_run(cluster, namespace, lost)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from diloco_trainer.config import PER_BYTE, CompressionConfig, TrainingConfig
 
 from diloco_operator import api
-from diloco_operator.api import pod_security, pod_template
+from diloco_operator.api import capacity, pod_security, pod_template
 from diloco_operator.api.accelerators import ACCELERATOR_LABEL, SPOT_LABEL, TOPOLOGY_LABEL
 from diloco_operator.api.crd_tpu import tpu_rules
 from diloco_operator.api.field_paths import cel_all
@@ -196,6 +196,18 @@ RULES: dict[str, list[dict[str, str]]] = {
         lambda scheme: f"(has(self.scheme) && self.scheme == '{scheme}' && has(self.blockSize))",
         "self.blockSize",
     ),
+    "Capacity": [
+        {
+            "rule": "!has(self.reservation) || !has(self.flexStart) || !self.flexStart",
+            "message": "capacity: a reservation or flexStart, not both",
+        }
+    ],
+    "KueueTopology": [
+        {
+            "rule": "has(self.required) != has(self.preferred)",
+            "message": "kueueTopology: set required or preferred (one of them)",
+        }
+    ],
     "TrainingConfig": [
         {
             "rule": "has(self.totalSteps) || has(self.totalTokens)",
@@ -221,8 +233,23 @@ RULES: dict[str, list[dict[str, str]]] = {
     ],
 }
 
-# Selector keys the operator sets from `tpu` and `spot` (unit_group.UnitGroup._selector_not_owned).
+# Selector keys the operator sets from `tpu`, `spot` and `capacity`
+# (unit_group.UnitGroup._selector_not_owned), and a node that is one kind of capacity only.
+_CAPACITY_KEYS = " || ".join(f"{key!r} in self.nodeSelector" for key in capacity.SELECTOR_KEYS)
 OWNED_SELECTOR_RULES = [
+    {
+        "rule": f"!has(self.capacity) || !has(self.nodeSelector) || !({_CAPACITY_KEYS})",
+        "message": "nodeSelector: the reservation and flex-start labels are set by the operator "
+        "from capacity",
+        "fieldPath": ".nodeSelector",
+    },
+    {
+        "rule": "!has(self.spot) || !self.spot || !has(self.capacity) || "
+        "!(has(self.capacity.reservation) || (has(self.capacity.flexStart) && "
+        "self.capacity.flexStart))",
+        "message": "spot: Spot VMs or capacity.reservation/flexStart, not both",
+        "fieldPath": ".spot",
+    },
     {
         "rule": "!has(self.tpu) || !has(self.nodeSelector) || "
         f"!({ACCELERATOR_LABEL!r} in self.nodeSelector || {TOPOLOGY_LABEL!r} in self.nodeSelector)",

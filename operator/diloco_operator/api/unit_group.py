@@ -19,6 +19,7 @@ from diloco_operator.api.accelerators import (
     hosts,
     topology_chips,
 )
+from diloco_operator.api.capacity import SELECTOR_KEYS, Capacity, KueueTopology
 from diloco_operator.api.kubesyntax import DNS_LABEL, MAX_UNITS, NORMAL_PATH
 from diloco_operator.api.kubetypes import NodeSelector, ResourceRequirements, Toleration
 from diloco_operator.api.pod_template import PodTemplate
@@ -96,6 +97,16 @@ class UnitGroup(Strict):
         description="Run on Spot VMs: adds the cloud.google.com/gke-spot=true node selector and "
         "toleration. Preemptions are counted in status.units[].preemptions, not as restarts.",
     )
+    capacity: Capacity | None = Field(
+        None,
+        description="Where the group's nodes come from beyond on-demand and spot: a "
+        "reservation, flex-start VMs, a queued-provisioning run duration.",
+    )
+    kueue_topology: KueueTopology | None = Field(
+        None,
+        description="Kueue topology-aware scheduling of each unit's pods (runs admitted by "
+        "Kueue through a ResourceFlavor with a topology).",
+    )
     remote: bool = Field(
         False,
         description="This group's units run in another cluster (a DilocoRun there with "
@@ -148,12 +159,21 @@ class UnitGroup(Strict):
         owned = [
             *((ACCELERATOR_LABEL, TOPOLOGY_LABEL) if self.tpu else ()),
             *((SPOT_LABEL,) if self.spot else ()),
+            *(SELECTOR_KEYS if self.capacity else ()),
         ]
         taken = [key for key in owned if key in (self.node_selector or {})]
         if taken:
             raise ValueError(
-                f"nodeSelector: {', '.join(taken)} is set by the operator from tpu and spot"
+                f"nodeSelector: {', '.join(taken)} is set by the operator from tpu, spot and "
+                "capacity"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _spot_or_capacity(self) -> UnitGroup:
+        # A node is Spot, reserved or flex-start: asking for two selects no node at all.
+        if self.spot and self.capacity and (self.capacity.reservation or self.capacity.flex_start):
+            raise ValueError("spot: Spot VMs or capacity.reservation/flexStart, not both")
         return self
 
     @property

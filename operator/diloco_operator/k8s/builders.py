@@ -300,16 +300,25 @@ def unit_job(
     add_learner_transport(pod_spec, run, token)
     job_labels = unit_labels(run, unit)
     queue_labels = kueue.job_labels(run.labels)
+    job_meta = child_meta(
+        run,
+        unit.name,
+        LEARNER,
+        **{k: v for k, v in job_labels.items() if k.startswith("diloco.dev/")},
+        **queue_labels,
+    )
+    if group.capacity and group.capacity.job_annotations():
+        job_meta["annotations"] = {
+            **job_meta.get("annotations", {}),
+            **group.capacity.job_annotations(),
+        }
+    pod_meta: dict[str, Any] = {"labels": job_labels}
+    if group.kueue_topology:
+        pod_meta["annotations"] = group.kueue_topology.pod_annotations()
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": child_meta(
-            run,
-            unit.name,
-            LEARNER,
-            **{k: v for k, v in job_labels.items() if k.startswith("diloco.dev/")},
-            **queue_labels,
-        ),
+        "metadata": job_meta,
         "spec": {
             # Queued through Kueue: created suspended, Kueue admits it by unsuspending it.
             **({"suspend": True} if queue_labels else {}),
@@ -331,9 +340,7 @@ def unit_job(
                     },
                 ]
             },
-            "template": apply_template(
-                {"metadata": {"labels": job_labels}, "spec": pod_spec}, group.template
-            ),
+            "template": apply_template({"metadata": pod_meta, "spec": pod_spec}, group.template),
         },
     }
 

@@ -57,6 +57,8 @@ def group_placement(group: UnitGroup) -> tuple[dict[str, str], list[dict[str, An
         tolerations.append(
             {"key": SPOT_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
         )
+    if group.capacity:
+        node_selector.update(group.capacity.node_selector())
     node_selector.update(group.node_selector or {})
     tolerations.extend(t.to_wire() for t in group.tolerations or [])
     return node_selector, tolerations, chips
