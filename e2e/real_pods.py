@@ -61,6 +61,14 @@ def helm(c: harness._ClusterBase, *args: str) -> None:
     assert r.returncode == 0, f"helm {' '.join(args)} failed: {r.stderr}"
 
 
+def ctr(cluster: harness._ClusterBase, *args: str) -> str:
+    """The stdout of `ctr` against the real node's containerd (namespace k8s.io)."""
+    assert isinstance(cluster, harness.LocalCluster)
+    sock = cluster.state_dir / "node" / "containerd.sock"
+    argv = ["ctr", "--address", str(sock), "-n", "k8s.io", *args]
+    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+
+
 def on_real_node() -> dict[str, Any]:
     return {
         "nodeSelector": {real_node.NODE_LABEL: "true"},

@@ -94,3 +94,14 @@ def test_every_image_installs_its_dependencies_under_a_lock(dockerfile: Path) ->
     text = dockerfile.read_text()
     installs = re.findall(r"pip install (-c \S+ )?\"\.\[", text)
     assert installs and all(c for c in installs), dockerfile.name
+
+
+def test_the_gke_guide_installs_this_release() -> None:
+    guide = (ROOT / "docs" / "gke.md").read_text()
+    assert f"export REPO={REGISTRY} TAG={VERSION}" in guide
+    assert f"oci://{REGISTRY}/charts/diloco-operator --version $TAG" in guide
+
+
+def test_the_readme_installs_this_release() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert f"oci://{REGISTRY}/charts/diloco-operator --version {VERSION}" in readme

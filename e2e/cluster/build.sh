@@ -10,12 +10,14 @@
 #   kueue (the job-queueing controller manager) + its CRDs            (sigs.k8s.io/kueue)
 #   fake-gcs-server (a GCS-compatible server for the gs:// tests)      (github.com/fsouza/fake-gcs-server)
 #   toxiproxy-server (the emulated WAN link of the bench's wan section) (github.com/Shopify/toxiproxy/v2)
+#   crane (`crane registry serve`: an in-memory OCI registry the new-user e2e test publishes the
+#          chart to, as a release does) (github.com/google/go-containerregistry)
 #
 # Everything comes from the Go module proxy; versions are pinned in versions.env. Binaries go to
 #   $DILOCO_E2E_CACHE/<component>-<version>/bin      (default cache: ~/.cache/diloco-e2e)
 # and a component whose bin/.complete stamp exists is not rebuilt, so a warm call takes seconds.
 #
-# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy ...] (default: all)
+# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy|crane ...] (default: all)
 #        e2e/cluster/build.sh --print-bin-dirs             (print the PATH entries, build nothing)
 # Env:   DILOCO_E2E_CACHE   cache root (default ${XDG_CACHE_HOME:-~/.cache}/diloco-e2e)
 #        DILOCO_E2E_GOCACHE Go build cache used for these builds (default $DILOCO_E2E_CACHE/go-build)
@@ -45,10 +47,11 @@ coredns_dir() { echo "$CACHE/coredns-$COREDNS_VERSION"; }
 kueue_dir() { echo "$CACHE/kueue-$KUEUE_VERSION"; }
 fakegcs_dir() { echo "$CACHE/fake-gcs-server-$FAKE_GCS_VERSION"; }
 toxiproxy_dir() { echo "$CACHE/toxiproxy-$TOXIPROXY_VERSION"; }
+crane_dir() { echo "$CACHE/crane-$CRANE_VERSION"; }
 pause_dir() { echo "$CACHE/pause-$(sha256sum "$HERE/../node/pause/main.go" | cut -c1-12)"; }
 
 if [[ "${1:-}" == "--print-bin-dirs" ]]; then
-  for c in k8s etcd kwok helm coredns pause kueue fakegcs toxiproxy; do echo "$("${c}_dir")/bin"; done
+  for c in k8s etcd kwok helm coredns pause kueue fakegcs toxiproxy crane; do echo "$("${c}_dir")/bin"; done
   exit 0
 fi
 
@@ -268,8 +271,20 @@ build_toxiproxy() {
   stamp "$d" "$t0"
 }
 
+build_crane() {
+  local d; d=$(crane_dir)
+  if is_done "$d" crane; then log "crane $CRANE_VERSION: cached in $d/bin"; return; fi
+  local t0; t0=$(date +%s)
+  mkdir -p "$d/bin"; rm -f "$d/bin/.complete"
+  log "crane $CRANE_VERSION: go install"
+  GOBIN="$d/bin" nice -n "$NICE" go install -trimpath -ldflags "-s -w" \
+    "github.com/google/go-containerregistry/cmd/crane@$CRANE_VERSION"
+  [[ -x "$d/bin/crane" ]] || die "crane was not built"
+  stamp "$d" "$t0"
+}
+
 components=("$@")
-[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause kueue fakegcs toxiproxy)
+[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause kueue fakegcs toxiproxy crane)
 mkdir -p "$CACHE"
 # (version checks read the whole output first: `cmd | grep -q` under pipefail fails when grep
 # exits before cmd has written everything and cmd dies of SIGPIPE)
@@ -278,8 +293,8 @@ exec 9>"$CACHE/.build.lock"
 if ! flock -n 9; then log "another build.sh holds $CACHE/.build.lock; waiting"; flock 9; fi
 for c in "${components[@]}"; do
   case "$c" in
-    k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy) "build_$c" ;;
-    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause, kueue, fakegcs, toxiproxy)" ;;
+    k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy|crane) "build_$c" ;;
+    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause, kueue, fakegcs, toxiproxy, crane)" ;;
   esac
 done
 for c in "${components[@]}"; do echo "$("${c}_dir")/bin"; done

@@ -31,7 +31,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +40,7 @@ import pytest
 import runs
 from conftest import SYSTEM_NS, get_json, kubectl, say, wait_for
 from diloco_operator.api import crdgen
-from real_pods import on_real_node, operator_pod, operator_pods, upgrade_chart
+from real_pods import ctr, on_real_node, operator_pod, operator_pods, upgrade_chart
 
 from e2e.cluster import harness, real_node
 
@@ -267,14 +266,6 @@ def container_pid(
 def node_containers(cluster: harness._ClusterBase, ns: str) -> list[str]:
     pod_namespace = 'labels."io.kubernetes.pod.namespace"'
     return ctr(cluster, "containers", "ls", "-q", f"{pod_namespace}=={ns}").split()
-
-
-def ctr(cluster: harness._ClusterBase, *args: str) -> str:
-    """The stdout of `ctr` against the real node's containerd (namespace k8s.io)."""
-    assert isinstance(cluster, harness.LocalCluster)
-    sock = cluster.state_dir / "node" / "containerd.sock"
-    argv = ["ctr", "--address", str(sock), "-n", "k8s.io", *args]
-    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
 
 
 # ----------------------------------------------------------------------------------------------
