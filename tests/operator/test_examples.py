@@ -11,6 +11,7 @@ import pytest
 import yaml
 from crd_schema import ROOT, schema_errors
 from diloco_operator.api import DilocoRunSpec, parse_manifest, parse_spec
+from diloco_operator.api.pod_paths import IMAGE_DIRS, under
 from diloco_operator.k8s import builders
 from diloco_operator.planner import ObservedSyncer, plan
 from diloco_trainer.config import TrainingConfig
@@ -32,7 +33,7 @@ def test_the_operator_examples_exist() -> None:
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_validates_and_round_trips(path: Path) -> None:
     doc: dict[str, Any] = yaml.safe_load(path.read_text())
-    spec = parse_manifest(doc)
+    spec = parse_manifest(doc, pods=True)
     assert not schema_errors(doc), [e.message for e in schema_errors(doc)]
     wire = spec.to_wire()
     assert parse_spec(wire) == spec
@@ -54,7 +55,6 @@ def test_example_validates_and_round_trips(path: Path) -> None:
 # A learner whose data.path does not exist exits with code 2 (a config error): its unit is
 # failed at once and recreated until maxUnitRestarts. What a pod can read is what the image holds
 # (docker/trainer*.Dockerfile: the virtual environment and HOME) and what its volumes mount.
-IMAGE_DIRS = ("/opt/diloco", "/home/diloco")
 
 
 def paths_read(training: TrainingConfig) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -71,10 +71,6 @@ def paths_read(training: TrainingConfig) -> list[tuple[str, str, tuple[str, ...]
             ("training.model.initFrom", training.model.init_from, ("syncer", "syncer-standby"))
         )
     return reads
-
-
-def under(path: str, directory: str) -> bool:
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def unprovided(path: str, container: dict[str, Any], volumes: list[dict[str, Any]]) -> str | None:

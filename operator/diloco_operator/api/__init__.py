@@ -18,6 +18,7 @@ from diloco_trainer import attempts
 from diloco_trainer.config import Strict, TrainingConfig, format_validation_error
 from pydantic import Field, ValidationError, ValidationInfo, model_validator
 
+from diloco_operator.api import pod_paths
 from diloco_operator.api.chaos_spec import ChaosEvent, ChaosSpec
 from diloco_operator.api.clusters import (
     CredentialId,
@@ -269,6 +270,16 @@ class DilocoRunSpec(Strict):
         return self
 
     @model_validator(mode="after")
+    def _pods_have_what_they_read(self, info: ValidationInfo) -> DilocoRunSpec:
+        # Only runs on Kubernetes (the context's `pods`): the local runtime reads the machine's
+        # own files, relative paths included.
+        if (info.context or {}).get("pods"):
+            problems = pod_paths.unprovided(self)
+            if problems:
+                raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _consistent(self) -> DilocoRunSpec:
         first, *rest = self.unit_groups
         if first.replicas is not None:
@@ -378,14 +389,17 @@ def _integral_floats_as_ints(value: Any) -> Any:
     return value
 
 
-def parse_spec(spec: dict[str, Any], prefix: str = "spec", run: str | None = None) -> DilocoRunSpec:
+def parse_spec(
+    spec: dict[str, Any], prefix: str = "spec", run: str | None = None, pods: bool = False
+) -> DilocoRunSpec:
     """Validate a manifest's spec; raises ValueError whose lines name each bad field. With the
-    run's name, pod templates that name its token Secrets are refused too.
+    run's name, pod templates that name its token Secrets are refused too; with `pods` (a run
+    on Kubernetes), paths the training reads that its pods would not have (api/pod_paths.py).
 
     Strict types, as the API server's schema: "5" is not a number, 1 is not a boolean."""
     try:
         return DilocoRunSpec.model_validate(
-            _integral_floats_as_ints(spec), strict=True, context={"run": run}
+            _integral_floats_as_ints(spec), strict=True, context={"run": run, "pods": pods}
         )
     except ValidationError as exc:
         text = format_validation_error(exc, prefix).replace("Value error, ", "")
@@ -396,8 +410,9 @@ def parse_spec(spec: dict[str, Any], prefix: str = "spec", run: str | None = Non
         raise ValueError(text) from exc
 
 
-def parse_manifest(doc: dict[str, Any]) -> DilocoRunSpec:
-    """Validate a whole DilocoRun manifest (apiVersion, kind, metadata.name, spec)."""
+def parse_manifest(doc: dict[str, Any], pods: bool = False) -> DilocoRunSpec:
+    """Validate a whole DilocoRun manifest (apiVersion, kind, metadata.name, spec); `pods`: as
+    a run on Kubernetes (parse_spec)."""
     if doc.get("apiVersion") != API_VERSION:
         raise ValueError(f"apiVersion: expected {API_VERSION}, got {doc.get('apiVersion')!r}")
     if doc.get("kind") != KIND:
@@ -414,4 +429,4 @@ def parse_manifest(doc: dict[str, Any]) -> DilocoRunSpec:
         )
     if not isinstance(doc.get("spec"), dict):
         raise ValueError("spec: required (a mapping)")
-    return parse_spec(doc["spec"], run=name)
+    return parse_spec(doc["spec"], run=name, pods=pods)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from diloco_trainer.config import PER_BYTE, CompressionConfig, TrainingConfig
 
 from diloco_operator import api
-from diloco_operator.api import capacity, pod_security, pod_template
+from diloco_operator.api import capacity, pod_paths, pod_security, pod_template
 from diloco_operator.api.accelerators import ACCELERATOR_LABEL, SPOT_LABEL, TOPOLOGY_LABEL
 from diloco_operator.api.crd_tpu import tpu_rules
 from diloco_operator.api.field_paths import cel_all
@@ -264,7 +264,11 @@ OWNED_SELECTOR_RULES = [
         "fieldPath": ".nodeSelector",
     },
 ]
-for _model, _rules in {**pod_template.CEL_RULES, "UnitGroup": OWNED_SELECTOR_RULES}.items():
+for _model, _rules in {
+    **pod_template.CEL_RULES,
+    "UnitGroup": OWNED_SELECTOR_RULES,
+    "DilocoRunSpec": pod_paths.cel_rules(),
+}.items():
     RULES.setdefault(_model, []).extend(_rules)
 
 

@@ -224,7 +224,7 @@ async def reconcile_once(
     indexes: dict[str, Any],
 ) -> tuple[Plan | None, DilocoRunStatus | None]:
     try:
-        spec = parse_spec(dict(body.get("spec") or {}), run=name)
+        spec = parse_spec(dict(body.get("spec") or {}), run=name, pods=True)
     except ValueError as exc:
         # The CRD should have rejected it; an older CRD may not have. Say so, change nothing.
         kopf.warn(body, reason="InvalidSpec", message=str(exc)[:1024])
