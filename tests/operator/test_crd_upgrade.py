@@ -3,13 +3,14 @@ the replacement keeps, and the chart's narrow grant for it."""
 
 from __future__ import annotations
 
+import subprocess
 from typing import Any
 
 import pytest
 from diloco_operator.api import crdgen
 from diloco_operator.k8s.crd_upgrade import Installed, upgraded, verdict, version_key
 from diloco_operator.k8s.main import parse_args
-from test_crd_chart import HELM
+from test_crd_chart import CHART, HELM
 from test_hardening_chart import render
 
 OURS = crdgen.crd()
@@ -104,3 +105,16 @@ def test_chart_grants_update_of_this_one_crd_and_only_when_managing_it() -> None
     assert "--manage-crd" in operator_args(docs)
     off = render("--set", "crds.manage=false")
     assert crd_rules(off) == [] and "--manage-crd" not in operator_args(off)
+
+
+@pytest.mark.skipif(HELM is None, reason="helm neither on PATH nor built (make e2e-deps)")
+def test_values_schema_takes_a_boolean_crds_manage_and_names_anything_else() -> None:
+    assert HELM is not None
+    ok = subprocess.run(
+        [HELM, "lint", str(CHART), "--set", "crds.manage=false"], capture_output=True
+    )
+    assert ok.returncode == 0, ok.stdout
+    for bad in (["--set-string", "crds.manage=yes"], ["--set", "crds.upgrade=true"]):
+        refused = subprocess.run([HELM, "lint", str(CHART), *bad], capture_output=True, text=True)
+        assert refused.returncode != 0
+        assert "crds" in refused.stdout + refused.stderr
