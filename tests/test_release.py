@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from diloco_operator.api import crdgen
-from diloco_operator.version import release
+from diloco_operator.api.release import release
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 

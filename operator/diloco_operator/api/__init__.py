@@ -274,7 +274,13 @@ class DilocoRunSpec(Strict):
         # Only runs on Kubernetes (the context's `pods`): the local runtime reads the machine's
         # own files, relative paths included.
         if (info.context or {}).get("pods"):
-            problems = pod_paths.unprovided(self)
+            learners = [
+                (f"the unitGroups[{i}] learners", g.template)
+                for i, g in enumerate(self.unit_groups)
+                if not g.remote
+            ]
+            syncer = [] if self.away else [("the syncer", self.syncer.template)]
+            problems = pod_paths.unprovided(self.training, learners, syncer)
             if problems:
                 raise ValueError("; ".join(problems))
         return self

@@ -7,7 +7,7 @@ puts on the nodes. With Kueue, a ClusterQueue whose admission check is a Provisi
 the Job's `provreq.kueue.x-k8s.io/maxRunDurationSeconds`, and Kueue's topology-aware scheduling
 places a unit's pods within one domain of a topology level (a pod template annotation). These are
 passthroughs: the operator writes the labels and annotations the other components read.
-docs/gke.md, "Capacity: reservations, flex-start, queued provisioning, topology".
+docs/gke.md, "Capacity and topology: reservations, flex-start, queued provisioning, Kueue TAS".
 """
 
 from __future__ import annotations

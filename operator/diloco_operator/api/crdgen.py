@@ -25,7 +25,7 @@ import yaml
 from diloco_operator import api
 from diloco_operator.api import pod_security
 from diloco_operator.api.crd_rules import RULES, root_rules
-from diloco_operator.version import release
+from diloco_operator.api.release import release
 
 DEFAULT_MAX_LENGTH = 1024
 DEFAULT_MAX_ITEMS = 1000

@@ -10,12 +10,14 @@ files, where any path (relative ones too) is fine: it does not ask for this chec
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
 
-if TYPE_CHECKING:
-    from diloco_operator.api import DilocoRunSpec
-    from diloco_operator.api.pod_template import PodTemplate
+from diloco_trainer.config import TrainingConfig
+
+from diloco_operator.api.pod_template import PodTemplate
+
+# Who reads, and the pod template they run with: ("the unitGroups[0] learners", template).
+Readers = Sequence[tuple[str, PodTemplate | None]]
 
 # What the trainer images hold of their own (docker/trainer*.Dockerfile): the virtual environment
 # and the user's HOME; data baked into an image built from them belongs there.
@@ -33,28 +35,24 @@ def mounted(path: str, template: PodTemplate | None) -> bool:
     return any(under(path, m.mount_path) for m in mounts)
 
 
-def _where_read(spec: DilocoRunSpec) -> Iterator[tuple[str, str, str, PodTemplate | None]]:
+def _where_read(
+    training: TrainingConfig, learners: Readers, syncer: Readers
+) -> Iterator[tuple[str, str, str, PodTemplate | None]]:
     """(field, path, which pods, their template) for each local path a container reads."""
-    training = spec.training
     data = training.data
-    readers: list[tuple[str, PodTemplate | None]] = [
-        (f"the unitGroups[{i}] learners", g.template)
-        for i, g in enumerate(spec.unit_groups)
-        if not g.remote
-    ]
-    syncer = [] if spec.away else [("the syncer", spec.syncer.template)]
     if data.entrypoint is None and data.source == "memmap" and data.path:
-        for who, template in [*readers, *syncer]:  # the syncer evaluates on the held-out tail
+        for who, template in [*learners, *syncer]:  # the syncer evaluates on the held-out tail
             yield "training.data.path", data.path, who, template
     if training.model.init_from:
         for who, template in syncer:
             yield "training.model.initFrom", training.model.init_from, who, template
 
 
-def unprovided(spec: DilocoRunSpec) -> list[str]:
-    """One line per path some pod of the run reads but does not have."""
+def unprovided(training: TrainingConfig, learners: Readers, syncer: Readers) -> list[str]:
+    """One line per path some pod of the run reads but does not have (`syncer`: empty for a
+    run whose syncer is elsewhere)."""
     problems = []
-    for field, path, who, template in _where_read(spec):
+    for field, path, who, template in _where_read(training, learners, syncer):
         if path.startswith("gs://"):
             continue  # read from the bucket, not the file system
         if not path.startswith("/"):

@@ -35,27 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     scope.add_argument(
         "-A", "--all-namespaces", action="store_true", help="watch the whole cluster"
     )
-    p.add_argument(
-        "--peering",
-        metavar="NAME",
-        help="kopf peering object for HA replicas (only the highest priority one acts); "
-        "default: standalone",
-    )
-    p.add_argument(
-        "--priority",
-        type=_priority,
-        default=None,
-        help="peering priority of this replica, or 'auto' (the default with --peering): "
-        "from the start time, so the oldest live replica leads and no two replicas tie "
-        "(kopf pauses every replica of a tied priority)",
-    )
-    p.add_argument(
-        "--peering-lifetime",
-        type=int,
-        default=15,
-        help="seconds after its last keep-alive that a silent (killed) peer is presumed dead "
-        "and a paused replica takes over",
-    )
+    _add_peering(p)
     p.add_argument(
         "--syncer-network-policy",
         action="store_true",
@@ -107,6 +87,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-format", choices=FORMATS, default=None, help=f"text or json (else {LOG_FORMAT_ENV})"
     )
     return _checked(p, p.parse_args(argv))
+
+
+def _add_peering(p: argparse.ArgumentParser) -> None:
+    """HA: replicas that share a kopf peering object, the oldest acting."""
+    p.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="kopf peering object for HA replicas (only the highest priority one acts); "
+        "default: standalone",
+    )
+    p.add_argument(
+        "--priority",
+        type=_priority,
+        default=None,
+        help="peering priority of this replica, or 'auto' (the default with --peering): "
+        "from the start time, so the oldest live replica leads and no two replicas tie "
+        "(kopf pauses every replica of a tied priority)",
+    )
+    p.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=15,
+        help="seconds after its last keep-alive that a silent (killed) peer is presumed dead "
+        "and a paused replica takes over",
+    )
 
 
 def _checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:

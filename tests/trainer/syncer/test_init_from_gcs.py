@@ -10,14 +10,13 @@ import pytest
 from conftest import Bucket
 from diloco_trainer.config import ModelConfig, TrainingConfig
 from diloco_trainer.models.gpt import init_params
+from diloco_trainer.syncer.bucket_weights import local_path, read_weights_anywhere, split_object_url
 from diloco_trainer.syncer.gcs import BucketPrefix
 from diloco_trainer.syncer.storage import StorageUnavailable
-from diloco_trainer.workload.bucket_weights import local_path, split_object_url
 from diloco_trainer.workload.weights import (
     WeightsError,
     WeightsUnavailable,
     init_from,
-    read_weights,
     write_orbax,
 )
 from safetensors.numpy import save
@@ -37,7 +36,7 @@ def _trained() -> dict[str, np.ndarray]:
 def test_a_safetensors_object_seeds_the_model(bucket: Bucket) -> None:
     bucket.put("weights/start.safetensors", save(_trained()))
     bucket.put("weights/start.safetensors.bak", b"not this one")  # a sibling with that prefix
-    got = init_from(bucket.url("weights/start.safetensors"), _init)(CFG)
+    got = init_from(bucket.url("weights/start.safetensors"), _init, read_weights_anywhere)(CFG)
     assert list(got) == list(_trained())
     for name, leaf in _trained().items():
         np.testing.assert_array_equal(got[name], leaf)
@@ -48,7 +47,7 @@ def test_an_orbax_checkpoint_under_a_prefix_is_read_whole(bucket: Bucket, tmp_pa
     local = write_orbax(_trained(), tmp_path / "ckpt", {"run": "r"})
     for file in (f for f in local.rglob("*") if f.is_file()):
         bucket.put(f"models/ckpt/{file.relative_to(local).as_posix()}", file.read_bytes())
-    got = read_weights(bucket.url("models/ckpt/"))
+    got = read_weights_anywhere(bucket.url("models/ckpt/"))
     assert sorted(got) == sorted(_trained())
     np.testing.assert_array_equal(got["blocks.0.attn.wqkv"], _trained()["blocks.0.attn.wqkv"])
 
@@ -58,7 +57,7 @@ def test_a_mismatch_names_the_field_and_the_url(bucket: Bucket) -> None:
     bucket.put("w.safetensors", save(wide))
     url = bucket.url("w.safetensors")
     with pytest.raises(WeightsError) as err:
-        init_from(url, _init)(CFG)
+        init_from(url, _init, read_weights_anywhere)(CFG)
     assert str(err.value).startswith(f"training.model.initFrom: {url}: embed has shape (32, 8)")
 
 
@@ -76,7 +75,7 @@ def test_an_absent_or_unreadable_object_names_the_field_and_the_url(
         bucket.put(key, data)
     url = bucket.url(key)
     with pytest.raises(WeightsError) as err:
-        read_weights(url)
+        read_weights_anywhere(url)
     assert str(err.value).startswith(f"training.model.initFrom: {url}: ")
     assert message in str(err.value) and not isinstance(err.value, WeightsUnavailable)
 
@@ -84,7 +83,7 @@ def test_an_absent_or_unreadable_object_names_the_field_and_the_url(
 def test_a_missing_bucket_is_a_setting_to_fix(bucket: Bucket) -> None:
     url = "gs://no-such-bucket-for-weights/w.safetensors"
     with pytest.raises(WeightsError) as err:
-        read_weights(url)
+        read_weights_anywhere(url)
     message = str(err.value)
     assert message.startswith(f"training.model.initFrom: {url}: bucket no-such-bucket-for-weights")
     assert "does not exist" in message and not isinstance(err.value, WeightsUnavailable)
@@ -103,7 +102,7 @@ def test_a_storage_service_that_fails_may_be_retried(
 
     monkeypatch.setattr(BucketPrefix, "objects", down)
     with pytest.raises(WeightsUnavailable) as err:
-        read_weights(url)
+        read_weights_anywhere(url)
     assert str(err.value) == f"training.model.initFrom: {url}: list objects failed: 503"
 
 

@@ -52,6 +52,7 @@ from diloco_trainer.config import (
 )
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 from diloco_trainer.phases import phase
+from diloco_trainer.syncer.bucket_weights import read_weights_anywhere
 from diloco_trainer.syncer.checkpoint import (
     CheckpointError,
     CheckpointStore,
@@ -238,7 +239,7 @@ def starting_params(init_from: str | None, snapshot: Snapshot | None) -> InitFn:
             init_from,
         )
         return default_init
-    return init_from_weights(init_from, default_init)
+    return init_from_weights(init_from, default_init, read_weights_anywhere)
 
 
 def stand_by(

@@ -3,7 +3,7 @@
 Both sides speak the flat ``name -> array`` form of the wire (`workload.pytree`): a leaf's name
 is its pytree path joined by dots. Reading takes a safetensors file, or an orbax checkpoint
 directory when `orbax-checkpoint` is installed (an optional dependency, imported only then),
-locally or in a bucket (`gs://`: fetched to a temporary copy by `workload.bucket_weights`).
+from a local path (a `gs://` URL is fetched to a temporary copy by `syncer.bucket_weights`).
 Checking compares what was read with the leaves the model expects and reports every kind of
 mismatch in one error that names the manifest field and the file; values are cast to the
 model's dtype (the syncer keeps float32). Writing is atomic: a temporary file beside the target,
@@ -24,8 +24,6 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from diloco_trainer.config import TrainingConfig
-from diloco_trainer.syncer.storage import is_bucket_url
-from diloco_trainer.workload.bucket_weights import BucketWeightsError, fetched
 
 log = logging.getLogger("diloco.weights")
 
@@ -45,20 +43,13 @@ class WeightsUnavailable(WeightsError):
 ORBAX_MISSING = "install orbax-checkpoint, or export the weights to a safetensors file"
 
 
-def read_weights(path: str | Path, field: str = FIELD) -> dict[str, np.ndarray]:
-    """A flat ``name -> array`` dict from a safetensors file or an orbax checkpoint directory,
-    local or at a `gs://` URL (an object, or the prefix of an orbax checkpoint)."""
-    if is_bucket_url(path):
-        return _read_bucket(str(path), field)
-    return _read_local(Path(path), field, str(path))
-
-
-def _read_bucket(url: str, field: str) -> dict[str, np.ndarray]:
-    try:
-        with fetched(url, field) as local:
-            return _read_local(local, field, url)
-    except BucketWeightsError as exc:
-        raise (WeightsUnavailable if exc.unavailable else WeightsError)(str(exc)) from exc
+def read_weights(
+    path: str | Path, field: str = FIELD, shown: str | None = None
+) -> dict[str, np.ndarray]:
+    """A flat ``name -> array`` dict from a local safetensors file or orbax checkpoint directory;
+    messages name it as `shown` (the URL it was fetched from, if it was). A `gs://` URL is the
+    syncer's to fetch first (syncer/bucket_weights.py)."""
+    return _read_local(Path(path), field, shown or str(path))
 
 
 def _read_local(source: Path, field: str, shown: str) -> dict[str, np.ndarray]:
@@ -160,10 +151,14 @@ def fit_to_model(
     }
 
 
-def init_from(path: str | Path, base: InitFn) -> InitFn:
-    """An init function giving the weights at `path` (read now) in place of `base`'s values;
-    `base` supplies the expected names, shapes and dtypes."""
-    loaded = read_weights(path)
+def init_from(
+    path: str | Path,
+    base: InitFn,
+    read: Callable[[str | Path], dict[str, np.ndarray]] = read_weights,
+) -> InitFn:
+    """An init function giving the weights at `path` (read now, by `read`) in place of `base`'s
+    values; `base` supplies the expected names, shapes and dtypes."""
+    loaded = read(path)
 
     def init(cfg: TrainingConfig) -> dict[str, np.ndarray]:
         fitted = fit_to_model(loaded, base(cfg), path)

@@ -3,7 +3,8 @@
 The URL names either one object, a safetensors file, or a prefix holding an orbax checkpoint
 (every object below it). Either is downloaded into a temporary directory and read there as a
 local path would be: safetensors and orbax read local files, and a model's weights are read
-once, at the syncer's start. The download goes through the checkpoint code's `BucketPrefix`, so
+once, at the syncer's start (the syncer alone reads initFrom, so this lives with its storage
+code and hands `workload.weights` local paths). The download goes through the checkpoint code's `BucketPrefix`, so
 credentials (Application Default Credentials, Workload Identity), `STORAGE_EMULATOR_HOST`,
 CRC32C checks and the wording of access errors are the same as for `checkpoint.path`.
 """
@@ -15,8 +16,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
+import numpy as np
+
 from diloco_trainer.syncer.gcs import BucketPrefix
-from diloco_trainer.syncer.storage import GCS_SCHEME, CheckpointError, StorageAccessError
+from diloco_trainer.syncer.storage import (
+    GCS_SCHEME,
+    CheckpointError,
+    StorageAccessError,
+    is_bucket_url,
+)
+from diloco_trainer.workload.weights import FIELD, WeightsError, WeightsUnavailable, read_weights
 
 
 class BucketWeightsError(ValueError):
@@ -84,3 +93,16 @@ def fetched(url: str, field: str) -> Iterator[Path]:
     """The object or prefix at `url` as a temporary local file or directory (removed after)."""
     with tempfile.TemporaryDirectory(prefix="diloco-init-from-") as tmp:
         yield download(url, field, Path(tmp))
+
+
+def read_weights_anywhere(path: str | Path, field: str = FIELD) -> dict[str, np.ndarray]:
+    """`workload.weights.read_weights` for a local path, or for the object or orbax prefix at a
+    `gs://` URL (fetched to a temporary copy first)."""
+    if not is_bucket_url(path):
+        return read_weights(path, field)
+    url = str(path)
+    try:
+        with fetched(url, field) as local:
+            return read_weights(local, field, shown=url)
+    except BucketWeightsError as exc:
+        raise (WeightsUnavailable if exc.unavailable else WeightsError)(str(exc)) from exc
