@@ -18,7 +18,7 @@ from procs import ClusterError, Processes
 # FailedToUpdateEndpointSlices events). On a machine where that matters and traffic to other
 # ranges is fine, set DILOCO_E2E_POD_CIDR (e.g. 10.244.0.0/16).
 POD_CIDR = os.environ.get("DILOCO_E2E_POD_CIDR", "127.100.0.0/16")
-NODE_IP_PREFIX = "127.50.0."
+NODE_IP_PREFIX = "127.50."  # node n (from 1) is 127.50.<n // 256>.<n % 256>: 127.50.0.n below 256
 
 KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 # kwok chaos knobs (see README.md):
@@ -120,7 +120,10 @@ def node_manifests(pools: list[NodePool], kubelet_version: str) -> list[dict]:
                         "allocatable": resources,
                         "capacity": dict(resources),
                         "addresses": [
-                            {"type": "InternalIP", "address": f"{NODE_IP_PREFIX}{n}"},
+                            {
+                                "type": "InternalIP",
+                                "address": f"{NODE_IP_PREFIX}{n // 256}.{n % 256}",
+                            },
                             {"type": "Hostname", "address": name},
                         ],
                         "nodeInfo": {

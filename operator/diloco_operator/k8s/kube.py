@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from prometheus_client import Counter
 
 from diloco_operator.api import GROUP, LABEL_RUN, PLURAL, VERSION
 
@@ -64,8 +65,16 @@ def _policy() -> client.PolicyV1Api:
 REQUEST_TIMEOUT = (5.0, 30.0)
 
 
+# Requests beyond kopf's watches, by client method: what a reconcile pass costs the API server
+# (bench huge_units: it must not grow with a unit's pods).
+API_REQUESTS = Counter(
+    "diloco_operator_api_requests", "Kubernetes API requests of the reconcile loops", ["call"]
+)
+
+
 async def _api(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`call` (a kubernetes client method) off the event loop, with REQUEST_TIMEOUT."""
+    API_REQUESTS.labels(getattr(call, "__name__", "call")).inc()
     return await asyncio.to_thread(
         functools.partial(call, *args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
     )
