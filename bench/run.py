@@ -38,6 +38,7 @@ BENCHES: list[tuple[str, str]] = [
     ("gpu", "bench.speed.gpu"),
     ("sharding", "bench.speed.sharding"),
     ("operator", "bench.cluster.operator"),
+    ("huge_units", "bench.cluster.huge_units"),
     ("real_pods", "bench.cluster.real_pods"),
     ("soak", "bench.faults.soak"),
 ]
@@ -64,6 +65,7 @@ the same machine; absolute times are context only. Sections: {names}.
 | model entrypoint path costs <= 2% tokens/s vs the built-in path | entrypoint |
 | syncer merge + outer step >= 50% of memory-copy bandwidth at 10M, RDA | syncer |
 | pod failure -> Offline <= 2 s, -> replacement <= 5 s beyond backoff; RSS < 300 MiB at 50x16 | operator |
+| a 2,304-host tpu7x unit on KWOK: recreated within 30 s; API requests per pass independent of the pods | huge_units |
 | real pods: learner killed -> replacement training again, median <= 15 s beyond backoff | real_pods |
 | FSDP unit on 8 devices: same loss curve as replicated, ~1/8 the per-device parameter + optimizer bytes; an over-budget model trains sharded | sharding |
 | one bad unit of four (9.9x deltas with huge counters, noise, flipped signs): loss within 2% of a calm run; the defences move a calm run by <= 0.5% | bad_unit |

@@ -3,6 +3,7 @@ the CA signing CSRs) and kube-scheduler, each serving its health on its own loop
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +39,9 @@ def controller_manager_argv(binary: Path, pki: PKI, port: int, cert_dir: Path) -
         f"--cluster-signing-key-file={pki.path('ca.key')}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
         "--cluster-name=diloco-e2e",
+        # Benches with thousands of fake nodes set more (e.g. a longer node monitor grace period:
+        # KWOK's leases lag on 2 cores and the node controller would taint nodes not-ready).
+        *os.environ.get("DILOCO_E2E_CONTROLLER_MANAGER_ARGS", "").split(),
     ]
 
 
