@@ -30,7 +30,7 @@ import pytest
 import runs
 import yaml
 from conftest import REPO, Operator, helm_env, kubectl, say, wait_for
-from real_pods import ctr, on_real_node
+from real_pods import ctr, helm, on_real_node
 
 from e2e.cluster import harness
 
@@ -46,17 +46,11 @@ PUBLISHED = "ghcr.io/elastic-diloco"
 TOTAL_STEPS = 300
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def registry() -> Iterator[str]:
     """An OCI registry on loopback: `crane registry serve` (built by e2e/cluster/build.sh)."""
     crane = Path(bash_output("bash", "e2e/cluster/build.sh", "crane").splitlines()[-1]) / "crane"
-    address = f"127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{harness.free_port()}"
     proc = subprocess.Popen(
         [str(crane), "registry", "serve", "--address", address],
         stdout=subprocess.DEVNULL,
@@ -78,20 +72,6 @@ def reachable(address: str) -> bool:
     host, port = address.split(":")
     with socket.socket() as s:
         return s.connect_ex((host, int(port))) == 0
-
-
-def helm(cluster: harness._ClusterBase, *args: str) -> str:
-    binary, env = helm_env(cluster)
-    r = subprocess.run(
-        [binary, *args, "--kubeconfig", str(cluster.kubeconfig)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert r.returncode == 0, f"helm {' '.join(args)}: {r.stderr}"
-    return r.stdout
 
 
 @pytest.fixture(scope="module")
