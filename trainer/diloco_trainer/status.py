@@ -10,9 +10,11 @@ a newer or older syncer must never break a supervisor's reconciliation.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
+
+from diloco_trainer.shards import Shard
 
 FinalEval = Literal["waiting", "running", "done", "failed", "off"]
 FINAL_EVAL_STATES: tuple[FinalEval, ...] = ("waiting", "running", "done", "failed", "off")
@@ -167,6 +169,9 @@ class SyncerStatus:
     # The revision of the unit roster the syncer admits by (syncer/roster.py); None: it has
     # none and admits any unit the run secret vouches for.
     roster_revision: int | None = None
+    # Which syncer shard wrote this document (shards.py); None: an unsharded syncer, or one
+    # older than shards. A shard's fragments, outer step and bytes are its own (`gathered`).
+    shard: Shard | None = None
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> SyncerStatus:
@@ -204,6 +209,7 @@ class SyncerStatus:
             if isinstance(checkpoint, Mapping)
             else None,
             roster_revision=_int(doc.get("rosterRevision")),
+            shard=_shard(doc.get("shard")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -225,4 +231,37 @@ class SyncerStatus:
             "health": self.health.to_json() if self.health else None,
             "checkpoint": self.checkpoint.to_json() if self.checkpoint else None,
             "rosterRevision": self.roster_revision,
+            "shard": str(self.shard) if self.shard is not None and self.shard.sharded else None,
         }
+
+
+def _shard(raw: Any) -> Shard | None:
+    if not isinstance(raw, str):
+        return None
+    try:
+        return Shard.parse(raw)
+    except ValueError:
+        return None
+
+
+def gathered(shards: Sequence[SyncerStatus]) -> SyncerStatus:
+    """The run's status from its syncer shards' documents, shard 0's first: the run-level parts
+    (learners, evaluations, completion, roster) are shard 0's; fragments, outer step and bytes
+    add up over the shards that answered. An unsharded syncer's document comes back as is."""
+    if not shards:
+        raise ValueError("gathered: no status documents")
+    lead = shards[0]
+    if len(shards) == 1:
+        return lead
+    return replace(
+        lead,
+        outer_step=_total(s.outer_step for s in shards),
+        fragments=tuple(sorted((f for s in shards for f in s.fragments), key=lambda f: f.index)),
+        bytes_received=_total(s.bytes_received for s in shards),
+        bytes_sent=_total(s.bytes_sent for s in shards),
+    )
+
+
+def _total(values: Iterable[int | None]) -> int | None:
+    known = list(values)
+    return None if any(v is None for v in known) else sum(v for v in known if v is not None)

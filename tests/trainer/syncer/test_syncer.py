@@ -478,6 +478,7 @@ def test_heartbeats_count_across_attempts_and_complete_the_run(live: LiveSyncer)
         "health",
         "checkpoint",
         "rosterRevision",
+        "shard",
     }
     assert status.steps == 90 and status.tokens == 90 * 64
     assert status.learners["unit-0"].step == 60 and status.learners["unit-0"].attempt == 1
@@ -1039,6 +1040,7 @@ def test_pushes_are_encoded_as_the_learners_own_config_says(live: LiveSyncer) ->
         "resumeStep",
         "shapes",
         "dataLease",
+        "shard",
     }
     quantized = live.client("unit-0")
     plain = SyncerClient(live.url, unit_token(TOKEN, "unit-1"), "unit-1", 0)  # no compression

@@ -16,7 +16,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -26,6 +25,12 @@ from diloco_trainer.config import CompressionConfig
 from diloco_trainer.downlink import apply_step, checksum
 from diloco_trainer.feedback import push_feedback
 from diloco_trainer.join_credentials import JOIN_HEADER
+from diloco_trainer.learner.syncer_api import (
+    HeartbeatReply,
+    JoinReply,
+    PushReply,
+    ShardLayout,
+)
 from diloco_trainer.status import SyncerStatus
 from diloco_trainer.tls import ClientTrust
 from diloco_trainer.wire import (
@@ -75,35 +80,6 @@ class SyncerRejected(SyncerError):
     def __init__(self, status: int, reason: str, message: str) -> None:
         super().__init__(f"HTTP {status} {reason}: {message}")
         self.status, self.reason, self.message = status, reason, message
-
-
-@dataclass(frozen=True)
-class JoinReply:
-    run: str
-    layout: list[list[str]]
-    versions: list[int]
-    complete: bool
-    outer_step: int = 0
-    resume_step: int = 0  # the unit's steps in earlier attempts: where its LR schedule continues
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    data_lease: DataLease | None = None  # where the unit reads the train split
-
-
-@dataclass(frozen=True)
-class PushReply:
-    accepted: bool
-    duplicate: bool
-    version: int
-    bytes_sent: int
-    quant_error: float
-
-
-@dataclass(frozen=True)
-class HeartbeatReply:
-    complete: bool
-    versions: list[int]
-    outer_step: int
-    budget_done: float = 0.0  # the run's counted share of its budget (0 from older syncers)
 
 
 # How long a unit the syncer does not know yet keeps asking to join (client.join).
@@ -159,6 +135,8 @@ class SyncerClient:
         self._held: dict[int, tuple[str, int, dict[str, np.ndarray]]] = {}
         # The unit's data lease and position, sent with every push (the data feed sets it).
         self.data_position: DataLease | None = None
+        # Which syncer shard this client expects to reach, of how many (shard_client.py).
+        self.slot = (0, 1)
 
     # ---------------------------------------------------------------- transport
     def _conn(self, timeout: float) -> http.client.HTTPConnection:
@@ -276,6 +254,15 @@ class SyncerClient:
                 raise
             raise SyncerUnavailable(f"not on the run's roster yet: {exc.message}") from exc
         self._layout = [list(names) for names in r["layout"]]
+        shard = _shard_layout(r.get("shard"), len(r["layout"]))
+        if shard is not None and (shard.index, shard.count) != self.slot:
+            raise SyncerRejected(
+                409,
+                "shard_mismatch",
+                f"{self.address} is syncer shard {shard.index} of {shard.count}, this learner "
+                f"expects shard {self.slot[0]} of {self.slot[1]}: give it every shard's address, "
+                "shard 0's first, comma-separated",
+            )
         return JoinReply(
             run=r["run"],
             layout=r["layout"],
@@ -285,6 +272,7 @@ class SyncerClient:
             resume_step=int(r.get("resumeStep", 0)),
             shapes={k: tuple(v) for k, v in r.get("shapes", {}).items()},
             data_lease=_lease(r.get("dataLease"), "join"),
+            shard=shard,
         )
 
     def claim_data(self, finished: DataLease) -> DataLease:
@@ -425,3 +413,19 @@ def _lease(raw: Any, what: str) -> DataLease | None:
         return data_lease_from_json(raw, MAX_COUNTER + 1, f"{what}.dataLease")
     except WireError as exc:
         raise SyncerUnavailable(f"{what}: bad reply: {exc}") from exc
+
+
+def _shard_layout(raw: Any, fragments: int) -> ShardLayout | None:
+    """The join reply's shard block (None when absent); a malformed one is the server's fault."""
+    if raw is None:
+        return None
+    try:
+        index, count, owners = int(raw["index"]), int(raw["count"]), raw["owners"]
+        if not isinstance(owners, list) or len(owners) != fragments:
+            raise ValueError(f"owners: expected {fragments} entries")
+        placed = tuple(int(o) for o in owners)
+        if not 0 <= index < count or any(not 0 <= o < count for o in placed):
+            raise ValueError("shard index out of range")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SyncerUnavailable(f"join: bad reply: shard: {exc}") from exc
+    return ShardLayout(index, count, placed)

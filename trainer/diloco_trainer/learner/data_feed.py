@@ -24,9 +24,9 @@ import numpy as np
 
 from diloco_trainer.api import DataSource
 from diloco_trainer.config import TrainingConfig
-from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.learner.distributed import broadcast_from_leader, is_leader
 from diloco_trainer.learner.sync_link import retry_until
+from diloco_trainer.learner.syncer_api import SyncerApi
 from diloco_trainer.wire import DataLease
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def unit_feed(
     cfg: TrainingConfig,
     source: DataSource,
     lease: DataLease | None,
-    client: SyncerClient,
+    client: SyncerApi,
     stop: threading.Event,
 ) -> DataFeed:
     """This host's feed for the unit: `lease` is the leader's from the join (None elsewhere);

@@ -42,8 +42,10 @@ from diloco_trainer.learner.distributed import (
 from diloco_trainer.learner.fragment_sync import FragmentBook
 from diloco_trainer.learner.options import LearnerOptions, LearnerResult
 from diloco_trainer.learner.report import Reporter
+from diloco_trainer.learner.shard_client import ShardedClient
 from diloco_trainer.learner.sharding import abstract_params
 from diloco_trainer.learner.sync_link import SyncLink, retry_until
+from diloco_trainer.learner.syncer_api import SyncerApi
 from diloco_trainer.learner.train import (
     Metrics,
     Params,
@@ -62,6 +64,7 @@ from diloco_trainer.learner.train import (
     step_key,
 )
 from diloco_trainer.phases import phase
+from diloco_trainer.shards import split_addresses
 from diloco_trainer.tls import ClientTrust
 from diloco_trainer.wire import DataLease
 from diloco_trainer.workload.check import Workload, prepare
@@ -125,7 +128,7 @@ class Joined:
     data_lease: DataLease | None = None
 
 
-def join_and_pull(client: SyncerClient, stop: threading.Event) -> Joined | None:
+def join_and_pull(client: SyncerApi, stop: threading.Event) -> Joined | None:
     """Join the run and fetch the current global parameters, retrying while unreachable."""
     with phase(log, "join"):
         joined = retry_until(client.join, stop, "join")
@@ -140,20 +143,25 @@ def join_and_pull(client: SyncerClient, stop: threading.Event) -> Joined | None:
     return Joined(joined.layout, pulled[0], pulled[1], False, joined.resume_step, joined.data_lease)
 
 
-def syncer_client(cfg: TrainingConfig, opts: LearnerOptions) -> SyncerClient:
+def syncer_client(cfg: TrainingConfig, opts: LearnerOptions) -> SyncerApi:
     """The unit's client: its identity, how it encodes pushes, whom it trusts over https and
-    the join credential it speaks under (a unit of an away cluster)."""
+    the join credential it speaks under (a unit of an away cluster). Several addresses: a
+    sharded syncer, one client per shard (shard_client.py)."""
     trust = ClientTrust(opts.ca_file) if opts.ca_file else None
-    return SyncerClient(
-        opts.syncer,
-        opts.token,
-        opts.name,
-        opts.attempt,
-        opts.group,
-        compression=cfg.compression,
-        trust=trust,
-        join=opts.join,
-    )
+    clients = [
+        SyncerClient(
+            address,
+            opts.token,
+            opts.name,
+            opts.attempt,
+            opts.group,
+            compression=cfg.compression,
+            trust=trust,
+            join=opts.join,
+        )
+        for address in split_addresses(opts.syncer)
+    ]
+    return clients[0] if len(clients) == 1 else ShardedClient(clients)
 
 
 def run_learner(
@@ -272,7 +280,7 @@ class _Start:
 def _start(
     cfg: TrainingConfig,
     opts: LearnerOptions,
-    client: SyncerClient,
+    client: SyncerApi,
     stop: threading.Event,
     leader: bool,
     started: float,
@@ -347,7 +355,7 @@ def _result(
     step: int,
     last_loss: jax.Array | None,
     started: float,
-    client: SyncerClient,
+    client: SyncerApi,
     start: _Start,
     frags: FragmentBook,
     link: SyncLink | None,

@@ -39,6 +39,7 @@ from diloco_trainer.join_credentials import parse_join_public
 from diloco_trainer.learner.in_place import RestartsSpent, count_start
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 from diloco_trainer.phases import phase
+from diloco_trainer.shards import split_addresses
 from diloco_trainer.tls import ClientTrust
 
 if TYPE_CHECKING:
@@ -61,7 +62,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diloco-learner", description=__doc__)
     add = parser.add_argument
     add("--config", required=True, help="DilocoRun manifest or bare training block (YAML/JSON)")
-    add("--syncer", default=_env_default(env, "DILOCO_SYNCER_ADDR"), help="syncer base URL")
+    add(
+        "--syncer",
+        default=_env_default(env, "DILOCO_SYNCER_ADDR"),
+        help="syncer base URL; a sharded syncer: every shard's, shard 0's first, comma-separated",
+    )
     add("--token", default=None, help="this unit's bearer token (else DILOCO_TOKEN)")
     add(
         "--token-file",
@@ -187,6 +192,10 @@ def resolve(
         raise UsageError(f"--slowdown (or DILOCO_SLOWDOWN) must be >= 1, got {slowdown}")
     if not args.syncer:
         raise UsageError("--syncer (or DILOCO_SYNCER_ADDR) is required")
+    try:
+        split_addresses(args.syncer)
+    except ValueError as exc:
+        raise UsageError(f"--syncer (or DILOCO_SYNCER_ADDR): {exc}") from exc
     token = resolve_token(args.token, env, args.token_file)
     ca_file, join = _transport(args)
     options = {

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from diloco_trainer.config import TrainingConfig
-from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.learner.fragment_sync import FragmentBook
 from diloco_trainer.learner.metrics import LearnerMetrics, start_learner_metrics
 from diloco_trainer.learner.sync_link import Progress, SyncLink
+from diloco_trainer.learner.syncer_api import SyncerApi
 from diloco_trainer.learner.train import ScheduleClock
 from diloco_trainer.workload.check import Workload
 
@@ -35,7 +35,7 @@ HINT_AFTER_PERIODS = 4  # the share is noisy until each fragment has gone out a 
 @dataclass
 class Reporter:
     opts: LearnerOptions
-    client: SyncerClient
+    client: SyncerApi
     link: SyncLink | None
     metrics: LearnerMetrics | None
     progress: Progress
@@ -51,7 +51,7 @@ class Reporter:
         cls,
         cfg: TrainingConfig,
         opts: LearnerOptions,
-        client: SyncerClient,
+        client: SyncerApi,
         versions: list[int],
         leader: bool,
         workload: Workload | None,

@@ -32,11 +32,8 @@ from typing import TypeVar
 import jax
 import numpy as np
 
-from diloco_trainer.learner.client import (
-    SyncerClient,
-    SyncerRejected,
-    SyncerUnavailable,
-)
+from diloco_trainer.learner.client import SyncerRejected, SyncerUnavailable
+from diloco_trainer.learner.syncer_api import SyncerApi
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +146,7 @@ def fragment_delta(
 class SyncLink:
     def __init__(
         self,
-        client: SyncerClient,
+        client: SyncerApi,
         versions: list[int],
         heartbeat_seconds: float,
         progress: Progress,

@@ -14,7 +14,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ from diloco_trainer.config import TrainingConfig
 from diloco_trainer.downlink import Publication
 from diloco_trainer.merge import Contribution
 from diloco_trainer.phases import phase
+from diloco_trainer.shards import Shard
 from diloco_trainer.syncer import evaluation, persist, push
 from diloco_trainer.syncer.checkpoint import CheckpointStore, Snapshot
 from diloco_trainer.syncer.fragment import (
@@ -54,11 +55,17 @@ class Syncer(SyncerState):
         max_units: int | None = None,
         standby: bool = False,
         roster: Roster | None = None,
+        shard: Shard | None = None,
+        peers: Sequence[str] = (),
     ) -> None:
         """`standby`: a warm spare (standby.py) that reads the checkpoint location but writes
-        nothing to it until `take_over`."""
+        nothing to it until `take_over`. `shard`: the fragments this process holds (shards.py);
+        `peers`: every shard's address, shard 0's first, which the leading shard reads the other
+        fragments from to evaluate the model; the other shards never evaluate."""
         # `restore` lets the caller read (and vet) the checkpoint before paying for model init.
         snap = restore if restore is not None else (store.load_latest() if store else None)
+        if shard is not None and not shard.leads:
+            eval_fn = None
         super().__init__(
             cfg,
             token,
@@ -69,10 +76,17 @@ class Syncer(SyncerState):
             fresh=snap is None,
             max_units=max_units,
             roster=roster,
+            shard=shard or Shard(),
         )
+        self.peers = list(peers)
+        if self.shard.sharded and eval_fn is not None and len(self.peers) != self.shard.count:
+            raise ValueError(
+                f"shard {self.shard}: evaluating the model needs every shard's address "
+                f"({self.shard.count}), got {len(self.peers)}"
+            )
         if snap is not None:
             persist.restore(self, snap)
-        for f in self.frags:
+        for f in self.held:
             f.norm = l2_norm(f.params)
         persist.replay_journal(self, at_start=True)
         self.metrics.checkpoints_skipped.set(len(store.skipped) if store else 0)
@@ -92,7 +106,7 @@ class Syncer(SyncerState):
         # restart) never gets a step, only values.
         self.epoch = secrets.token_hex(8)
         if self.cfg.compression.downlink != "none":
-            for f in self.frags:
+            for f in self.held:
                 f.publication = Publication(f.version, dict(f.params))
         self.publish_gauges()
 
@@ -195,7 +209,7 @@ class Syncer(SyncerState):
         the first merge instead (seconds per fragment), the learners' progress piled up
         meanwhile would reach the global parameters as one outsized outer gradient, which the
         outer momentum then carries several times over."""
-        for f in self.frags:
+        for f in self.held:
             zero = {name: np.zeros_like(value) for name, value in f.params.items()}
             self.merge_compute(f.params, f.opt_state, [Contribution(zero, 1, 1)], 1.0)
         self.warmed = True

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from diloco_trainer.syncer import persist
+from diloco_trainer.syncer.peers import model_params
 
 if TYPE_CHECKING:
     from diloco_trainer.syncer.state import SyncerState
@@ -22,15 +23,19 @@ log = logging.getLogger("diloco.syncer")
 # a grace window can hold one back up to grace.maxSeconds, but waiting longer than this would
 # only delay every run's report, and whatever did not land is the same few steps in every run.
 FINAL_SETTLE_SECONDS = 2.0
+# How long the final evaluation of a sharded syncer keeps asking a shard that does not serve
+# its fragments (a shard's standby takes over within a second, a recreated pod within a minute).
+FINAL_PEER_PATIENCE_SECONDS = 120.0
 
 
 async def run_eval(s: SyncerState) -> None:
     if s.eval_fn is None:
         return
-    versions = tuple(s.versions())
+    if not s.shard.sharded and tuple(s.versions()) == s.evaluated and s.eval_loss is not None:
+        return  # same global model as last time: spare the CPU (and a shard's peers)
+    params, versions = await model_params(s)
     if versions == s.evaluated and s.eval_loss is not None:
-        return  # same global model as last time: spare the CPU
-    params = s.global_params()
+        return
     step = s.outer_step
     eval_fn, cfg = s.eval_fn, s.cfg
     loss = await asyncio.get_running_loop().run_in_executor(
@@ -66,10 +71,9 @@ async def _final_evaluation(s: SyncerState) -> None:
     eval_fn, cfg = s.eval_fn, s.cfg
     if eval_fn is None:
         return
-    versions = tuple(s.versions())
-    params = s.global_params()
     step = s.outer_step
     try:
+        params, versions = await model_params(s, patience=FINAL_PEER_PATIENCE_SECONDS)
         if versions == s.evaluated and s.eval_loss is not None:
             loss = s.eval_loss  # the periodic eval saw exactly this model already
         else:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,14 +45,36 @@ def model_shaped(cfg: TrainingConfig) -> dict[str, np.ndarray]:
     return prepared(cfg).placeholders()
 
 
-def start_params(cfg: TrainingConfig, init_fn: InitFn, fresh: bool) -> dict[str, np.ndarray]:
+def start_params(
+    cfg: TrainingConfig,
+    init_fn: InitFn,
+    fresh: bool,
+    keep: Callable[[Mapping[str, tuple[int, ...]]], Collection[str]] | None = None,
+) -> dict[str, np.ndarray]:
     """What a syncer builds its fragments from, as start-up phase `initial_params`; or, for a run
-    resuming with the model's own init (every value comes from the checkpoint), `placeholders`."""
-    if fresh or init_fn is not default_init:
-        with phase(log, "initial_params"):
+    resuming with the model's own init (every value comes from the checkpoint), `placeholders`.
+    `keep`: given every leaf's shape, the leaves this process holds (a syncer shard); the others
+    come back as zero-stride placeholders, and with the model's own init are never computed."""
+    if not (fresh or init_fn is not default_init):
+        with phase(log, "placeholders"):
+            return model_shaped(cfg)
+    with phase(log, "initial_params"):
+        if keep is None:
             return init_fn(cfg)
-    with phase(log, "placeholders"):
-        return model_shaped(cfg)
+        if init_fn is default_init:
+            from diloco_trainer.workload.check import prepared
+
+            shaped = model_shaped(cfg)
+            wanted = keep({n: tuple(v.shape) for n, v in shaped.items()})
+            return {**shaped, **prepared(cfg).initial_params(wanted)}
+        full = init_fn(cfg)
+        wanted = keep({n: tuple(v.shape) for n, v in full.items()})
+        return {n: v if n in wanted else placeholder(v.shape) for n, v in full.items()}
+
+
+def placeholder(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 stand-in of `shape` that takes no memory."""
+    return np.broadcast_to(np.float32(0), tuple(shape))
 
 
 def default_eval(params: Mapping[str, np.ndarray], cfg: TrainingConfig, batches: int) -> float:
@@ -126,6 +148,8 @@ class FragmentState:
     # The median delta norm of recent merges: the clip reference of rounds too small to
     # have a median of their own (robust.py).
     typical_norm: float | None = None
+    # False: another syncer shard holds this fragment; this process knows only its names.
+    held: bool = True
 
     def published(self) -> dict[str, np.ndarray]:
         return self.publication.tensors if self.publication is not None else self.params

@@ -169,9 +169,11 @@ async def join(request: web.Request) -> web.Response:
     check_layout(s, data, unit)  # before anything of the unit is recorded
     s.learners.seen(unit, attempt, group, time.time()).joined.add(attempt)
     resume_step = s.learners.resume_step(unit, attempt)  # where its LR schedule continues
-    moves = s.leases.moves
-    lease = s.leases.join(unit, _alive(s))
-    await _journal_leases(s, moves)
+    lease = None
+    if s.shard.leads:  # the data lease book is shard 0's alone
+        moves = s.leases.moves
+        lease = s.leases.join(unit, _alive(s))
+        await _journal_leases(s, moves)
     log.info(
         "event=join unit=%s attempt=%d group=%s versions=%s resume_step=%d credential=%s",
         unit,
@@ -192,7 +194,8 @@ async def join(request: web.Request) -> web.Response:
             "outerStep": s.outer_step,
             "resumeStep": resume_step,
             "shapes": {k: list(v) for k, v in s.shapes.items()},
-            "dataLease": lease.to_json(),
+            "dataLease": None if lease is None else lease.to_json(),
+            "shard": {"index": s.shard.index, "count": s.shard.count, "owners": s.owners},
         }
     )
 
@@ -227,6 +230,10 @@ async def _journal_leases(s: Syncer, moves_before: int) -> None:
 async def claim_data(request: web.Request) -> web.Response:
     """The unit read its shard to the end: its next lease (docs/protocol.md, "Data leases")."""
     s = request.app[SYNCER_KEY]
+    if not s.shard.leads:
+        raise Reject(
+            421, "wrong_shard", f"data leases are syncer shard 0's; this is shard {s.shard.index}"
+        )
     data = await _json_body(request)
     unit, attempt, group = _identity(request, data)
     try:
@@ -303,7 +310,7 @@ async def push(request: web.Request) -> web.Response:
         raise Reject(403, "forbidden", "pushes need a unit token")
     at = _data_position(request)  # before the push: a bad header refuses both
     reply = await s.accept_push(f, body, caller.unit)
-    if at is not None:
+    if at is not None and s.shard.leads:
         moves = s.leases.moves
         s.leases.report(caller.unit, at)
         await _journal_leases(s, moves)

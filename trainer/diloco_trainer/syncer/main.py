@@ -52,6 +52,12 @@ from diloco_trainer.config import (
 )
 from diloco_trainer.logfmt import FORMATS, LOG_FORMAT_ENV, configure_logging, resolve_log_format
 from diloco_trainer.phases import phase
+from diloco_trainer.shards import (
+    Shard,
+    foreign_shard_folders,
+    shard_checkpoint_path,
+    split_addresses,
+)
 from diloco_trainer.syncer.bucket_weights import read_weights_anywhere
 from diloco_trainer.syncer.checkpoint import (
     CheckpointError,
@@ -59,6 +65,7 @@ from diloco_trainer.syncer.checkpoint import (
     Snapshot,
     StorageAccessError,
     Superseded,
+    open_location,
 )
 from diloco_trainer.syncer.fragment import InitFn, default_init
 from diloco_trainer.syncer.roster import Roster
@@ -103,6 +110,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=os.environ.get("DILOCO_SYNCER_LOCK") or None,
         help="serve only while holding this local file's lock; a second syncer given the same "
         "lock waits as a warm standby and takes over when the first dies (standby.py)",
+    )
+    p.add_argument(
+        "--shard",
+        default=os.environ.get("DILOCO_SYNCER_SHARD") or "0/1",
+        help="INDEX/COUNT: hold only this shard's fragments (else DILOCO_SYNCER_SHARD; "
+        "default 0/1, the whole model); checkpoints go to PATH/shard-INDEX-of-COUNT",
+    )
+    p.add_argument(
+        "--peers",
+        default=os.environ.get("DILOCO_SYNCER_PEERS") or "",
+        help="every shard's address, shard 0's first, comma-separated (else "
+        "DILOCO_SYNCER_PEERS): shard 0 reads the model from them to evaluate it",
     )
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (else DILOCO_TLS_CERT)")
     p.add_argument("--tls-key", default=None, help="PEM private key (else DILOCO_TLS_KEY)")
@@ -154,6 +173,46 @@ def resolve_tls(cert: str | None, key: str | None, env: Mapping[str, str]) -> Se
         return ServerTls(cert, key)
     except ValueError as exc:
         raise ConfigError(f"--tls-cert/--tls-key (or DILOCO_TLS_CERT/KEY): {exc}") from exc
+
+
+def resolve_shard(raw: str, peers: str) -> tuple[Shard, list[str]]:
+    """The shard this process serves and its peers' addresses (needed by shard 0 only)."""
+    try:
+        shard = Shard.parse(raw)
+        addresses = split_addresses(peers) if peers else []
+    except ValueError as exc:
+        raise ConfigError(f"--shard/--peers (or DILOCO_SYNCER_SHARD/PEERS): {exc}") from exc
+    if shard.sharded and shard.leads and len(addresses) != shard.count:
+        raise ConfigError(
+            f"--peers (or DILOCO_SYNCER_PEERS): shard 0 of {shard.count} evaluates the model "
+            f"from every shard's fragments and needs {shard.count} addresses, got "
+            f"{len(addresses)}"
+        )
+    return shard, addresses
+
+
+def open_store(path: str, field: str, shard: Shard, keep: int) -> CheckpointStore:
+    """The checkpoint store of this shard (`shard_store_path`)."""
+    return CheckpointStore(shard_store_path(path, shard, field), keep, field=field)
+
+
+def shard_store_path(base: str, shard: Shard, field: str) -> str:
+    """Where this shard checkpoints (shards.shard_checkpoint_path). The shard count of a run is
+    fixed: checkpoints written under another count are refused, never ignored, since starting
+    fresh beside them would silently drop the run's progress."""
+    if not base:
+        return base
+    entries = open_location(base, field).entries()
+    foreign = foreign_shard_folders(entries, shard.count)
+    if shard.sharded and any(name.startswith("ckpt-") for name in entries):
+        foreign.insert(0, "ckpt-* (an unsharded syncer's)")
+    if foreign:
+        raise CheckpointError(
+            f"{field} {base} holds checkpoints written with another syncer shard count "
+            f"({', '.join(foreign[:3])}), this syncer is shard {shard}: the shard count of a "
+            "run cannot change; use a fresh path, or the count the run was started with"
+        )
+    return shard_checkpoint_path(base, shard)
 
 
 def read_roster(path: str | None) -> Roster | None:
@@ -284,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             ckpt_path, ckpt_field = checkpoint_setting(
                 args.checkpoint_dir, os.environ, cfg.checkpoint.path
             )
+            shard, peers = resolve_shard(args.shard, args.peers)
     except ConfigError as exc:
         print(f"diloco-syncer: config error: {exc}", file=sys.stderr)
         return 2
@@ -292,9 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     serving = lock is None or lock.try_acquire()
     try:
         with phase(log, "checkpoint_load"):
-            store = CheckpointStore(ckpt_path, cfg.checkpoint.keep, field=ckpt_field)
-            # Before importing JAX: a bad checkpoint dir or an unusable bucket fails fast. A
-            # standby must not touch the serving syncer's save in progress.
+            store = open_store(ckpt_path, ckpt_field, shard, cfg.checkpoint.keep)
+            # Before importing JAX, so a bad path or bucket fails fast; a standby leaves strays.
             snapshot = store.load_latest(remove_stray=serving)
     except CheckpointError as exc:
         print(f"diloco-syncer: cannot start: {exc}", file=sys.stderr)
@@ -322,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             init_fn=init_fn,
             standby=not serving,
             roster=roster,
+            shard=shard,
+            peers=peers,
         )
         if lock is not None and not serving and not stand_by(syncer, lock, store, terminated):
             syncer.close()

@@ -45,7 +45,7 @@ def _restore(s: SyncerState, snap: Snapshot) -> None:
             "checkpoint layout differs from this config's fragments/model; "
             "use a fresh checkpoint.path for a changed model"
         )
-    for f in s.frags:
+    for f in s.held:
         for n in f.names:
             if n not in snap.params or tuple(snap.params[n].shape) != s.shapes[n]:
                 raise ValueError(f"checkpoint leaf {n}: missing or wrong shape")
@@ -137,7 +137,7 @@ def _replay_journal(s: SyncerState, level: int, only: set[int] | None) -> list[i
     if s.store is None:
         return []
     installed = []
-    for f in s.frags:
+    for f in s.held:
         if only is not None and f.index not in only:
             continue
         entry = s.store.recorded_fragment(f.index)
@@ -172,7 +172,7 @@ def resume_numbering(s: SyncerState) -> list[int]:
     versions = s.versions()
     journal = s.store.recorded_versions() if s.store is not None else None
     if journal is not None and len(journal) == len(versions):
-        for f in s.frags:
+        for f in s.held:
             if journal[f.index] > f.version:
                 log.warning(
                     "event=versions_lost fragment=%d checkpointed=%d published=%d resume=%d",

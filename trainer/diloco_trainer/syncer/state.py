@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -17,9 +18,10 @@ import numpy as np
 
 from diloco_trainer.budget import Budget
 from diloco_trainer.config import TrainingConfig
-from diloco_trainer.fragments import pack_fragments
+from diloco_trainer.fragments import fragment_sizes, pack_fragments
 from diloco_trainer.merge import Contribution
 from diloco_trainer.outer import OuterOptimizer, merge_and_step
+from diloco_trainer.shards import Shard, shard_owners
 from diloco_trainer.status import CheckpointStatus, FinalEval, FragmentStatus, SyncerStatus
 from diloco_trainer.syncer.checkpoint import CheckpointStore, Superseded
 from diloco_trainer.syncer.data_leases import LeaseBook
@@ -38,6 +40,7 @@ from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.pools import Pools
 from diloco_trainer.syncer.registry import LearnerRegistry
 from diloco_trainer.syncer.roster import Roster
+from diloco_trainer.tls import ClientTrust
 from diloco_trainer.workload.check import tokens_per_step
 
 log = logging.getLogger("diloco.syncer")
@@ -56,8 +59,11 @@ class SyncerState:
         fresh: bool,
         max_units: int | None,
         roster: Roster | None,
+        shard: Shard,
     ) -> None:
-        """`fresh`: initialise the parameters from the model (else a checkpoint replaces them)."""
+        """`fresh`: initialise the parameters from the model (else a checkpoint replaces them).
+        `shard`: which of the run's fragments this process holds (shards.py); it knows the
+        others' names and shapes, never their values."""
         if not token:
             raise ValueError("token: a bearer token is required")
         self.cfg, self.token, self.run, self.store, self.eval_fn = cfg, token, run, store, eval_fn
@@ -71,10 +77,19 @@ class SyncerState:
         self.tokens_per_step = tokens_per_step(cfg)
         self.gate = Gate(cfg, self.tokens_per_step, self.learners, self.metrics, roster, max_units)
         self.outer = OuterOptimizer.from_config(cfg.outer_optimizer)
-        params = start_params(cfg, init_fn, fresh=fresh)
+        self.shard = shard
+        self.peers: list[str] = []  # every shard's address, shard 0's first (peers.py)
+        self.peer_trust = ClientTrust(os.environ.get("DILOCO_CA_FILE") or None)
+        self.owners: list[int] = []
+        params = start_params(
+            cfg, init_fn, fresh=fresh, keep=self._held_leaves if shard.sharded else None
+        )
         self.shapes = {k: tuple(int(d) for d in v.shape) for k, v in params.items()}
         layout = pack_fragments(self.shapes, cfg.fragments)
+        self.owners = shard_owners(fragment_sizes(self.shapes, layout), shard.count)
+        # Every fragment of the run, by index; those of other shards hold no values (`held`).
         self.frags = [self._new_fragment(i, names, params) for i, names in enumerate(layout)]
+        self.held = [f for f in self.frags if f.held]
         self.leases = LeaseBook(cfg.data.shards)  # who reads which shard (data_leases.py)
         # A lease whose unit was not heard from for this long may go to another unit.
         self.lease_orphan_after = max(30.0, 10 * cfg.heartbeat_seconds)
@@ -101,9 +116,16 @@ class SyncerState:
         self.superseded: Superseded | None = None
         self.on_superseded: Callable[[], None] | None = None  # serve() stops the server
 
+    def _held_leaves(self, shapes: Mapping[str, tuple[int, ...]]) -> set[str]:
+        layout = pack_fragments(shapes, self.cfg.fragments)
+        owners = shard_owners(fragment_sizes(shapes, layout), self.shard.count)
+        return {n for p, names in enumerate(layout) if owners[p] == self.shard.index for n in names}
+
     def _new_fragment(
         self, index: int, names: list[str], params: Mapping[str, np.ndarray]
     ) -> FragmentState:
+        if self.owners[index] != self.shard.index:
+            return FragmentState(index, names, {}, self.outer.init({}), held=False)
         frag_params = {n: np.asarray(params[n], dtype=np.float32) for n in names}
         elements = sum(v.size for v in frag_params.values())
         # The largest legitimate push is the unquantized float32 fragment plus its header.
@@ -113,6 +135,8 @@ class SyncerState:
         )
 
     def fragment(self, raw: str) -> FragmentState:
+        """The fragment a URL names; Reject when the run has none such, or another shard holds
+        it (421, naming the one that does)."""
         index = parse_fragment_index(raw, len(self.frags))
         if index is None:
             raise Reject(
@@ -120,7 +144,15 @@ class SyncerState:
                 "unknown_fragment",
                 f"unknown fragment {raw!r}: this run has 0..{len(self.frags) - 1}",
             )
-        return self.frags[index]
+        f = self.frags[index]
+        if not f.held:
+            raise Reject(
+                421,
+                "wrong_shard",
+                f"fragment {index} is held by syncer shard {self.owners[index]} of "
+                f"{self.shard.count}; this is shard {self.shard.index}",
+            )
+        return f
 
     def merge_compute(
         self,
@@ -159,7 +191,8 @@ class SyncerState:
 
     @property
     def outer_step(self) -> int:
-        return sum(f.version for f in self.frags)
+        """Merges this process made (a shard: of its fragments; the run's is the shards' sum)."""
+        return sum(f.version for f in self.held)
 
     @property
     def budget(self) -> Budget:
@@ -177,7 +210,7 @@ class SyncerState:
     @property
     def settled(self) -> bool:
         """No push is being decoded and no merge is running."""
-        return self.decoding == 0 and all(f.merge_task is None for f in self.frags)
+        return self.decoding == 0 and all(f.merge_task is None for f in self.held)
 
     @property
     def budget_done(self) -> float:
@@ -197,15 +230,16 @@ class SyncerState:
         return [f.version for f in self.frags]
 
     def global_params(self) -> dict[str, np.ndarray]:
-        """Every fragment's current parameters in one dict (references, not copies)."""
+        """The current parameters of every fragment held, in one dict (references, not
+        copies)."""
         params: dict[str, np.ndarray] = {}
-        for f in self.frags:
+        for f in self.held:
             params.update(f.params)
         return params
 
     def publish_gauges(self) -> None:
         self.metrics.outer_step.set(self.outer_step)
-        for f in self.frags:
+        for f in self.held:
             self.metrics.fragment_version.labels(str(f.index)).set(f.version)
         self.metrics.count_tokens(self.learners.totals()[1])
         self.metrics.learners_online.set(len(self.learners.online(time.time())))
@@ -226,11 +260,12 @@ class SyncerState:
             final_loss=self.final_loss,
             final_eval=self.final_eval,
             time=now,
-            fragments=tuple(FragmentStatus(f.index, f.version, f.last_merge) for f in self.frags),
+            fragments=tuple(FragmentStatus(f.index, f.version, f.last_merge) for f in self.held),
             learners=self.learners.status(now, self.gate.quarantine.reason),
             bytes_received=self.bytes_received,
             bytes_sent=self.bytes_sent,
             health=self.health.status(),
             checkpoint=CheckpointStatus(tuple(self.store.skipped) if self.store else ()),
             roster_revision=self.gate.roster_revision,
+            shard=self.shard,
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Any
@@ -52,10 +52,22 @@ class Workload:
     seed: int
     tokens_per_step: int  # `batch_tokens` of one batch of `data.batchSize` rows
 
-    def initial_params(self) -> dict[str, np.ndarray]:
-        """The starting global parameters, flat, as float32 numpy (what the syncer serves)."""
-        tree = self.model.init(jax.random.key(self.seed))
-        return {name: np.asarray(leaf, np.float32) for name, leaf in flatten(tree).items()}
+    def initial_params(self, only: Collection[str] | None = None) -> dict[str, np.ndarray]:
+        """The starting global parameters, flat, as float32 numpy (what the syncer serves).
+        `only`: just these leaves (a syncer shard), computed under `jit` so that the others are
+        never materialised: XLA drops the work whose results are not returned. The values are
+        the eager init's, bit for bit (the random bits and the ops are the same)."""
+        key = jax.random.key(self.seed)
+        if only is None:
+            tree = self.model.init(key)
+            return {name: np.asarray(leaf, np.float32) for name, leaf in flatten(tree).items()}
+        wanted = sorted(only)
+
+        def pick(key: Any) -> dict[str, Any]:
+            flat = flatten(self.model.init(key))
+            return {name: flat[name] for name in wanted}
+
+        return {name: np.asarray(leaf, np.float32) for name, leaf in jax.jit(pick)(key).items()}
 
     def placeholders(self) -> dict[str, np.ndarray]:
         """Zero-stride float32 stand-ins for the parameters (no memory), with the names of
