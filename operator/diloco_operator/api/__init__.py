@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from diloco_trainer import attempts
 from diloco_trainer.config import Strict, TrainingConfig, format_validation_error
+from diloco_trainer.shards import MAX_SHARDS
 from pydantic import Field, ValidationError, ValidationInfo, model_validator
 
 from diloco_operator.api import pod_paths
@@ -26,6 +27,7 @@ from diloco_operator.api.clusters import (
     SyncerExposure,
     SyncerTls,
     check_cluster_fields,
+    check_shards,
 )
 from diloco_operator.api.kubesyntax import (
     CHECKPOINT_PATH,
@@ -107,6 +109,14 @@ class SyncerSpec(Strict):
         None, description="Syncer container resources (CPU and memory)."
     )
     port: int = Field(8470, ge=1024, le=65535, description="Syncer HTTP port.")
+    shards: int = Field(
+        1,
+        ge=1,
+        le=MAX_SHARDS,
+        description="Syncer processes dividing the fragments (each its own Deployment, "
+        "checkpoint folder and standby; shard 0 also keeps the data leases and evaluates). At "
+        "most training.fragments; fixed for the life of the run.",
+    )
     standby: bool = Field(
         True,
         description="Keep a warm standby syncer beside the serving one (a second process "
@@ -331,6 +341,7 @@ class DilocoRunSpec(Strict):
         syncer = self.syncer
         remote = [g.remote for g in self.unit_groups]
         check_cluster_fields(syncer.external, syncer.expose, syncer.tls, remote)
+        check_shards(syncer.shards, self.training.fragments, self.away, bool(syncer.expose), remote)
         heartbeat = self.training.heartbeat_seconds
         offline = self.failure_policy.offline_after_seconds
         if heartbeat * HEARTBEATS_PER_OFFLINE > offline:

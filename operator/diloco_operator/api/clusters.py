@@ -130,6 +130,23 @@ class SyncerTls(Strict):
         return self
 
 
+def check_shards(
+    shards: int, fragments: int, away: bool, exposed: bool, remote: list[bool]
+) -> None:
+    """`syncer.shards` against the fragments and the run's reach; ValueError naming the field.
+    CEL mirrors (crd_rules.py)."""
+    if shards > fragments:
+        raise ValueError(
+            f"syncer.shards: {shards} shards for training.fragments={fragments}; every shard "
+            "holds at least one fragment"
+        )
+    if shards > 1 and (away or exposed or any(remote)):
+        raise ValueError(
+            "syncer.shards: a sharded syncer serves the units of its own cluster only "
+            "(no syncer.expose, syncer.external or remote unit groups)"
+        )
+
+
 def check_cluster_fields(
     external: ExternalSyncer | None,
     expose: SyncerExposure | None,

@@ -63,6 +63,7 @@ _EXPOSED = (
     "self.syncer.expose.type == 'LoadBalancer')"
 )
 
+_SHARDS = _or_default("self.syncer.shards", api.SyncerSpec, "shards")
 _HEARTBEAT = _or_default("self.training.heartbeatSeconds", TrainingConfig, "heartbeat_seconds")
 _OFFLINE = _or_default(
     "self.failurePolicy.offlineAfterSeconds", api.FailurePolicy, "offline_after_seconds"
@@ -136,11 +137,34 @@ RULES: dict[str, list[dict[str, str]]] = {
             "exposed as a LoadBalancer (plain HTTP stays inside the cluster)",
         },
         {
+            "rule": f"{_SHARDS} <= "
+            + _or_default("self.training.fragments", TrainingConfig, "fragments"),
+            "message": "syncer.shards: more shards than training.fragments (every shard holds "
+            "at least one fragment)",
+            "fieldPath": ".syncer.shards",
+        },
+        {
+            "rule": f"{_SHARDS} == 1 || !(({_ANY_REMOTE}) || (has(self.syncer) && "
+            "(has(self.syncer.expose) || has(self.syncer.external))))",
+            "message": "syncer.shards: a sharded syncer serves the units of its own cluster only "
+            "(no syncer.expose, syncer.external or remote unit groups)",
+            "fieldPath": ".syncer.shards",
+        },
+        {
             "rule": "!has(self.chaos) || !has(self.chaos.slowdown) || "
             "self.chaos.slowdown.all(k, has(self.unitGroups) ? "
             "self.unitGroups.exists(g, g.name == k) : k == 'default')",
             "message": "chaos.slowdown: every key must name a unit group of the run",
         },
+    ],
+    "SyncerSpec": [
+        {
+            "rule": "(has(self.shards) ? self.shards : 1) == "
+            "(has(oldSelf.shards) ? oldSelf.shards : 1)",
+            "message": "syncer.shards: immutable once the run exists (each shard's checkpoints "
+            "hold its own fragments); create a new DilocoRun",
+            "fieldPath": ".shards",
+        }
     ],
     "TpuSpec": tpu_rules(),
     "Toleration": [

@@ -6,6 +6,7 @@ from datetime import datetime
 from typing import Literal
 
 from diloco_trainer.config import Strict
+from diloco_trainer.shards import MAX_SHARDS
 from pydantic import Field
 
 from diloco_operator.api.kubesyntax import MAX_UNITS
@@ -97,12 +98,46 @@ class SyncerReach(Strict):
     )
 
 
+# training.fragments' bound (diloco_trainer.config): the most fragments one shard can hold.
+MAX_FRAGMENTS = 4096
+
+
+class FragmentVersion(Strict):
+    """A fragment and the version of it its syncer shard holds."""
+
+    index: int = Field(ge=0, description="The fragment's index (0 .. training.fragments - 1).")
+    version: int = Field(ge=0, description="Merges of this fragment so far.")
+
+
+class SyncerShardStatus(Strict):
+    """One shard of a sharded syncer (spec.syncer.shards > 1), as the operator last saw it."""
+
+    index: int = Field(ge=0, description="The shard's index; shard 0 leads (leases, eval).")
+    name: str = Field(max_length=63, description="Its Deployment, Service and budget.")
+    ready: bool = Field(False, description="Its Deployment has a ready pod.")
+    answering: bool = Field(False, description="Its /v1/status answered the operator's last read.")
+    since: datetime | None = Field(None, description="When it last began (or stopped) answering.")
+    outer_step: int | None = Field(
+        None,
+        description="Sum of its fragments' versions (its merges), as last reported; kept "
+        "while it does not answer.",
+    )
+    fragments: list[FragmentVersion] = Field(
+        default_factory=list,
+        max_length=MAX_FRAGMENTS,
+        description="The fragments it holds and their versions, as last reported.",
+    )
+    message: str | None = Field(
+        None, max_length=1024, description="Why it does not answer, naming its address."
+    )
+
+
 class Condition(Strict):
     """A Kubernetes-style condition (type, status True/False/Unknown, reason, message)."""
 
     type: str = Field(
         description="Ready, Degraded, Progressing, Complete, ChildrenCreated, and with Kueue or "
-        "spec.suspend: Queued, QueueFound, Suspended."
+        "spec.suspend: Queued, QueueFound, Suspended; with syncer.shards > 1: SyncerShards."
     )
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     reason: str = Field(description="Why, as one CamelCase word.")
@@ -154,4 +189,10 @@ class DilocoRunStatus(Strict):
     message: str | None = Field(None, description="Why the run is in its phase, in words.")
     syncer: SyncerReach | None = Field(
         None, description="An away run only: the home syncer as this cluster sees it."
+    )
+    syncer_shards: list[SyncerShardStatus] | None = Field(
+        None,
+        max_length=MAX_SHARDS,
+        description="A sharded syncer only (syncer.shards > 1): each shard, shard 0 first. "
+        "The run's outerStep is their sum while every shard answers.",
     )
