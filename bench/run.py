@@ -19,6 +19,7 @@ from bench.lib.common import FRAGMENTS, REPORT, BenchContext, Section, log
 BENCHES: list[tuple[str, str]] = [
     ("simulator", "bench.faults.simulator"),
     ("syncer", "bench.speed.syncer"),
+    ("sharded_syncer", "bench.speed.sharded_syncer"),
     ("communication", "bench.bytes.communication"),
     ("overhead", "bench.speed.overhead"),
     ("entrypoint", "bench.speed.entrypoint"),
@@ -64,6 +65,7 @@ the same machine; absolute times are context only. Sections: {names}.
 | learner overhead <= 3% | overhead |
 | model entrypoint path costs <= 2% tokens/s vs the built-in path | entrypoint |
 | syncer merge + outer step >= 50% of memory-copy bandwidth at 10M, RDA | syncer |
+| sharded syncer: memory per shard <= 1.1/S of one syncer's, <= 12 bytes per held parameter, the same parameters bit for bit; a shard SIGKILL loses 0 versions | sharded_syncer |
 | pod failure -> Offline <= 2 s, -> replacement <= 5 s beyond backoff; RSS < 300 MiB at 50x16 | operator |
 | a 2,304-host tpu7x unit on KWOK: recreated within 30 s; API requests per pass independent of the pods | huge_units |
 | real pods: learner killed -> replacement training again, median <= 15 s beyond backoff | real_pods |

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 from diloco_trainer.auth import unit_token
@@ -94,31 +94,50 @@ class SyncerProc:
 def syncer(cfg: TrainingConfig, nice: int = 0, log_level: str = "WARNING") -> Iterator[SyncerProc]:
     """Start `diloco-syncer` for `cfg` on 127.0.0.1, wait for /healthz, stop it with SIGTERM. Its
     log is `workdir/syncer.log` (INFO has a line per accepted push)."""
+    with syncer_shards(cfg, 1, nice, log_level) as shards:
+        yield shards[0]
+
+
+@contextmanager
+def syncer_shards(
+    cfg: TrainingConfig, count: int, nice: int = 0, log_level: str = "WARNING"
+) -> Iterator[list[SyncerProc]]:
+    """`count` syncer processes serving the shards of one run (one: the unsharded syncer), in
+    one workdir and checkpoint path, started together and stopped with SIGTERM. Shard i logs to
+    `workdir/syncer.log` (shard 0) or `workdir/syncer-<i>.log`."""
     with tempfile.TemporaryDirectory(prefix="diloco-bench-") as tmp:
         work = Path(tmp)
         config = work / "run.yaml"
         # Not to_wire(): it drops None values, and None is meaningful here (eval.everySeconds:
         # null disables the syncer's evaluation, which would otherwise compete for the CPU).
         config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True)))
-        port = free_port()
-        log_file = (work / "syncer.log").open("wb")
-        cmd = [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(config)]
-        cmd += ["--host", "127.0.0.1", "--port", str(port), "--token", TOKEN]
-        cmd += ["--checkpoint-dir", str(work / "ckpt"), "--log-level", log_level]
+        ports = [free_port() for _ in range(count)]
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        proc = subprocess.Popen(
-            ["nice", "-n", str(nice), *cmd] if nice else cmd,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        url = f"http://127.0.0.1:{port}"
+        started: list[tuple[SyncerProc, Path, IO[bytes]]] = []
         try:
-            _wait_healthy(url, proc, work / "syncer.log")
-            yield SyncerProc(url, proc, work)
+            for index, port in enumerate(ports):
+                log_path = work / ("syncer.log" if index == 0 else f"syncer-{index}.log")
+                cmd = [sys.executable, "-m", "diloco_trainer.syncer.main", "--config", str(config)]
+                cmd += ["--host", "127.0.0.1", "--port", str(port), "--token", TOKEN]
+                cmd += ["--checkpoint-dir", str(work / "ckpt"), "--log-level", log_level]
+                if count > 1:
+                    cmd += ["--shard", f"{index}/{count}", "--peers", ",".join(urls)]
+                log_file = log_path.open("wb")
+                proc = subprocess.Popen(
+                    ["nice", "-n", str(nice), *cmd] if nice else cmd,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
+                started.append((SyncerProc(urls[index], proc, work), log_path, log_file))
+            for shard, log_path, _ in started:
+                _wait_healthy(shard.url, shard.proc, log_path)
+            yield [shard for shard, _, _ in started]
         finally:
-            stop(proc, 30)
-            log_file.close()
+            for shard, _, out in started:
+                stop(shard.proc, 30)
+                out.close()
 
 
 def learner_process(

@@ -116,7 +116,7 @@ def test_two_syncer_kills_due_together_kill_one_process_once(tmp_path: Path) -> 
     procs = ProcessTable()
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     recorder = Recorder(time.time())
-    chaos = FaultDelivery(ChaosScheduler(ChaosSettings()), procs, recorder, [], "syncer")
+    chaos = FaultDelivery(ChaosScheduler(ChaosSettings()), procs, recorder, [], ["syncer"])
     try:
         first = procs.spawn("syncer", sleeper, {}, tmp_path / "s.log")
         now = time.time()

@@ -29,7 +29,8 @@ from diloco_operator.planner.faults import (
 
 class FaultDelivery:
     """Delivers the scheduler's faults to the run's processes: SIGKILL for kills, SIGSTOP and,
-    `pause_seconds` later, SIGCONT for pauses. `syncer` is the syncer's process key."""
+    `pause_seconds` later, SIGCONT for pauses. `syncers`: the process keys of the syncer's
+    shards (one unsharded), killed in turn by `kill-syncer`."""
 
     def __init__(
         self,
@@ -37,13 +38,14 @@ class FaultDelivery:
         procs: ProcessTable,
         recorder: Recorder,
         slots: Sequence[UnitSlot],
-        syncer: str,
+        syncers: Sequence[str],
     ) -> None:
         self.scheduler = scheduler
         self.procs = procs
         self.recorder = recorder
         self.slots = slots
-        self.syncer = syncer
+        self.syncers = list(syncers)
+        self.syncer_kills = 0
         self.killed: set[str] = set()  # units sent SIGKILL and not stopped since
         self.resume_at: dict[str, float] = {}  # paused unit -> wall time of its SIGCONT
         self.killed_syncer: int | None = None  # pid of the syncer process last sent SIGKILL
@@ -75,15 +77,17 @@ class FaultDelivery:
 
     def deliver(self, fault: Fault, now: float) -> None:
         if fault.kind == "kill-syncer":
-            proc = self.procs.get(self.syncer)
+            key = self.syncers[self.syncer_kills % len(self.syncers)]
+            proc = self.procs.get(key)
             # Two kills due in one tick would both reach the one process (not yet dead, let
             # alone replaced) and count as two: the second finds it already killed and is
             # dropped, as a kill is while no syncer runs.
             if proc is None or proc.pid == self.killed_syncer:
                 return
-            if self.procs.signal(self.syncer, signal.SIGKILL):
+            if self.procs.signal(key, signal.SIGKILL):
                 self.killed_syncer = proc.pid
-                self.recorder.event(now, "chaos-kill-syncer", self.syncer, "SIGKILL to the syncer")
+                self.syncer_kills += 1
+                self.recorder.event(now, "chaos-kill-syncer", key, f"SIGKILL to {key}")
             return
         slot = self.slots[fault.unit] if fault.unit is not None else None
         if slot is None:

@@ -43,7 +43,8 @@ from diloco_operator.local.programs import (
 from diloco_operator.local.recorder import Event, Recorder
 from diloco_operator.local.report import write_report
 from diloco_operator.local.spares import SparePool, is_spare
-from diloco_operator.local.syncer_process import STANDBY, SYNCER, SyncerProcess
+from diloco_operator.local.syncer_process import SyncerProcess
+from diloco_operator.local.syncer_shards import SyncerShards
 from diloco_operator.planner import (
     Action,
     CreateSyncer,
@@ -57,6 +58,7 @@ from diloco_operator.planner import (
     plan,
 )
 from diloco_trainer.auth import unit_token
+from diloco_trainer.shards import Shard
 from rich.console import Console
 
 __all__ = ["LocalRuntime", "RunAborted", "RunOptions", "RunResult"]
@@ -118,21 +120,13 @@ class LocalRuntime:
         self.recorder = Recorder(self.started_at, self.report_dir / "events.jsonl")
         if not options.live:
             self.recorder.on_event = self._print_event
-        self.syncer = SyncerProcess(
+        self.syncer = SyncerShards(run.spec.syncer.shards, self._syncer_process)
+        self.chaos = FaultDelivery(
+            ChaosScheduler(options.chaos),
             self.procs,
             self.recorder,
-            argv=options.syncer_argv,
-            config=self.config,
-            checkpoint_dir=self.checkpoint_dir,
-            logs_dir=self.logs_dir,
-            roster={slot.name: slot.group for slot in self.slots},
-            max_restarts=options.max_syncer_restarts,
-            start_timeout=options.syncer_start_timeout,
-            start_limit=options.syncer_start_limit,
-            standby=run.spec.syncer.standby,
-        )
-        self.chaos = FaultDelivery(
-            ChaosScheduler(options.chaos), self.procs, self.recorder, self.slots, SYNCER
+            self.slots,
+            list(self.syncer.keys),
         )
         self.spares = SparePool(
             self.procs,
@@ -154,13 +148,31 @@ class LocalRuntime:
         self.budget_reached_at: float | None = None
         self.final_eval_loss: float | None = None
 
+    def _syncer_process(self, shard: Shard, token: str | None) -> SyncerProcess:
+        options = self.opts
+        return SyncerProcess(
+            self.procs,
+            self.recorder,
+            argv=options.syncer_argv,
+            config=self.config,
+            checkpoint_dir=self.checkpoint_dir,
+            logs_dir=self.logs_dir,
+            roster={slot.name: slot.group for slot in self.slots},
+            max_restarts=options.max_syncer_restarts,
+            start_timeout=options.syncer_start_timeout,
+            start_limit=options.syncer_start_limit,
+            standby=self.run.spec.syncer.standby,
+            shard=shard,
+            token=token,
+        )
+
     # --- process actions ------------------------------------------------------------------
 
     def _learner_env(self) -> dict[str, str]:
         """The env every learner shares; no token: each unit gets its own (`unit_token`), a
         spare its unit's in the identity line."""
         env = child_env(dict(os.environ))
-        env.update({"DILOCO_SYNCER_ADDR": self.syncer.client.base_url})
+        env.update({"DILOCO_SYNCER_ADDR": self.syncer.addresses})
         return env
 
     def _start_unit(self, action: CreateUnit, now: float) -> None:
@@ -233,11 +245,7 @@ class LocalRuntime:
 
     def _poll_processes(self, now: float) -> None:
         for key, code in self.procs.poll().items():
-            if key == SYNCER:
-                self.syncer.exited(code, now)
-                continue
-            if key == STANDBY:
-                self.syncer.standby_exited(code, now)
+            if self.syncer.process_exited(key, code, now):
                 continue
             if is_spare(key):
                 self.spares.exited(key, code, now)
@@ -394,7 +402,7 @@ class LocalRuntime:
             self.recorder,
             lambda: bool(self.signals),
             lambda: screen.show(self.view(time.time())),
-            SYNCER,
+            self.syncer.lead.key,
         )
 
     def shutdown(self) -> None:
@@ -404,8 +412,10 @@ class LocalRuntime:
         spares = self.spares.settle(time.time())
         # Spares die with the units; so does the standby syncer, before the serving one's
         # SIGTERM would hand it the lock.
-        units = [s.name for s in self.slots] + spares + [STANDBY]
-        self.procs.stop_all(grace_seconds=self.opts.stop_grace_seconds, batches=[units, [SYNCER]])
+        units = [s.name for s in self.slots] + spares + list(self.syncer.standby_keys)
+        self.procs.stop_all(
+            grace_seconds=self.opts.stop_grace_seconds, batches=[units, list(self.syncer.keys)]
+        )
         self.spares.close()
         left = self.procs.survivors()
         if left:

@@ -1,0 +1,308 @@
+"""Sharded syncer: memory and merge time per shard for S = 1, 2, 4, the same pushes bit for bit,
+and a shard SIGKILL in a local run.
+
+Part 1: one model of a few hundred million parameters (tens of millions with --quick) served by S
+syncer processes (`--shard i/S`). Two learners (the bench's clients) push every fragment in turn,
+one after the other, with quorum 2, so every configuration merges exactly the same contributions
+in the same order; after the rounds the model is pulled back and hashed: the hashes must agree.
+Memory is each serving process's resident set (VmRSS) and its peak (VmHWM); the process's fixed
+part (Python, JAX, aiohttp) is a syncer of a two-parameter-tensor model started the same way, and
+bytes per held parameter = (RSS - that baseline) / parameters the shard holds. Merge time is what
+the shards log per merge (`event=merged ... seconds=`), summed per round per shard; the round's
+merge time is the busiest shard's (the shards merge at the same time, in separate processes).
+
+Part 2: a local run (`diloco local run`, real learner processes) with `syncer.shards: 2` and a
+warm standby per shard; the chaos schedule SIGKILLs the serving syncer twice (kills alternate
+over the shards: shard 0, then shard 1). Counted from the logs: versions lost
+(`event=versions_lost`), and for every kill the versions the killed process had merged against
+those its standby took over with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from diloco_trainer.auth import unit_token
+from diloco_trainer.config import TrainingConfig
+from diloco_trainer.fragments import fragment_sizes, pack_fragments
+from diloco_trainer.learner.client import SyncerClient
+from diloco_trainer.learner.shard_client import ShardedClient
+from diloco_trainer.learner.syncer_api import SyncerApi
+from diloco_trainer.models.gpt import param_shapes
+from diloco_trainer.shards import shard_owners
+
+from bench.faults.goodput_real import manifest as goodput_manifest
+from bench.lib.common import BenchContext, Section, log, md_table
+from bench.lib.live import TOKEN, local_run, read_events, read_summary, syncer_shards
+from bench.lib.syncer_logs import fields, syncer_log_events
+
+SHARDS = (1, 2, 4)
+LEARNERS = 2
+FRAGMENTS = 8
+_MERGED = re.compile(r"event=merged fragment=(\d+) version=(\d+) .*?seconds=(\S+)")
+
+
+def training(quick: bool, tiny: bool = False) -> TrainingConfig:
+    if tiny:
+        model = {"preset": "tiny", "dModel": 8, "nLayers": 1, "nHeads": 1, "seqLen": 8}
+    elif quick:
+        model = {"preset": "small", "dModel": 512, "nLayers": 8, "nHeads": 8, "seqLen": 256}
+    else:
+        model = {"preset": "small", "dModel": 1280, "nLayers": 12, "nHeads": 10, "seqLen": 256}
+    return TrainingConfig.model_validate(
+        {
+            "model": model,
+            "fragments": FRAGMENTS,
+            "quorum": LEARNERS,
+            "maxStaleness": 4,
+            "grace": {"mode": "none", "maxSeconds": 60},
+            "totalSteps": 10**9,
+            "eval": {"everySeconds": None},
+            "checkpoint": {"everySeconds": 3600},
+        }
+    )
+
+
+@dataclass
+class ShardRow:
+    shards: int
+    index: int
+    held: int  # parameters
+    rss: int
+    peak: int
+    merge_s: float  # this shard's merge seconds per round (median over rounds)
+
+
+def memory(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of a process, bytes."""
+    found = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    return tuple(int(found[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))  # type: ignore[return-value]
+
+
+def baseline_rss() -> int:
+    """A syncer process's resident set without a model to speak of."""
+    with syncer_shards(training(False, tiny=True), 1) as (proc,):
+        time.sleep(1.0)
+        return memory(proc.proc.pid)[0]
+
+
+def clients(urls: list[str]) -> list[SyncerApi]:
+    out: list[SyncerApi] = []
+    for m in range(LEARNERS):
+        unit = f"bench-{m}"
+        per_shard = [SyncerClient(url, unit_token(TOKEN, unit), unit, 0) for url in urls]
+        out.append(per_shard[0] if len(urls) == 1 else ShardedClient(per_shard))
+    return out
+
+
+def delta(shapes: dict[str, tuple[int, ...]], names: list[str], seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(shapes[n], dtype=np.float32) * 1e-3 for n in names}
+
+
+def one_config(cfg: TrainingConfig, count: int, rounds: int) -> tuple[list[ShardRow], str]:
+    shapes = param_shapes(cfg.model)
+    layout = pack_fragments(shapes, cfg.fragments)
+    owners = shard_owners(fragment_sizes(shapes, layout), count)
+    with syncer_shards(cfg, count, log_level="INFO") as procs:
+        learners = clients([p.url for p in procs])
+        for learner in learners:
+            learner.join()
+        for r in range(rounds):
+            for p, names in enumerate(layout):
+                for m, learner in enumerate(learners):  # one after the other: a fixed order
+                    learner.push(p, r, delta(shapes, names, (r * 1000 + p) * 10 + m), 8, 8 * 256)
+            for p in range(len(layout)):  # every fragment's round merged before the next
+                got = learners[0].poll(p, r, 60.0)
+                if got is None or got[0] != r + 1:
+                    raise RuntimeError(f"fragment {p} round {r}: no merge within 60 s ({got})")
+        params, versions = learners[0].pull_all()
+        digest = hashlib.sha256()
+        for name in sorted(params):
+            digest.update(np.ascontiguousarray(params[name]).tobytes())
+        assert versions == [rounds] * len(layout), versions
+        rows = []
+        for index, proc in enumerate(procs):
+            rss, peak = memory(proc.proc.pid)
+            log_name = "syncer.log" if index == 0 else f"syncer-{index}.log"
+            seconds: dict[int, float] = {}
+            for _, version, secs in _MERGED.findall((proc.workdir / log_name).read_text()):
+                seconds[int(version)] = seconds.get(int(version), 0.0) + float(secs)
+            held = sum(
+                int(np.prod(shapes[n]))
+                for p, names in enumerate(layout)
+                if owners[p] == index
+                for n in names
+            )
+            per_round = sorted(seconds.values())
+            merge = per_round[len(per_round) // 2] if per_round else float("nan")
+            rows.append(ShardRow(count, index, held, rss, peak, merge))
+        for learner in learners:
+            learner.close()
+    return rows, digest.hexdigest()
+
+
+def kill_run(quick: bool) -> dict[str, Any]:
+    doc = goodput_manifest(3_000_000 if quick else 6_000_000, None)
+    doc["metadata"]["name"] = "bench-shards"
+    spec = doc["spec"]
+    spec["syncer"] = {"shards": 2, "standby": True}
+    spec["training"]["fragments"] = 4
+    spec["training"]["checkpoint"] = {"everySeconds": 600}  # the journal alone keeps versions
+    spec["chaos"] = {
+        "seed": 0,
+        "schedule": [
+            {"atSeconds": 40, "action": "killSyncer"},
+            {"atSeconds": 70, "action": "killSyncer"},
+        ],
+    }
+    with local_run(doc, 900, 0, True) as (report, code):
+        summary = read_summary(report)
+        kills = [e for e in read_events(report) if e["kind"] == "chaos-kill-syncer"]
+        lines = syncer_log_events(report / "logs")
+        lost = sum(1 for _, ev, _, _ in lines if ev == "versions_lost")
+        checks = []
+        for kill in kills:
+            key, at = kill["unit"], float(kill["time"])
+            # The shard's serving syncer and standbys: `<key>.log`, `<key>-standby-<n>.log`.
+            mine = re.compile(rf"^{re.escape(key)}(-standby-\d+)?\.log$")
+            merged_before: dict[int, int] = {}
+            for t, ev, rest, name in lines:
+                if ev == "merged" and t <= at and mine.match(name):
+                    f = fields(rest)
+                    frag, version = int(f["fragment"]), int(f["version"])
+                    merged_before[frag] = max(merged_before.get(frag, 0), version)
+            took = next(
+                (
+                    rest
+                    for t, ev, rest, name in lines
+                    if ev == "took_over" and t > at and mine.match(name)
+                ),
+                "",
+            )
+            m = re.search(r"versions=\[([\d, ]+)\]", took)
+            taken = [int(v) for v in m.group(1).split(",")] if m else []
+            kept = bool(taken) and all(
+                v <= taken[f] <= v + 1 for f, v in merged_before.items() if f < len(taken)
+            )
+            checks.append({"shard": key, "merged": merged_before, "taken": taken, "kept": kept})
+    return {"summary": summary, "exit": code, "lost": lost, "kills": checks}
+
+
+def run(ctx: BenchContext) -> Section:
+    rounds = 2 if ctx.quick else 3
+    cfg = training(ctx.quick)
+    base = baseline_rss()
+    rows: list[ShardRow] = []
+    digests: dict[int, str] = {}
+    for count in SHARDS:
+        got, digests[count] = one_config(cfg, count, rounds)
+        rows += got
+        log(f"sharded_syncer S={count}: {[(r.rss >> 20, r.merge_s) for r in got]}")
+    total = sum(r.held for r in rows if r.shards == 1)
+    whole = next(r for r in rows if r.shards == 1)
+    table_rows = []
+    met_memory, met_bytes = True, True
+    for r in rows:
+        state = r.rss - base
+        share = state / (whole.rss - base)
+        per_param = state / r.held
+        # 1.1/S of the unsharded syncer, for the share of the parameters this shard holds (the
+        # fragments are whole tensors: a shard may hold a little more or less than 1/S).
+        met_memory = met_memory and share <= 1.1 * r.held / total
+        met_bytes = met_bytes and per_param <= 12.0
+        table_rows.append(
+            (
+                f"S={r.shards}",
+                str(r.index),
+                f"{r.held / 1e6:.1f}M",
+                f"{r.rss / 2**20:,.0f} MiB",
+                f"{r.peak / 2**20:,.0f} MiB",
+                f"{state / 2**20:,.0f} MiB",
+                f"{share:.2f}",
+                f"{per_param:.1f}",
+                f"{r.merge_s * 1e3:.0f} ms",
+            )
+        )
+    busiest = {s: max(r.merge_s for r in rows if r.shards == s) for s in SHARDS}
+    identical = len(set(digests.values())) == 1
+    table = md_table(
+        [
+            "shards",
+            "shard",
+            "params held",
+            "RSS",
+            "peak RSS",
+            "RSS - baseline",
+            "of S=1's",
+            "bytes / held param",
+            "merge s / round",
+        ],
+        table_rows,
+    )
+    kill = kill_run(ctx.quick)
+    kill_rows = [
+        (
+            k["shard"],
+            str(k["merged"]),
+            str(k["taken"]),
+            "yes" if k["kept"] else "**no**",
+        )
+        for k in kill["kills"]
+    ]
+    kill_table = md_table(
+        ["killed", "versions it had merged", "its standby took over with", "every version kept"],
+        kill_rows,
+    )
+    summary = kill["summary"]
+    kills_met = (
+        kill["lost"] == 0 and all(k["kept"] for k in kill["kills"]) and summary.get("complete")
+    )
+    body = f"""
+Model: {total / 1e6:.0f}M parameters in P={FRAGMENTS} fragments (dModel {cfg.model.width},
+nLayers {cfg.model.depth}), {LEARNERS} learners pushing every fragment {rounds} times (quorum
+{LEARNERS}, so every configuration merges the same contributions in the same order). Baseline
+(a syncer process with a model of a few hundred parameters): {base / 2**20:,.0f} MiB.
+
+{table}
+
+Busiest shard's merge time per round: {", ".join(f"S={s}: {busiest[s] * 1e3:.0f} ms" for s in SHARDS)}
+(this machine has 2 cores: beyond S=2 the shards take turns on them).
+Parameters after the same pushes, hashed: {"**identical** for S = 1, 2, 4" if identical else "**DIFFERENT**: " + str(digests)}.
+
+Targets: memory per shard (above the process baseline) <= 1.1/S of the unsharded syncer's, for
+its share of the parameters: **{"met" if met_memory else "not met"}**; <= 12 bytes per held
+parameter: **{"met" if met_bytes else "not met"}**; bit-for-bit the same parameters:
+**{"met" if identical else "not met"}**.
+
+What a shard holds per parameter: the float32 value (4 bytes), the outer Nesterov momentum
+(4 bytes), and, after a download, the encoded payload it keeps for the next long-poll of the
+fragment (4 bytes, `FragmentState.encoded`); pushes in flight add 4 bytes per parameter per
+pending push until their merge. The resident set of the peak column includes the decode of the
+two learners' pushes of one fragment at a time.
+
+Shard SIGKILL in a local run ({summary.get("tokens", 0):,} tokens, two kills, shards=2, a warm
+standby each, checkpoints every 10 minutes so only the journal keeps versions):
+
+{kill_table}
+
+`event=versions_lost` lines: {kill["lost"]}. Run complete: {summary.get("complete")}, final loss
+{summary.get("finalEvalLoss")}, goodput {summary.get("goodput")}. Target: 0 versions lost over a
+shard SIGKILL: **{"met" if kills_met else "not met"}**.
+"""
+    return Section(
+        name="sharded_syncer",
+        title="Sharded syncer: memory and merge time per shard, a shard SIGKILL",
+        body=body,
+        command=ctx.command,
+        config=f"S in {SHARDS}, {total / 1e6:.0f}M parameters, P={FRAGMENTS}, {rounds} rounds",
+        quick=ctx.quick,
+    )
