@@ -14,6 +14,7 @@ from aiohttp import web
 from diloco_operator.k8s import handlers, kube, state, syncer_calls
 from diloco_operator.k8s.main import parse_args
 from diloco_operator.k8s.observe import job_view, node_ready, observe_unit, pod_view
+from diloco_operator.k8s.syncer_shards import SyncerDeployment
 from diloco_trainer.auth import unit_token
 
 T = "2026-01-01T00:00:00Z"
@@ -318,7 +319,7 @@ def test_one_pass_creates_children_then_writes_status_once(monkeypatch: pytest.M
     indexes2 = {
         **indexes,
         "learner_jobs": jobs,
-        "syncer_deployments": {("ns", "r"): Store([(False, 1)])},
+        "syncer_deployments": {("ns", "r"): Store([SyncerDeployment(False, 1)])},
     }
     created.clear()
     plan2, _ = asyncio.run(handlers.reconcile_once("r", "ns", "uid", body, status, indexes2))

@@ -76,7 +76,9 @@ async def suspend_unit(p: Pass, action: SuspendUnit) -> None:
 
 
 async def scale_syncer(p: Pass, action: ScaleSyncer) -> None:
-    await kube.scale_deployment(p.run.namespace, p.run.syncer_name, action.replicas)
+    # Every shard: a suspended run keeps no syncer process, a resumed one needs all of them.
+    for name in p.run.shard_names:
+        await kube.scale_deployment(p.run.namespace, name, action.replicas)
     ACTIONS.labels("scale_syncer", str(action.replicas)).inc()
 
 

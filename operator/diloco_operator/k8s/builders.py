@@ -2,8 +2,9 @@
 `kubernetes` package's models).
 
 Per learner unit: a headless Service (the pods' DNS subdomain) and an Indexed Job with one pod
-per TPU host. Per run: the syncer Deployment + Service + PodDisruptionBudget, the bearer-token
-Secret, the ConfigMap holding the config file both programs read, and the checkpoint PVC.
+per TPU host. Per run: the bearer-token Secret, the ConfigMap holding the config file both
+programs read, and per syncer shard (one unless `syncer.shards`; syncer_shards.py) a Deployment +
+Service + PodDisruptionBudget and the checkpoint PVC.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from diloco_operator.k8s.run_secrets import (
     unit_token_secret,
 )
 from diloco_operator.k8s.syncer_disruption import disruption_budget, keep_on_its_node
+from diloco_operator.k8s.syncer_shards import lock_dir, shard_env, shard_labels
 from diloco_operator.k8s.syncer_standby import STANDBY, add_standby, lock_env
 from diloco_operator.planner import CreateUnit
 from diloco_operator.planner.placement import roster_document
@@ -90,8 +92,9 @@ def config_map(run: Run) -> dict[str, Any]:
     }
 
 
-def checkpoint_claim(run: Run) -> dict[str, Any] | None:
-    """The PVC the operator creates, or None (bucket, ephemeral, or a user-provided claim).
+def checkpoint_claim(run: Run, shard: int = 0) -> dict[str, Any] | None:
+    """The PVC the operator creates for syncer shard `shard`, or None (bucket, ephemeral, or a
+    user-provided claim, which every shard shares).
 
     Not owned by the run unless retentionPolicy is Delete: `training` is immutable, so changing
     it means deleting and re-creating the run, which must not take its checkpoints along."""
@@ -104,7 +107,7 @@ def checkpoint_claim(run: Run) -> dict[str, Any] | None:
     }
     if ckpt.storage_class:
         spec["storageClassName"] = ckpt.storage_class
-    meta = child_meta(run, run.checkpoint_claim, SYNCER)
+    meta = child_meta(run, run.shard_claim(shard), SYNCER, **shard_labels(run, shard))
     if ckpt.retention_policy == "Retain":
         del meta["ownerReferences"]
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
@@ -118,7 +121,7 @@ def _config_mount() -> dict[str, Any]:
     return {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}
 
 
-def _syncer_volumes(run: Run) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _syncer_volumes(run: Run, shard: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The syncer's config and, unless it checkpoints to a bucket, its checkpoint volume."""
     ckpt = run.spec.syncer.checkpoint
     volumes = [_config_volume(run)]
@@ -129,14 +132,14 @@ def _syncer_volumes(run: Run) -> tuple[list[dict[str, Any]], list[dict[str, Any]
             if ckpt.ephemeral
             else {
                 "name": "checkpoints",
-                "persistentVolumeClaim": {"claimName": run.checkpoint_claim},
+                "persistentVolumeClaim": {"claimName": run.shard_claim(shard)},
             }
         )
         mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT})
     return volumes, mounts
 
 
-def syncer_deployment(run: Run) -> dict[str, Any]:
+def syncer_deployment(run: Run, shard: int = 0) -> dict[str, Any]:
     spec = run.spec
     ckpt = spec.syncer.checkpoint
     port = spec.syncer.port
@@ -148,14 +151,15 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
             "name": "DILOCO_CHECKPOINT_PATH",
             "value": ckpt.path if ckpt.is_bucket else CHECKPOINT_MOUNT,
         },
+        *shard_env(run, shard),
     ]
-    volumes, mounts = _syncer_volumes(run)
+    volumes, mounts = _syncer_volumes(run, shard)
     # Readiness is /readyz: a syncer that cannot merge or persist shows NotReady (and the run's
     # Ready condition says SyncerNotReady) while its Service keeps sending it pushes and polls;
     # liveness stays /healthz, so a full disk does not restart it and lose what it holds.
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 5}
     readiness = {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5}
-    pod_labels = labels(run, SYNCER)
+    pod_labels = labels(run, SYNCER, **shard_labels(run, shard))
     pod_spec: dict[str, Any] = {
         "containers": [
             {
@@ -183,7 +187,8 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
         pod_spec["tolerations"] = [t.to_wire() for t in spec.syncer.tolerations]
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
-    env.extend(lock_env(CHECKPOINT_MOUNT if ckpt.on_claim else None, spec.syncer.standby))
+    claim_lock = lock_dir(run, shard, CHECKPOINT_MOUNT) if ckpt.on_claim else None
+    env.extend(lock_env(claim_lock, spec.syncer.standby))
     secure_pod(pod_spec, run.token_secret)
     template = apply_template(
         {"metadata": {"labels": pod_labels}, "spec": pod_spec}, spec.syncer.template
@@ -195,39 +200,43 @@ def syncer_deployment(run: Run) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": child_meta(run, run.syncer_name, SYNCER),
+        "metadata": _shard_meta(run, shard),
         "spec": {
             "replicas": 1,
             # A rollout stops the old pod before it starts the new one; a pod deleted or evicted
             # is replaced at once, and the serving lock on the claim (syncer_standby) keeps the
             # new pod's syncer waiting until the old one has exited.
             "strategy": {"type": "Recreate"},
-            "selector": {"matchLabels": _syncer_selector(run)},
+            "selector": {"matchLabels": _syncer_selector(run, shard)},
             "template": template,
         },
     }
 
 
-def _syncer_selector(run: Run) -> dict[str, str]:
-    return {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER}
+def _syncer_selector(run: Run, shard: int) -> dict[str, str]:
+    return {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER, **shard_labels(run, shard)}
 
 
-def syncer_disruption_budget(run: Run) -> dict[str, Any]:
+def _shard_meta(run: Run, shard: int) -> dict[str, Any]:
+    return child_meta(run, run.shard_name(shard), SYNCER, **shard_labels(run, shard))
+
+
+def syncer_disruption_budget(run: Run, shard: int = 0) -> dict[str, Any]:
     """The syncer pod's PodDisruptionBudget (syncer_disruption.py): no eviction moves it."""
-    return disruption_budget(child_meta(run, run.syncer_name, SYNCER), _syncer_selector(run))
+    return disruption_budget(_shard_meta(run, shard), _syncer_selector(run, shard))
 
 
-def syncer_service(run: Run) -> dict[str, Any]:
-    return expose(_syncer_service(run), run)
+def syncer_service(run: Run, shard: int = 0) -> dict[str, Any]:
+    return expose(_syncer_service(run, shard), run)
 
 
-def _syncer_service(run: Run) -> dict[str, Any]:
+def _syncer_service(run: Run, shard: int) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": child_meta(run, run.syncer_name, SYNCER),
+        "metadata": _shard_meta(run, shard),
         "spec": {
-            "selector": {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER},
+            "selector": _syncer_selector(run, shard),
             "ports": [{"name": "http", "port": run.spec.syncer.port, "targetPort": "http"}],
             # an unready syncer (cannot merge or persist) still takes pushes it can keep
             "publishNotReadyAddresses": True,
@@ -346,14 +355,17 @@ def unit_job(
 
 
 def run_objects(run: Run, token: str | None = None) -> list[dict[str, Any]]:
-    """Every per-run object (not the units), in creation order."""
+    """Every per-run object (not the units), in creation order: each kind for every syncer
+    shard before the next kind, so all the Services resolve before any syncer starts (shard 0
+    evaluates with the others' fragments)."""
     tls = syncer_tls_secret(run)
     objs = [token_secret(run, token), config_map(run), *([tls] if tls else [])]
-    claim = checkpoint_claim(run)
-    if claim is not None:
-        objs.append(claim)
-    # The budget before the Deployment: the syncer pod is never without it.
-    objs += [syncer_service(run), syncer_disruption_budget(run), syncer_deployment(run)]
+    shards = range(run.shards)
+    objs += [c for c in (checkpoint_claim(run, i) for i in shards) if c is not None]
+    objs += [syncer_service(run, i) for i in shards]
+    # The budgets before the Deployments: a syncer pod is never without its budget.
+    objs += [syncer_disruption_budget(run, i) for i in shards]
+    objs += [syncer_deployment(run, i) for i in shards]
     return objs
 
 

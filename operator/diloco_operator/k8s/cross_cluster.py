@@ -63,12 +63,15 @@ def add_syncer_tls(template: dict[str, Any], run: Run, containers: tuple[str, ..
     if tls is None:
         return
     spec = template["spec"]
+    # Shards also verify each other (shard 0 reads its peers' fragments): with the run's CA.
+    sharded = run.spec.syncer.shards > 1
+    keys = (TLS_CERT, TLS_KEY, CA_KEY) if sharded else (TLS_CERT, TLS_KEY)
     spec["volumes"].append(
         {
             "name": "syncer-tls",
             "secret": {
                 "secretName": tls.secret(run.name),
-                "items": [{"key": k, "path": k} for k in (TLS_CERT, TLS_KEY)],
+                "items": [{"key": k, "path": k} for k in keys],
             },
         }
     )
@@ -82,6 +85,8 @@ def add_syncer_tls(template: dict[str, Any], run: Run, containers: tuple[str, ..
             {"name": "DILOCO_TLS_CERT", "value": f"{TLS_DIR}/{TLS_CERT}"},
             {"name": "DILOCO_TLS_KEY", "value": f"{TLS_DIR}/{TLS_KEY}"},
         ]
+        if sharded:
+            container["env"].append({"name": "DILOCO_CA_FILE", "value": f"{TLS_DIR}/{CA_KEY}"})
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             if probe in container:
                 container[probe]["httpGet"]["scheme"] = "HTTPS"

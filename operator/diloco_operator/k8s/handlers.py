@@ -56,8 +56,10 @@ from diloco_operator.k8s.observe import (
     pod_view,
 )
 from diloco_operator.k8s.refusals import report_refusals
+from diloco_operator.k8s.shard_status import gathered_report, report_shards
 from diloco_operator.k8s.state import STATE, intent_changed, wake
-from diloco_operator.k8s.syncer_calls import hand_roster, syncer_report
+from diloco_operator.k8s.syncer_calls import hand_rosters, read_shards
+from diloco_operator.k8s.syncer_shards import SyncerDeployment, observed_syncer, shard_of
 from diloco_operator.planner import ObservedSyncer, Plan, fault_targets, plan
 
 log = logging.getLogger("diloco_operator")
@@ -157,7 +159,8 @@ def syncer_deployments(
     wake(namespace, labels.get(LABEL_RUN))
     ready = int(status.get("readyReplicas") or 0) > 0
     replicas = spec.get("replicas")
-    return {(namespace or "", labels[LABEL_RUN]): (ready, 1 if replicas is None else replicas)}
+    seen = SyncerDeployment(ready, 1 if replicas is None else replicas, shard_of(labels))
+    return {(namespace or "", labels[LABEL_RUN]): seen}
 
 
 @kopf.index("", "v1", "nodes")
@@ -233,19 +236,18 @@ async def reconcile_once(
     meta = body.get("metadata") or {}
     run = builders.Run(name, namespace, uid, spec, meta.get("labels"))
     key = (namespace, name)
-    syncers = list(indexes["syncer_deployments"].get(key, []))
-    syncer = ObservedSyncer(
-        present=bool(syncers),
-        ready=any(ready for ready, _ in syncers),
-        replicas=syncers[0][1] if syncers else None,
-    )
-    report = await syncer_report(run) if syncer.present or spec.away else None
+    deployments: list[SyncerDeployment] = list(indexes["syncer_deployments"].get(key, []))
+    syncer = observed_syncer(run, deployments)
+    # Every shard's status (one read for an unsharded syncer), gathered into the run's one
+    # report for the planner (k8s/shard_status.py).
+    reads = await read_shards(run) if deployments or spec.away else []
+    report = gathered_report(run, reads)
     if spec.away:  # the home syncer: there when it answers
         syncer = ObservedSyncer(present=True, ready=report is not None)
         report = heard_since_the_link_returned(report, STATE.reach.get(key), time.time())
     generation = body.get("metadata", {}).get("generation")
     if isinstance(generation, int):
-        await hand_roster(run, report, generation)
+        await hand_rosters(run, reads, generation)
     status = last
     if status is None and body.get("status"):
         try:
@@ -265,6 +267,7 @@ async def reconcile_once(
     refused = await apply(run, the_plan, body)
     new = report_refusals(the_plan.status, status, refused, body, generation)
     new = await queue_status.report_queue(run, new, status, body, generation)
+    new = report_shards(run, new, status, deployments, reads, body, generation, time.time())
     if spec.away:
         new = away_status(new, STATE.reach.get(key), report, now=time.time())
     new = in_place.with_condition(

@@ -1,7 +1,8 @@
 """The optional per-run NetworkPolicy (`--syncer-network-policy`): only the run's learner pods,
-the operator and, for a syncer exposed to other clusters, the away clusters' ranges reach the
-run's syncer; everything else in the cluster is refused at the network. Pure functions, like
-builders."""
+the operator, a sharded syncer's shard 0 and, for a syncer exposed to other clusters, the away
+clusters' ranges reach the run's syncer; everything else in the cluster is refused at the
+network. One policy covers every shard (its pods share the run's syncer labels). Pure
+functions, like builders."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from diloco_operator.api import LABEL_COMPONENT, LABEL_RUN
 from diloco_operator.k8s.builders import LEARNER, SYNCER, Run, run_objects
 from diloco_operator.k8s.object_meta import child_meta
+from diloco_operator.k8s.syncer_shards import shard_labels
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
@@ -44,6 +46,7 @@ def syncer_network_policy(run: Run, operator: OperatorIdentity) -> dict[str, Any
                             },
                             "podSelector": {"matchLabels": dict(operator.pod_labels)},
                         },
+                        *_from_shard_zero(run),
                     ],
                     "ports": [{"protocol": "TCP", "port": run.spec.syncer.port}],
                 },
@@ -51,6 +54,15 @@ def syncer_network_policy(run: Run, operator: OperatorIdentity) -> dict[str, Any
             ],
         },
     }
+
+
+def _from_shard_zero(run: Run) -> list[dict[str, Any]]:
+    """A sharded syncer's shard 0 reads the other shards' fragments (`GET /v1/params`, with the
+    run token) to evaluate the whole model; no other shard calls another."""
+    if run.shards == 1:
+        return []
+    lead = {LABEL_RUN: run.name, LABEL_COMPONENT: SYNCER, **shard_labels(run, 0)}
+    return [{"podSelector": {"matchLabels": lead}}]
 
 
 def _from_other_clusters(run: Run) -> list[dict[str, Any]]:

@@ -36,12 +36,15 @@ def token_secret(run: Run, token: str | None = None) -> dict[str, Any]:
 def syncer_tls_secret(run: Run) -> dict[str, Any] | None:
     """The syncer's certificate Secret when the operator makes it (`syncer.tls` without
     `secretName`): signed by a private CA of the run's own (private_ca.py), naming the Service
-    and `syncer.tls.dnsNames` / `ipAddresses`. Created once (a conflict keeps the existing)."""
+    (every shard's, one certificate for all) and `syncer.tls.dnsNames` / `ipAddresses`.
+    Created once (a conflict keeps the existing)."""
     tls = run.spec.syncer.tls
     if tls is None or not tls.operator_made:
         return None
-    service = f"{run.syncer_name}.{run.namespace}"
-    names = [run.syncer_name, service, f"{service}.svc", f"{service}.svc.cluster.local"]
+    names = []
+    for name in run.shard_names:
+        service = f"{name}.{run.namespace}"
+        names += [name, service, f"{service}.svc", f"{service}.svc.cluster.local"]
     pem = private_ca.syncer_certificate(
         run.name,
         names + list(tls.dns_names or []),

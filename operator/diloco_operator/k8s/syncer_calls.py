@@ -1,5 +1,7 @@
 """The operator's requests to a run's syncer: its status (each pass), and the unit roster it
-admits by (when the spec's units change: trainer's syncer/roster.py).
+admits by (when the spec's units change: trainer's syncer/roster.py). A sharded syncer is asked
+shard by shard: every shard reports its own fragments and takes the roster (shard_status.py
+gathers the answers).
 
 At home the operator speaks with the run secret, over HTTPS verified with the certificate
 Secret's CA when the syncer serves TLS. An away run's operator holds no run secret: it reads the
@@ -9,12 +11,13 @@ address) for the run's status."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 import ssl
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import aiohttp
 from diloco_trainer import attempts
@@ -37,12 +40,12 @@ from diloco_operator.planner.placement import roster_document
 log = logging.getLogger("diloco_operator")
 
 
-def syncer_url(run: builders.Run) -> str:
+def syncer_url(run: builders.Run, shard: int = 0) -> str:
     external = run.spec.syncer.external
     if external is not None:
         return external.address
     url = STATE.options.syncer_url.format(
-        name=run.syncer_name, namespace=run.namespace, port=run.spec.syncer.port
+        name=run.shard_name(shard), namespace=run.namespace, port=run.spec.syncer.port
     )
     if run.spec.syncer.tls is not None and url.startswith("http://"):
         url = "https://" + url.removeprefix("http://")
@@ -95,15 +98,39 @@ def _headers(run: builders.Run, token: str) -> dict[str, str]:
     }
 
 
+@dataclass(frozen=True)
+class ShardRead:
+    """One syncer shard's `GET /v1/status` this pass: its document, or why there is none."""
+
+    shard: int
+    url: str
+    report: SyncerStatus | None
+    error: str | None = None
+    reason: str = "Reachable"  # as Reach.reason (k8s/away.py)
+
+
 async def syncer_report(run: builders.Run) -> SyncerStatus | None:
-    """GET /v1/status of the run's syncer; None when unreachable (the run keeps reconciling).
-    What happened is kept in STATE.reach for the run's status."""
-    url = syncer_url(run)
+    """GET /v1/status of the run's syncer (shard 0 of a sharded one); None when unreachable
+    (the run keeps reconciling). What happened is kept in STATE.reach for the run's status."""
+    return (await read_shards(run, only_lead=True))[0].report
+
+
+async def read_shards(run: builders.Run, only_lead: bool = False) -> list[ShardRead]:
+    """Every shard's status, shard 0 first, read at once (one slow shard delays the pass by
+    one timeout, not one per shard). Shard 0's read is the run's in STATE.reach."""
+    count = 1 if only_lead else run.shards
+    reads = list(await asyncio.gather(*(_read(run, i) for i in range(count))))
+    lead = reads[0]
+    _saw(run, lead.url, lead.error, lead.reason)
+    return reads
+
+
+async def _read(run: builders.Run, shard: int) -> ShardRead:
+    url = syncer_url(run, shard)
     token = await read_run_token(run)
     if token is None or STATE.http is None:
         why = "no credential yet" if token is None else "operator starting"
-        _saw(run, url, why, "Unreachable")
-        return None
+        return ShardRead(shard, url, None, why, "Unreachable")
     try:
         trust = await _trust(run)
         async with STATE.http.get(
@@ -112,20 +139,17 @@ async def syncer_report(run: builders.Run) -> SyncerStatus | None:
             if resp.status != 200:
                 text = await resp.text()
                 why = f"HTTP {resp.status}: {text[:300]}"
-                log.debug("syncer status run=%s %s", run.name, why)
-                _saw(run, url, why, refusal_reason(_reason_code(text)))
+                log.debug("syncer status run=%s shard=%d %s", run.name, shard, why)
                 if run.spec.syncer.external is not None and resp.status in (401, 403):
                     # a refused join credential may have been replaced in its Secret since:
                     # read it again next pass (units created from then on use the new one)
                     STATE.tokens.pop((run.namespace, run.name), None)
-                return None
+                return ShardRead(shard, url, None, why, refusal_reason(_reason_code(text)))
             report = pod_attempts(SyncerStatus.from_json(await resp.json()))
     except (aiohttp.ClientError, TimeoutError, ValueError, ssl.SSLError) as exc:
-        log.debug("syncer unreachable run=%s error=%r", run.name, exc)
-        _saw(run, url, f"{type(exc).__name__}: {exc}", error_reason(exc))
-        return None
-    _saw(run, url, None, "Reachable")
-    return report
+        log.debug("syncer unreachable run=%s shard=%d error=%r", run.name, shard, exc)
+        return ShardRead(shard, url, None, f"{type(exc).__name__}: {exc}", error_reason(exc))
+    return ShardRead(shard, url, report)
 
 
 def pod_attempts(report: SyncerStatus) -> SyncerStatus:
@@ -159,7 +183,16 @@ def _saw(run: builders.Run, url: str, error: str | None, reason: str) -> None:
     STATE.reach[key] = Reach(url, error is None, contact, message, reason, since)
 
 
-async def hand_roster(run: builders.Run, report: SyncerStatus | None, generation: int) -> bool:
+async def hand_rosters(run: builders.Run, reads: list[ShardRead], generation: int) -> bool:
+    """The roster to every shard that answered (each admits the units on its own); True when
+    every shard holds this generation's roster afterwards."""
+    handed = await asyncio.gather(*(hand_roster(run, r.report, generation, r.shard) for r in reads))
+    return len(handed) == run.shards and all(handed)
+
+
+async def hand_roster(
+    run: builders.Run, report: SyncerStatus | None, generation: int, shard: int = 0
+) -> bool:
     """PUT the spec's roster when the syncer's is older (or it has none); True when the syncer
     holds this generation's roster afterwards. A syncer that cannot be reached is asked again
     next pass; its checkpoint keeps the roster it took. Only the home run hands it over."""
@@ -173,16 +206,23 @@ async def hand_roster(run: builders.Run, report: SyncerStatus | None, generation
     try:
         trust = await _trust(run)
         async with STATE.http.put(
-            f"{syncer_url(run)}/v1/units",
+            f"{syncer_url(run, shard)}/v1/units",
             json=roster_document(run.name, run.spec, generation),
             headers=_headers(run, token),
             ssl=trust if trust else True,
         ) as resp:
             if resp.status != 200:
-                log.info("roster run=%s http=%s body=%s", run.name, resp.status, await resp.text())
+                body = await resp.text()
+                log.info(
+                    "roster run=%s shard=%d http=%s body=%s", run.name, shard, resp.status, body
+                )
                 return False
             log.info(
-                "roster run=%s revision=%d units=%d", run.name, generation, run.spec.total_units
+                "roster run=%s shard=%d revision=%d units=%d",
+                run.name,
+                shard,
+                generation,
+                run.spec.total_units,
             )
             return True
     except (aiohttp.ClientError, TimeoutError, ValueError, ssl.SSLError) as exc:

@@ -26,11 +26,11 @@ DEFAULT_CONTAINER = "kubectl.kubernetes.io/default-container"
 STARTUP_CHECKS = 120  # 10 minutes at 5 s: a large checkpoint to load on a busy node
 
 
-def lock_env(claim_mount: str | None, standby: bool) -> list[dict[str, str]]:
-    """The syncer's DILOCO_SYNCER_LOCK: on the claim mounted at `claim_mount` (None: no claim),
-    else in the pod's /tmp for a standby, else none."""
-    if claim_mount is not None:
-        path = f"{claim_mount}/{SERVING_LOCK_FILE}"
+def lock_env(claim_dir: str | None, standby: bool) -> list[dict[str, str]]:
+    """The syncer's DILOCO_SYNCER_LOCK: in `claim_dir` on its claim (the mount, or a shard's
+    folder in it; None: no claim), else in the pod's /tmp for a standby, else none."""
+    if claim_dir is not None:
+        path = f"{claim_dir}/{SERVING_LOCK_FILE}"
     elif standby:
         path = POD_LOCK_FILE
     else:
