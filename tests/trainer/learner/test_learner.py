@@ -94,6 +94,9 @@ class FlakyClient:
     def heartbeat(self, *args: object) -> object:
         raise SyncerUnavailable("not needed here")
 
+    def link_of(self, fragment: int) -> int:
+        return 0
+
 
 def test_a_failed_push_is_resent_exactly_before_the_newer_one() -> None:
     """A push whose request failed may have been applied (a timeout after the syncer got it),
@@ -126,6 +129,51 @@ def test_a_failed_push_is_resent_exactly_before_the_newer_one() -> None:
         (0, 10, 10, [0.75]),  # resent exactly
         (0, 15, 5, [0.25]),  # then the newer one, measured from where the resent one ended
     ]
+
+
+class HalfDownClient(FlakyClient):
+    """Two syncer shards: fragment 0's answers, fragment 1's is down."""
+
+    def push(
+        self,
+        fragment: int,
+        base_version: int,
+        delta: dict[str, np.ndarray],
+        c_steps: int,
+        c_tokens: int,
+        step: int = 0,
+    ) -> PushReply:
+        self.pushes.append((fragment, step, c_steps, delta["a"].tolist()))
+        if fragment == 1:
+            raise SyncerUnavailable("connection refused")
+        return PushReply(True, False, 0, 8, 0.0)
+
+    def link_of(self, fragment: int) -> int:
+        return fragment
+
+
+def test_a_shard_that_is_down_holds_back_only_its_own_fragments() -> None:
+    """Fragment 1's shard refuses every push: it is retried with backoff while fragment 0's
+    pushes, queued after it, go out one after the other."""
+    client = HalfDownClient()
+    link = SyncLink(client, [0, 0], 60.0, Progress())  # type: ignore[arg-type]
+    link.start()
+    theta = {"a": np.array([1.0], np.float32)}
+    try:
+        link.enqueue_push(PendingPush(1, 0, theta, {"a": jnp.array([0.5])}, 5, 50, 5))
+        deadline = time.monotonic() + 10
+        for step in range(10, 60, 10):
+            link.enqueue_push(PendingPush(0, 0, theta, {"a": jnp.array([0.5])}, 5, 50, step))
+            while not any(p[:2] == (0, step) for p in client.pushes):
+                assert time.monotonic() < deadline, client.pushes
+                time.sleep(0.01)
+    finally:
+        link.stop()
+    sent = [p[1] for p in client.pushes if p[0] == 0]
+    assert sent == [10, 20, 30, 40, 50]
+    tries = [p for p in client.pushes if p[0] == 1]
+    assert 1 <= len(tries) < 20  # retried, and backed off rather than hammered
+    assert link.pending_pushes() == 1  # fragment 1's, kept for when its shard is back
 
 
 def test_backoff_grows_is_capped_and_resets() -> None:

@@ -238,6 +238,9 @@ class SyncerClient:
         return {"unit": self.unit, "attempt": self.attempt, "group": self.group}
 
     # ---------------------------------------------------------------- protocol
+    def link_of(self, fragment: int) -> int:
+        return 0  # one process serves every fragment
+
     def join(self) -> JoinReply:
         """Join the run. A unit not on the syncer's roster yet is retried (as unavailable) for
         ROSTER_WAIT_SECONDS from the first try: after a scale-up the operator may create the

@@ -73,6 +73,9 @@ class ShardedClient:
     def bytes_received(self) -> int:
         return sum(client.bytes_received for client in self.shards)
 
+    def link_of(self, fragment: int) -> int:
+        return self.owners[fragment] if 0 <= fragment < len(self.owners) else 0
+
     def owner(self, fragment: int) -> SyncerClient:
         if not 0 <= fragment < len(self.owners):
             raise SyncerRejected(404, "unknown_fragment", f"fragment {fragment}: not joined yet")

@@ -166,6 +166,11 @@ class SyncLink:
         # unit, attempt and step), never folded into a newer push, and goes before its
         # fragment's queued one.
         self._retry: dict[int, PendingPush] = {}
+        # Per link (the syncer process a fragment's requests go to, `client.link_of`): its
+        # backoff and the time it may be tried again. A link that fails stalls only the
+        # fragments it serves: a shard down must not hold back the others' pushes.
+        self._backoff: dict[int, Backoff] = {}
+        self._paused_until: dict[int, float] = {}
         # fragment -> (theta of its last sent push, that theta's host copy): see `settled`.
         self._sent_theta: dict[int, tuple[Mapping[str, jax.Array], dict[str, np.ndarray]]] = {}
         self._outbox_cv = threading.Condition()
@@ -234,19 +239,38 @@ class SyncLink:
         """Sleep unless stopping; True when the link is stopping."""
         return self.stopping.wait(seconds)
 
+    def _take(self, now: float) -> tuple[PendingPush | None, float | None]:
+        """(Under the lock.) The next push to send: retries first, then the oldest due step, so
+        fragments keep their staggered order; a fragment with a retry pending sends nothing
+        newer before it, and none whose link is backing off goes. Else (None, seconds until a
+        link may be tried again, or None to wait for a new push)."""
+
+        def ready(fragment: int) -> bool:
+            return self._paused_until.get(self.client.link_of(fragment), 0.0) <= now
+
+        for source in (self._retry, self._outbox):
+            due = [
+                p for p in source if ready(p) and (source is self._retry or p not in self._retry)
+            ]
+            if due:
+                fragment = min(due, key=lambda p: source[p].step)
+                return source.pop(fragment), None
+        waits = [t - now for t in self._paused_until.values() if t > now]
+        return None, (min(waits) if waits and (self._retry or self._outbox) else None)
+
+    def _next(self) -> PendingPush | None:
+        """Block until a push may go (None: the link is stopping)."""
+        with self._outbox_cv:
+            while not self.stopping.is_set():
+                push, wait = self._take(time.monotonic())
+                if push is not None:
+                    return push
+                self._outbox_cv.wait(wait)
+        return None
+
     def _sender(self) -> None:
-        backoff = Backoff()
-        while not self.stopping.is_set():
-            with self._outbox_cv:
-                while not (self._outbox or self._retry) and not self.stopping.is_set():
-                    self._outbox_cv.wait()
-                if self.stopping.is_set():
-                    return
-                # Retries first; then the oldest due step, so fragments keep their staggered
-                # order.
-                source = self._retry or self._outbox
-                fragment = min(source, key=lambda p: source[p].step)
-                push = source.pop(fragment)
+        while (push := self._next()) is not None:
+            link = self.client.link_of(push.fragment)
             theta_host: dict[str, np.ndarray] = {}
             try:
                 reply = self.client.push(
@@ -261,18 +285,19 @@ class SyncLink:
                 self.stats["push_failures"] += 1
                 with self._outbox_cv:
                     self._retry[push.fragment] = push
-                delay = backoff.after(exc)
+                    delay = self._backoff.setdefault(link, Backoff()).after(exc)
+                    self._paused_until[link] = time.monotonic() + delay
                 log.warning(
                     "event=push_retry fragment=%d delay=%.2f error=%s", push.fragment, delay, exc
                 )
-                self._wait(delay)
                 continue
             except SyncerRejected as exc:
                 self.stats["rejected"] += 1
                 log.warning("event=push_rejected fragment=%d error=%s", push.fragment, exc)
                 continue
-            backoff.reset()
             with self._outbox_cv:
+                self._backoff.pop(link, None)
+                self._paused_until.pop(link, None)
                 self._sent_theta[push.fragment] = (push.theta, theta_host)
             self.stats["pushes"] += 1
             self.last_quant_error = reply.quant_error
