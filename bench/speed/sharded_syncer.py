@@ -23,11 +23,13 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from diloco_operator import simulator as sim
+from diloco_operator.simulator.model import paper_figure
 from diloco_trainer.auth import unit_token
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import fragment_sizes, pack_fragments
@@ -38,6 +40,7 @@ from diloco_trainer.models.gpt import param_shapes
 from diloco_trainer.shards import shard_owners
 
 from bench.faults.goodput_real import manifest as goodput_manifest
+from bench.lib.common import FRAGMENTS as SECTIONS
 from bench.lib.common import BenchContext, Section, log, md_table
 from bench.lib.live import TOKEN, local_run, read_events, read_summary, syncer_shards
 from bench.lib.syncer_logs import fields, syncer_log_events
@@ -123,7 +126,8 @@ def one_config(cfg: TrainingConfig, count: int, rounds: int) -> tuple[list[Shard
             for p in range(len(layout)):  # every fragment's round merged before the next
                 got = learners[0].poll(p, r, 60.0)
                 if got is None or got[0] != r + 1:
-                    raise RuntimeError(f"fragment {p} round {r}: no merge within 60 s ({got})")
+                    tail = (procs[0].workdir / "syncer.log").read_text()[-3000:]
+                    raise RuntimeError(f"fragment {p} round {r}: no merge in 60 s ({got}): {tail}")
         params, versions = learners[0].pull_all()
         digest = hashlib.sha256()
         for name in sorted(params):
@@ -151,7 +155,7 @@ def one_config(cfg: TrainingConfig, count: int, rounds: int) -> tuple[list[Shard
 
 
 def kill_run(quick: bool) -> dict[str, Any]:
-    doc = goodput_manifest(3_000_000 if quick else 6_000_000, None)
+    doc = goodput_manifest(600_000 if quick else 1_200_000, None)
     doc["metadata"]["name"] = "bench-shards"
     spec = doc["spec"]
     spec["syncer"] = {"shards": 2, "standby": True}
@@ -195,6 +199,74 @@ def kill_run(quick: bool) -> dict[str, Any]:
             )
             checks.append({"shard": key, "merged": merged_before, "taken": taken, "kept": kept})
     return {"summary": summary, "exit": code, "lost": lost, "kills": checks}
+
+
+# The paper's goodput study: a 5B-parameter model, H=24 inner steps of 0.25 s (simulator defaults).
+PAPER_PARAMS = 5e9
+SCALE_CELLS = ((8, 1_200_000), (16, 1_200_000), (8, 2_400_000), (16, 2_400_000))
+_RECREATE = re.compile(r"one host Failed -> all \d+ pods of the new attempt Running \| ([\d.]+) s")
+
+
+def measured_recreate() -> float | None:
+    """The huge_units section's recreate time of a 2,304-host unit (KWOK), if it has run."""
+    fragment = SECTIONS / "huge_units.md"
+    found = _RECREATE.search(fragment.read_text()) if fragment.exists() else None
+    return float(found.group(1)) if found else None
+
+
+def at_scale(rows: list[ShardRow], quick: bool) -> str:
+    """The simulator's goodput at the paper's fleet sizes with a learner's re-forming taking as
+    long as the measured recreate of a huge unit, beside the paper's figure; and the sharded
+    syncer's merge time for the paper's model per push period, from this run's merge rate."""
+    recreate = measured_recreate()
+    a = sim.Assumptions()
+    lines = []
+    if recreate is not None:
+        slow = replace(a, reconfigure_seconds=recreate)
+        cells = [sim.Scenario("diloco", chips, m) for m, chips in SCALE_CELLS]
+        failures = 2_000 if quick else 10_000
+        ours = sim.sweep(cells, slow, target_failures=failures, seed=0)
+        base = sim.sweep(cells, a, target_failures=failures, seed=0)
+        table = md_table(
+            [
+                "cell",
+                "paper",
+                f"simulator, re-form {a.reconfigure_seconds:g} s",
+                f"simulator, re-form {recreate:g} s (measured)",
+            ],
+            [
+                (
+                    f"M={c.learners}, {c.total_chips / 1e6:g}M chips",
+                    f"{100 * (paper_figure(c) or float('nan')):.0f}%",
+                    f"{100 * b.goodput:.1f}%",
+                    f"{100 * o.goodput:.1f}%",
+                )
+                for c, b, o in zip(cells, base, ours, strict=True)
+            ],
+        )
+        lines.append(
+            f"Goodput predicted by the simulator (bench section simulator) when a failed slice "
+            f"costs its learner {recreate:g} s to re-form, the time the huge_units section "
+            f"measured from a host's failure to all 2,304 pods of the replacement unit Running "
+            f"on KWOK (scheduling only: no image pull, no compile), instead of the paper's "
+            f"{a.reconfigure_seconds:g} s:\n\n{table}\n"
+        )
+    else:
+        lines.append("(Run the huge_units section first for the goodput prediction.)\n")
+    seconds_per_param = {s: max(r.merge_s / r.held for r in rows if r.shards == s) for s in SHARDS}
+    period = a.inner_steps * a.step_seconds
+    merge = {s: PAPER_PARAMS / s * seconds_per_param[s] for s in SHARDS}
+    lines.append(
+        f"The syncer's side at that scale: every learner pushes every fragment once per "
+        f"H x step = {period:g} s, so the syncer merges the whole model once per {period:g} s "
+        f"per learner that pushed. At this run's merge rate per held parameter (busiest shard, "
+        f"{LEARNERS} contributions per merge), one round of a {PAPER_PARAMS / 1e9:g}B model takes "
+        + ", ".join(f"S={s}: {merge[s]:.0f} s" for s in SHARDS)
+        + f" on this 2-core machine's shares, against the {period:g} s period: the S processes "
+        "there would be on separate hosts, and the paper's syncer is CPU-only and sharded for "
+        "that reason."
+    )
+    return "\n".join(lines)
 
 
 def run(ctx: BenchContext) -> Section:
@@ -286,8 +358,13 @@ parameter: **{"met" if met_bytes else "not met"}**; bit-for-bit the same paramet
 What a shard holds per parameter: the float32 value (4 bytes), the outer Nesterov momentum
 (4 bytes), and, after a download, the encoded payload it keeps for the next long-poll of the
 fragment (4 bytes, `FragmentState.encoded`); pushes in flight add 4 bytes per parameter per
-pending push until their merge. The resident set of the peak column includes the decode of the
-two learners' pushes of one fragment at a time.
+pending push until their merge. The rest is the allocator's: blocks freed after a merge (decoded
+pushes, merged delta, journal entry) that the process has not given back. The syncer maps blocks
+of 1 MiB and more on their own and caps glibc at two arenas (syncer/memory.py); with glibc's
+defaults the same run held about twice the bytes per parameter. The peak column includes the
+decode of the two learners' pushes of one fragment at a time.
+
+{at_scale(rows, ctx.quick)}
 
 Shard SIGKILL in a local run ({summary.get("tokens", 0):,} tokens, two kills, shards=2, a warm
 standby each, checkpoints every 10 minutes so only the journal keeps versions):

@@ -68,6 +68,7 @@ from diloco_trainer.syncer.checkpoint import (
     open_location,
 )
 from diloco_trainer.syncer.fragment import InitFn, default_init
+from diloco_trainer.syncer.memory import hold_less_memory
 from diloco_trainer.syncer.roster import Roster
 from diloco_trainer.syncer.standby import ServingLock, wait_as_standby
 from diloco_trainer.tls import ServerTls
@@ -331,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"diloco-syncer: {exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_level.upper(), log_format)
+    hold_less_memory()
     try:
         with phase(log, "config"):
             cfg = load_training_config(args.config)
