@@ -1,11 +1,12 @@
 """A local run's syncer shards (spec.syncer.shards), supervised together: each a
 `SyncerProcess` with its own port, log, lock, standby and checkpoint folder, one run secret.
 
-The runtime sees one syncer: present while every shard's process lives (a dead shard is started
-again by the planner's CreateSyncer), ready while shard 0 serves (it holds the run-level books:
-learners, data leases, evaluations); a shard that is down stalls its own fragments only, so the
-run's status is shard 0's with the other shards' fragments added (`status.gathered`), a down
-shard's from its last word. An unsharded run is the one-shard case of the same code.
+The runtime sees one syncer, as the operator does: present while every shard's process lives (a
+dead shard is started again by the planner's CreateSyncer), ready while every shard serves. A
+shard that is down stalls its own fragments only, so the run's status is shard 0's (it holds the
+run-level books: learners, data leases, evaluations) with the other shards' fragments added
+(`status.gathered`), a down shard's from its last word; without shard 0 there is none. An
+unsharded run is the one-shard case of the same code.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class SyncerShards:
     # --- what the runtime asks ------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return self.lead.healthy
+        return all(s.healthy for s in self.shards)
 
     def alive(self) -> bool:
         return all(s.alive() for s in self.shards)

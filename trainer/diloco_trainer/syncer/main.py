@@ -324,15 +324,23 @@ def stand_by(
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def set_up_process(args: argparse.Namespace) -> bool:
+    """Logging as asked and the allocator tuned (memory.py); False (the reason printed) when
+    the log format is not one there is."""
     try:
         log_format = resolve_log_format(args.log_format, os.environ)
     except ValueError as exc:
         print(f"diloco-syncer: {exc}", file=sys.stderr)
-        return 2
+        return False
     configure_logging(args.log_level.upper(), log_format)
     hold_less_memory()
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not set_up_process(args):
+        return 2
     try:
         with phase(log, "config"):
             cfg = load_training_config(args.config)
