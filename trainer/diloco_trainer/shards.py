@@ -74,6 +74,12 @@ def shard_owners(sizes: Sequence[int], count: int) -> list[int]:
     return owners
 
 
+def owned_versions(owners: Sequence[int], per_shard: Sequence[Sequence[int]]) -> list[int]:
+    """Each fragment's version as the shard holding it reports it (`per_shard[i]`: shard i's
+    list, which knows only its own fragments' versions)."""
+    return [per_shard[owner][p] for p, owner in enumerate(owners)]
+
+
 def shard_checkpoint_path(base: str, shard: Shard) -> str:
     """Where a shard keeps its checkpoints and journals: the run's path itself unsharded, else a
     folder per shard that names the shard count too, so that a restart with another count never

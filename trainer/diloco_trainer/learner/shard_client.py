@@ -22,6 +22,7 @@ import numpy as np
 
 from diloco_trainer.learner.client import SyncerClient, SyncerError, SyncerRejected
 from diloco_trainer.learner.syncer_api import HeartbeatReply, JoinReply, PushReply
+from diloco_trainer.shards import owned_versions
 from diloco_trainer.status import SyncerStatus
 from diloco_trainer.wire import DataLease
 
@@ -85,16 +86,14 @@ class ShardedClient:
     def join(self) -> JoinReply:
         first = self.lead.join()
         owners = self._owners(first, 0)
-        versions = list(first.versions)
+        per_shard = [first.versions]
         for index, client in enumerate(self.shards[1:], start=1):
             reply = client.join()
             if self._owners(reply, index) != owners:
                 raise ShardMismatch(f"shard {index} places the fragments otherwise than shard 0")
-            for p, owner in enumerate(owners):
-                if owner == index:
-                    versions[p] = reply.versions[p]
+            per_shard.append(reply.versions)
         self.owners = owners
-        return replace(first, versions=versions)
+        return replace(first, versions=owned_versions(owners, per_shard))
 
     def _owners(self, reply: JoinReply, index: int) -> list[int]:
         # SyncerClient.join checked the shard's index and count.
@@ -107,14 +106,12 @@ class ShardedClient:
 
     def pull_all(self) -> tuple[dict[str, np.ndarray], list[int]]:
         tensors: dict[str, np.ndarray] = {}
-        versions = [0] * len(self.owners)
-        for index, client in enumerate(self.shards):
+        per_shard = []
+        for client in self.shards:
             got, theirs = client.pull_all()
             tensors.update(got)
-            for p, owner in enumerate(self.owners):
-                if owner == index:
-                    versions[p] = theirs[p]
-        return tensors, versions
+            per_shard.append(theirs)
+        return tensors, owned_versions(self.owners, per_shard)
 
     def push(
         self,
