@@ -46,7 +46,12 @@ def controller_manager_argv(binary: Path, pki: PKI, port: int, cert_dir: Path) -
 
 
 def scheduler_argv(binary: Path, pki: PKI, port: int, cert_dir: Path) -> list[str]:
-    return _serving_argv(binary, pki.path("kube-scheduler.kubeconfig"), port, cert_dir)
+    return [
+        *_serving_argv(binary, pki.path("kube-scheduler.kubeconfig"), port, cert_dir),
+        # Benches placing thousands of pods raise its client rate limit (50 requests/s: one
+        # binding and one event per pod).
+        *os.environ.get("DILOCO_E2E_SCHEDULER_ARGS", "").split(),
+    ]
 
 
 def start(

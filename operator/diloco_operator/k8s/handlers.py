@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -187,34 +188,42 @@ def node_changed(type: str, body: Any, **_: Any) -> None:
             event.set()
 
 
-@kopf.on.event("", "v1", "pods", labels=LEARNER_LABELS)
+def _is_deletion(type: str, **_: Any) -> bool:
+    return type == "DELETED"
+
+
+# Filtered by kopf, not inside the handler: a unit of thousands of pods makes thousands of pod
+# events a minute while it starts or goes, and kopf logs every handler it calls.
+@kopf.on.event("", "v1", "pods", labels=LEARNER_LABELS, when=_is_deletion)
 def learner_pod_deleted(
-    type: str,
     namespace: str | None,
     labels: Mapping[str, str],
     name: str,
     meta: kopf.Meta,
     **_: Any,
 ) -> None:
-    if type == "DELETED":
-        # Keyed by the owning Job's uid: a same-named unit of a re-created run is another Job.
-        if len(STATE.deleted_pods) > 10_000:  # bound the memory; only recent Jobs matter
-            STATE.deleted_pods.clear()
-        deleted_at = pod_view({"metadata": dict(meta)}).deleted_at
-        STATE.deleted_pods[labels.get(CONTROLLER_UID, "")][name] = deleted_at
-        wake(namespace, labels.get(LABEL_RUN))
+    # Keyed by the owning Job's uid: a same-named unit of a re-created run is another Job.
+    if len(STATE.deleted_pods) > 10_000:  # bound the memory; only recent Jobs matter
+        STATE.deleted_pods.clear()
+    deleted_at = pod_view({"metadata": dict(meta)}).deleted_at
+    STATE.deleted_pods[labels.get(CONTROLLER_UID, "")][name] = deleted_at
+    wake(namespace, labels.get(LABEL_RUN))
 
 
 def observed_units(namespace: str, name: str, indexes: dict[str, Any]) -> list[Any]:
     key = (namespace, name)
     jobs = [j for j in indexes["learner_jobs"].get(key, [])]
-    pods: list[PodView] = list(indexes["learner_pods"].get(key, []))
+    # Bucketed by unit first: a run of 16 units of 2,304 hosts would otherwise scan every pod
+    # of the run once per unit, every pass.
+    pods: dict[str, list[PodView]] = defaultdict(list)
+    for pod in indexes["learner_pods"].get(key, []):
+        pods[pod.unit].append(pod)
     nodes_index = indexes["cluster_nodes"]
     nodes = {node: all(store) for node, store in nodes_index.items()}
     units = []
     for job in jobs:
         deleted = STATE.deleted_pods.get(job.uid, {}) if job.uid else {}
-        units.append(observe_unit(job, pods, nodes, deleted))
+        units.append(observe_unit(job, pods.get(job.name, []), nodes, deleted))
     return units
 
 
@@ -271,7 +280,11 @@ async def reconcile_once(
     if spec.away:
         new = away_status(new, STATE.reach.get(key), report, now=time.time())
     new = in_place.with_condition(
-        new, spec.failure_policy, STATE.options.server_version, now=time.time()
+        new,
+        spec.failure_policy,
+        STATE.options.server_version,
+        now=time.time(),
+        multi_host=any(g.hosts > 1 for g in spec.unit_groups),
     )
     if STATE.options.chaos and spec.chaos is not None:
         await inject_chaos(run, body, new)
@@ -312,6 +325,10 @@ async def inject_chaos(run: builders.Run, body: Any, status: DilocoRunStatus) ->
         )
 
 
+# Seconds between the starts of two passes of one run, however often its children change.
+MIN_PASS_GAP = 0.5
+
+
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
 async def run_loop(
     stopped: kopf.DaemonStopped,
@@ -349,6 +366,9 @@ async def run_loop(
             PASS_SECONDS.observe(time.monotonic() - started)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(waker.wait(), timeout=delay)
+            # A burst of child events (a unit of thousands of pods starting or going) is one
+            # pass, not one per event: each pass also reads the syncer's status.
+            await asyncio.sleep(max(0.0, started + MIN_PASS_GAP - time.monotonic()))
     finally:
         RUNS.dec()
         STATE.wakers.pop(key, None)
