@@ -160,11 +160,19 @@ def test_single_host_and_cpu_units() -> None:
     assert pod["containers"][0]["resources"] == {}
 
 
-def test_unit_service_is_headless_and_selects_the_unit() -> None:
+def test_unit_service_is_headless_and_selects_the_units_attempt() -> None:
+    """The pods of the attempt before keep their hostnames while they are deleted in the
+    background: the Service must not answer a host's lookup of its peer with one of them."""
     run = make_run()
-    svc = builders.unit_service(run, create(run, "mix-v6e-0"))
+    unit = create(run, "mix-v6e-0")
+    svc = builders.unit_service(run, unit)
     assert svc["spec"]["clusterIP"] == "None"
-    assert svc["spec"]["selector"] == {"diloco.dev/unit": "mix-v6e-0"}
+    assert svc["spec"]["selector"] == {
+        "diloco.dev/unit": "mix-v6e-0",
+        "diloco.dev/attempt": str(unit.attempt),
+    }
+    pod_labels = builders.unit_job(run, unit)["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
 
 
 def test_syncer_deployment_recreate_with_readiness_and_checkpoint_pvc() -> None:

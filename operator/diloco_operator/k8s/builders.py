@@ -258,7 +258,9 @@ def unit_labels(run: Run, unit: CreateUnit) -> dict[str, str]:
 
 
 def unit_service(run: Run, unit: CreateUnit) -> dict[str, Any]:
-    """Headless Service = the pods' subdomain, so hosts of a slice find each other by name."""
+    """Headless Service = the pods' subdomain, so hosts of a slice find each other by name. It
+    selects one attempt: the pods of the attempt before keep the same hostnames while the garbage
+    collector deletes them, and a host must never resolve its peer to one of those."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -268,7 +270,7 @@ def unit_service(run: Run, unit: CreateUnit) -> dict[str, Any]:
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": {LABEL_UNIT: unit.name},
+            "selector": {LABEL_UNIT: unit.name, LABEL_ATTEMPT: str(unit.attempt)},
         },
     }
 

@@ -211,7 +211,10 @@ async def create(obj: dict[str, Any], run_uid: str) -> bool:
 
 async def delete_unit(namespace: str, name: str) -> None:
     """Delete a unit's Job with foreground propagation: the Job stays visible (Terminating) until
-    its pods are gone, which is exactly the 'wait until gone' the planner needs."""
+    its pods are gone, which is exactly the 'wait until gone' the planner needs. (Background
+    propagation, creating the next attempt while the old pods go, was measured slower: 2,304
+    new pods the scheduler cannot place yet cost the control plane more than they save; see
+    docs/experiments/2026-12-06-huge-unit-recreate.md.)"""
     body = client.V1DeleteOptions(propagation_policy="Foreground")
     core, _, batch, _ = _apis()
     deletes: list[tuple[Callable[..., Any], dict[str, Any]]] = [
