@@ -99,6 +99,20 @@ def test_chaos_schedule_naming_a_missing_unit(
     assert "spec.chaos.schedule.0.unit: unit 4 does not exist" in capsys.readouterr().err
 
 
+def test_units_of_several_hosts_are_left_to_kubernetes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = example()
+    doc["spec"]["unitGroups"] = [{"name": "cpu", "hostsPerUnit": 2}]
+    del doc["spec"]["chaos"]
+    report = tmp_path / "report"
+    assert main(["local", "run", str(write(tmp_path, doc)), "--report-dir", str(report)]) == 2
+    assert "spec.unitGroups.0.hostsPerUnit: units of several hosts run on Kubernetes" in (
+        capsys.readouterr().err
+    )
+    assert not report.exists()
+
+
 @pytest.mark.parametrize(
     ("flag", "kind"),
     [

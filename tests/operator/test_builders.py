@@ -146,6 +146,24 @@ def test_ironwood_unit_selects_both_labels_and_runs_a_pod_per_4_chip_host() -> N
     assert res["limits"]["google.com/tpu"] == res["requests"]["google.com/tpu"] == "4"
 
 
+def test_a_multi_host_cpu_unit_is_one_jax_program_over_its_pods() -> None:
+    run = make_run(
+        replicas=1,
+        unitGroups=[{"name": "g", "hostsPerUnit": 2}],
+        training={"totalSteps": 5},
+    )
+    (slot,) = desired_units(run.name, run.spec)
+    assert slot.hosts == 2
+    job = builders.unit_job(run, create(run, slot.name))
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
+    assert job["spec"]["completionMode"] == "Indexed"
+    pod = job["spec"]["template"]["spec"]
+    assert pod["subdomain"] == slot.name
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["TPU_WORKER_HOSTNAMES"] == f"{slot.name}-0.{slot.name},{slot.name}-1.{slot.name}"
+    assert env["DILOCO_SUPERVISE"] == "1"  # the supervisors restart the unit's hosts together
+
+
 def test_single_host_and_cpu_units() -> None:
     run = make_run()
     v5p = builders.unit_job(run, create(run, "mix-v5p-0"))
@@ -451,6 +469,7 @@ V5P_2X2X1 = {"accelerator": "tpu-v5p-slice", "topology": "2x2x1"}  # 1 host
         ({"tpu": V5P_2X2X1}, False),
         ({"tpu": V5P_2X2X1, "exclusiveTopology": True}, True),
         ({}, False),  # a CPU/GPU unit: one pod
+        ({"hostsPerUnit": 2}, False),  # GPU node pools: nothing to keep whole
     ],
 )
 def test_multi_host_units_keep_to_one_slice_by_default(

@@ -107,3 +107,9 @@ def test_an_api_server_without_the_rule_gets_the_supervisor_only_and_a_condition
     assert condition(0, True, (1, 37))[:2] == ("False", "Disabled")
     status, reason, message = condition(3, True, (1, 34))
     assert (status, reason) == ("True", "SupervisorOnly") and "v1.34" in message
+    assert "restarts as one" not in message
+    several = in_place.with_condition(
+        DilocoRunStatus(), FailurePolicy(in_place_restarts=3), (1, 37), T0, multi_host=True
+    )
+    (c,) = [c for c in several.conditions if c.type == "RestartInPlace"]
+    assert "every host of its unit" in c.message

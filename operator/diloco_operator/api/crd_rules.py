@@ -167,6 +167,14 @@ RULES: dict[str, list[dict[str, str]]] = {
         }
     ],
     "TpuSpec": tpu_rules(),
+    "UnitGroup": [
+        {
+            "rule": "!has(self.tpu) || !has(self.hostsPerUnit)",
+            "message": "hostsPerUnit: a TPU unit's hosts come from tpu.topology; remove "
+            "hostsPerUnit",
+            "fieldPath": ".hostsPerUnit",
+        }
+    ],
     "Toleration": [
         {
             "rule": "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || "

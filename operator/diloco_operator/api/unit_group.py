@@ -24,6 +24,9 @@ from diloco_operator.api.kubesyntax import DNS_LABEL, MAX_UNITS, NORMAL_PATH
 from diloco_operator.api.kubetypes import NodeSelector, ResourceRequirements, Toleration
 from diloco_operator.api.pod_template import PodTemplate
 
+# jax.distributed's processes in one CPU/GPU unit (GKE's largest GPU node pools are hundreds).
+MAX_HOSTS_PER_UNIT = 1024
+
 Accelerator = Literal[
     "tpu-v6e-slice", "tpu-v5p-slice", "tpu-v5-lite-podslice", "tpu-v4-podslice", "tpu7x"
 ]
@@ -77,6 +80,14 @@ class UnitGroup(Strict):
         description="Units in this group. Not allowed on the first group: spec.replicas sizes it.",
     )
     tpu: TpuSpec | None = Field(None, description="TPU slice per unit; omit for CPU/GPU units.")
+    hosts_per_unit: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_HOSTS_PER_UNIT,
+        description="Pods (one per host) in each CPU/GPU unit: several form one JAX program "
+        "(jax.distributed, host 0 coordinates) and restart together. Default 1. A TPU unit's "
+        "hosts come from its topology.",
+    )
     resources: ResourceRequirements | None = Field(
         None, description="Learner container resources (GPU via limits, e.g. nvidia.com/gpu)."
     )
@@ -89,8 +100,8 @@ class UnitGroup(Strict):
     exclusive_topology: bool | None = Field(
         None,
         description="One unit per node pool: all hosts of a unit share one node pool (one "
-        "slice) and pods of other units are kept off it. Default: true for a unit of more "
-        "than one host (a multi-host TPU slice), false for one host.",
+        "slice) and pods of other units are kept off it. Default: true for a multi-host TPU "
+        "slice, false otherwise.",
     )
     spot: bool = Field(
         False,
@@ -151,7 +162,15 @@ class UnitGroup(Strict):
         # two node pools of the same shape, and the slice never forms. Unset means "keep the
         # unit to one slice" wherever it spans several hosts; an explicit false stays false.
         if self.exclusive_topology is None:
-            self.exclusive_topology = self.hosts > 1
+            self.exclusive_topology = self.tpu is not None and self.hosts > 1
+        return self
+
+    @model_validator(mode="after")
+    def _hosts_of_a_slice_from_its_topology(self) -> UnitGroup:
+        if self.tpu and self.hosts_per_unit is not None:
+            raise ValueError(
+                "hostsPerUnit: a TPU unit's hosts come from tpu.topology; remove hostsPerUnit"
+            )
         return self
 
     @model_validator(mode="after")
@@ -178,4 +197,4 @@ class UnitGroup(Strict):
 
     @property
     def hosts(self) -> int:
-        return self.tpu.hosts if self.tpu else 1
+        return self.tpu.hosts if self.tpu else self.hosts_per_unit or 1

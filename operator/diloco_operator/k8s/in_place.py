@@ -63,14 +63,21 @@ def supported(server: tuple[int, int] | None) -> bool:
 
 
 def with_condition(
-    status: DilocoRunStatus, policy: FailurePolicy, server: tuple[int, int] | None, now: float
+    status: DilocoRunStatus,
+    policy: FailurePolicy,
+    server: tuple[int, int] | None,
+    now: float,
+    multi_host: bool = False,
 ) -> DilocoRunStatus:
     """`status` with the RestartInPlace condition: whether a crashed learner restarts in its
-    pod, by which layers, and why not by the kubelet."""
+    pod, by which layers, and why not by the kubelet. `multi_host`: the run has units of
+    several hosts, whose learners restart together (the trainer's learner/unit_restart.py)."""
     allowed = policy.in_place_restarts
     supervisor = (
         f"a crashed learner process restarts in its container, up to {allowed} times per pod"
     )
+    if multi_host:
+        supervisor += " (on every host of its unit: a multi-host unit restarts as one)"
     if allowed == 0:
         state, reason, message = False, "Disabled", "failurePolicy.inPlaceRestarts is 0"
     elif policy.kubelet_restart_rule and supported(server):

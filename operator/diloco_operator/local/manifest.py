@@ -47,6 +47,13 @@ def load_manifest(path: str | Path) -> LocalRun:
             "spec.suspend: true suspends a run on Kubernetes; `diloco local run` runs the "
             "manifest now, so remove it (or set it to false)"
         )
+    for i, group in enumerate(spec.unit_groups):
+        if group.hosts_per_unit is not None and group.hosts_per_unit > 1:
+            # Every host's coordinator and supervisor would want the same ports on one machine.
+            raise ManifestError(
+                f"spec.unitGroups.{i}.hostsPerUnit: units of several hosts run on Kubernetes; "
+                "the local runtime runs one process per unit (remove it, or set it to 1)"
+            )
     name = str(doc["metadata"]["name"])
     return LocalRun(name=name, path=p, document=doc, spec=spec)
 

@@ -21,6 +21,11 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 COORDINATOR_PORT = 8476
+# The generation of a unit's learners (unit_restart.py): the supervisor sets it in each learner
+# it forks. Consecutive generations get distinct coordinator ports (8476..8539), so a learner of
+# the next generation never reaches a coordinator of the one before, which may still be exiting.
+GENERATION_ENV = "DILOCO_UNIT_GENERATION"
+PORT_SPAN = 64
 # Set by the Job controller in every pod of an Indexed Job: the pod's completion index, which
 # GKE's TPU webhook and the operator both turn into TPU_WORKER_ID.
 COMPLETION_INDEX = "JOB_COMPLETION_INDEX"
@@ -65,6 +70,18 @@ def worker_id(env: Mapping[str, str]) -> int:
     return found
 
 
+def coordinator_port(generation: int) -> int:
+    return COORDINATOR_PORT + generation % PORT_SPAN
+
+
+def generation_of(env: Mapping[str, str]) -> int:
+    raw = env.get(GENERATION_ENV, "0")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{GENERATION_ENV} must be an integer, got {raw!r}") from None
+
+
 def distributed_args(env: Mapping[str, str]) -> DistributedArgs | None:
     """Arguments for jax.distributed.initialize, or None for a single-host unit.
 
@@ -82,7 +99,8 @@ def distributed_args(env: Mapping[str, str]) -> DistributedArgs | None:
     worker = worker_id(env)
     if not 0 <= worker < len(hosts):
         raise ValueError(f"TPU_WORKER_ID {worker} outside 0..{len(hosts) - 1}")
-    return DistributedArgs(f"{hosts[0]}:{COORDINATOR_PORT}", len(hosts), worker)
+    port = coordinator_port(generation_of(env))
+    return DistributedArgs(f"{hosts[0]}:{port}", len(hosts), worker)
 
 
 def init_distributed(env: Mapping[str, str] | None = None) -> int:

@@ -249,8 +249,14 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         return standby_main(args, env)
     if args.supervise:
         from diloco_trainer.learner.supervisor import supervise
+        from diloco_trainer.learner.unit_restart import from_env
 
-        return supervise(_import_trainer, lambda: _leave_jax(learner_main(args, env)))
+        try:  # a multi-host unit's hosts restart together; a single host alone (None)
+            unit = from_env(env, resolve_token(args.token, env, args.token_file), args.restart_dir)
+        except (ConfigError, ValueError, OSError) as exc:
+            print(f"diloco-learner: {exc}", file=sys.stderr)
+            return 2
+        return supervise(_import_trainer, lambda: _leave_jax(learner_main(args, env)), unit)
     return learner_main(args, env)
 
 

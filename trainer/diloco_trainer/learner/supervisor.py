@@ -24,9 +24,13 @@ import signal
 import sys
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from diloco_trainer.attempts import EXIT_GIVE_UP
 from diloco_trainer.learner.lifetime import die_with_parent
+
+if TYPE_CHECKING:
+    from diloco_trainer.learner.unit_restart import UnitRestart
 
 log = logging.getLogger("diloco_trainer.learner.supervisor")
 
@@ -40,10 +44,18 @@ def exit_code(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def supervise(preload: Callable[[], None], learner: Callable[[], int]) -> int:
+def supervise(
+    preload: Callable[[], None], learner: Callable[[], int], unit: UnitRestart | None = None
+) -> int:
     """Run `preload` once, then `learner` in a forked child until it ends with a final exit
-    or the supervisor is stopped; the exit code to leave with."""
+    or the supervisor is stopped; the exit code to leave with. With `unit` (a multi-host unit,
+    unit_restart.py) a crash restarts every host's learner, and a peer's crash restarts ours."""
+    if unit is not None and unit.restarted_container:
+        log.warning("event=supervisor_restarted action=restart_unit")
+        unit.restart_all()
     preload()
+    if unit is not None and unit.restarted_container:
+        unit.catch_up()  # restarts announced while it imported went unheard
     child = 0
     stopping = False
 
@@ -56,6 +68,7 @@ def supervise(preload: Callable[[], None], learner: Callable[[], int]) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, pass_on)
     while True:
+        generation = unit.generation if unit is not None else 0
         sys.stdout.flush()
         sys.stderr.flush()
         child = os.fork()
@@ -63,12 +76,37 @@ def supervise(preload: Callable[[], None], learner: Callable[[], int]) -> int:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(signum, signal.SIG_DFL)
             die_with_parent()
+            if unit is not None:
+                unit.enter_learner(generation)
             os._exit(_run(learner))
-        code = exit_code(os.waitpid(child, 0)[1])  # retried on EINTR by Python itself
+        code = _wait(child, unit, generation)
         child = 0
         if stopping or code in FINAL_EXITS:
             return code
+        if unit is not None and unit.generation > generation:
+            log.warning(
+                "event=learner_restarted_for_unit exit=%d generation=%d", code, unit.generation
+            )
+            continue
         log.warning("event=learner_crashed exit=%d action=restart_in_container", code)
+        if unit is not None:
+            log.warning("event=unit_restart generation=%d", unit.restart_all())
+
+
+def _wait(child: int, unit: UnitRestart | None, generation: int) -> int:
+    """The child's exit code. With `unit`, peers are served meanwhile, and a learner whose
+    unit moved on to a newer generation is killed: its program is over."""
+    if unit is None:
+        return exit_code(os.waitpid(child, 0)[1])  # retried on EINTR by Python itself
+    killed = False
+    while True:
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid:
+            return exit_code(status)
+        if unit.generation > generation and not killed:
+            os.kill(child, signal.SIGKILL)
+            killed = True
+        unit.serve_once(0.05)
 
 
 def _run(learner: Callable[[], int]) -> int:
