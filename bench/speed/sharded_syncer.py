@@ -90,6 +90,17 @@ def memory(pid: int) -> tuple[int, int]:
     return tuple(int(found[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))  # type: ignore[return-value]
 
 
+def settled_memory(pid: int, window_s: float = 3.0) -> tuple[int, int]:
+    """(RSS, peak) with the RSS the lowest of a few samples over `window_s`: the last merge's
+    journal entry may still be on its way to disk when the last poll answers (seen once: one
+    fragment's values, 107 MiB, on one shard of four), and what is measured is what stays."""
+    samples = []
+    for _ in range(4):
+        samples.append(memory(pid))
+        time.sleep(window_s / 3)
+    return min(r for r, _ in samples), max(p for _, p in samples)
+
+
 def baseline_rss() -> int:
     """A syncer process's resident set without a model to speak of."""
     with syncer_shards(training(False, tiny=True), 1) as (proc,):
@@ -135,7 +146,7 @@ def one_config(cfg: TrainingConfig, count: int, rounds: int) -> tuple[list[Shard
         assert versions == [rounds] * len(layout), versions
         rows = []
         for index, proc in enumerate(procs):
-            rss, peak = memory(proc.proc.pid)
+            rss, peak = settled_memory(proc.proc.pid)
             log_name = "syncer.log" if index == 0 else f"syncer-{index}.log"
             seconds: dict[int, float] = {}
             for _, version, secs in _MERGED.findall((proc.workdir / log_name).read_text()):
@@ -358,10 +369,10 @@ its share of the parameters: **{"met" if met_memory else "not met"}**; <= 12 byt
 parameter: **{"met" if met_bytes else "not met"}**; bit-for-bit the same parameters:
 **{"met" if identical else "not met"}**.
 
-What a shard holds per parameter: the float32 value (4 bytes), the outer Nesterov momentum
-(4 bytes), and, after a download, the encoded payload it keeps for the next long-poll of the
-fragment (4 bytes, `FragmentState.encoded`); pushes in flight add 4 bytes per parameter per
-pending push until their merge. The rest is the allocator's: blocks freed after a merge (decoded
+What a shard holds per parameter: the float32 value (4 bytes) and the outer Nesterov momentum
+(4 bytes); downloads are written from the arrays themselves (payload.py: no encoded copy is
+kept between long-polls, as one was until 2026-12-06, 4 bytes more); pushes in flight add
+4 bytes per parameter per pending push until their merge. The rest is the allocator's: blocks freed after a merge (decoded
 pushes, merged delta, journal entry) that the process has not given back. The syncer maps blocks
 of 1 MiB and more on their own and caps glibc at two arenas (syncer/memory.py); with glibc's
 defaults a 25M-parameter model held 35.7 bytes per parameter, 17 with them. The peak column includes the

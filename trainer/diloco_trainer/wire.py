@@ -22,9 +22,9 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 from diloco_trainer.config import PER_BYTE, SCHEMES, Scheme
+from diloco_trainer.payload import Pieces, safetensors_pieces
 from diloco_trainer.quantize import Quantized, dequantize, quantize
 
 FORMAT = "diloco/1"
@@ -59,10 +59,14 @@ class PushHeader:
     step: int = 0
 
 
-def encode_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+def tensor_pieces(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> Pieces:
+    """A payload of `tensors`, unjoined (payload.py): downloads are written from it directly."""
     meta = {"format": FORMAT, **{k: str(v) for k, v in metadata.items()}}
-    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    return bytes(st_save(arrays, metadata=meta))
+    return safetensors_pieces(tensors, meta)
+
+
+def encode_tensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    return tensor_pieces(tensors, metadata).joined()
 
 
 def decode_tensors(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -261,18 +265,28 @@ def _dequantize_all(
     return out
 
 
+def params_pieces(
+    params: Mapping[str, np.ndarray],
+    versions: list[int],
+    fragment: int | None = None,
+    epoch: str = "",
+) -> Pieces:
+    """Global parameters (all, or one fragment's) with their version(s), float32 unquantized,
+    in pieces that point into `params`. `epoch` names the syncer process that published them
+    (see `encode_step`)."""
+    meta = {"kind": "params", "versions": json.dumps(versions), "epoch": epoch}
+    if fragment is not None:
+        meta["fragment"] = str(fragment)
+    return tensor_pieces({k: np.asarray(v, dtype=np.float32) for k, v in params.items()}, meta)
+
+
 def encode_params(
     params: Mapping[str, np.ndarray],
     versions: list[int],
     fragment: int | None = None,
     epoch: str = "",
 ) -> bytes:
-    """Global parameters (all, or one fragment's) with their version(s), float32 unquantized.
-    `epoch` names the syncer process that published them (see `encode_step`)."""
-    meta = {"kind": "params", "versions": json.dumps(versions), "epoch": epoch}
-    if fragment is not None:
-        meta["fragment"] = str(fragment)
-    return encode_tensors({k: np.asarray(v, dtype=np.float32) for k, v in params.items()}, meta)
+    return params_pieces(params, versions, fragment, epoch).joined()
 
 
 @dataclass(frozen=True)

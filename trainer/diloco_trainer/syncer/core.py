@@ -23,6 +23,7 @@ from aiohttp import web
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.downlink import Publication
 from diloco_trainer.merge import Contribution
+from diloco_trainer.payload import Pieces
 from diloco_trainer.phases import phase
 from diloco_trainer.shards import Shard
 from diloco_trainer.syncer import evaluation, persist, push
@@ -37,7 +38,7 @@ from diloco_trainer.syncer.fragment import (
 )
 from diloco_trainer.syncer.roster import Roster
 from diloco_trainer.syncer.state import SyncerState
-from diloco_trainer.wire import encode_params, encode_step
+from diloco_trainer.wire import encode_step, params_pieces
 
 log = logging.getLogger("diloco.syncer")
 
@@ -145,10 +146,11 @@ class Syncer(SyncerState):
         return await push.accept_push(self, f, body, caller)
 
     # ---------------------------------------------------------------- downloads
-    async def fragment_payload(self, f: FragmentState, after: int = -1, epoch: str = "") -> bytes:
+    async def fragment_payload(self, f: FragmentState, after: int = -1, epoch: str = "") -> Pieces:
         """The fragment at its current version for a learner that holds version `after`
-        published by `epoch`: the quantized step from there when the downlink has one, else the
-        published values. Encoded once (off the loop) however many long-pollers wake up for it."""
+        published by `epoch`: the quantized step from there when the downlink has one (small:
+        encoded once, off the loop, however many long-pollers wake up for it), else the
+        published values, which are not copied: the response writes the arrays themselves."""
         version, pub = f.version, f.publication
         step = (
             pub is not None
@@ -157,21 +159,18 @@ class Syncer(SyncerState):
             and after == version - 1
             and epoch == self.epoch
         )
-        cached = f.encoded.get(step)
-        if cached is None or cached[0] != version:
-            if step:
-                assert pub is not None and pub.step is not None
-                job = functools.partial(
-                    encode_step, pub.step, f.index, after, version, self.epoch, pub.checksum
-                )
-            else:
-                job = functools.partial(
-                    encode_params, f.published(), [version], f.index, self.epoch
-                )
-            future = asyncio.get_running_loop().run_in_executor(self.pools.decode, job)
-            cached = f.encoded[step] = (version, asyncio.ensure_future(future))
         self.metrics.downloads.labels("step" if step else "values").inc()
-        return await cached[1]
+        if not step:
+            return params_pieces(f.published(), [version], f.index, self.epoch)
+        assert pub is not None and pub.step is not None
+        cached = f.step_payload
+        if cached is None or cached[0] != version:
+            job = functools.partial(
+                encode_step, pub.step, f.index, after, version, self.epoch, pub.checksum
+            )
+            future = asyncio.get_running_loop().run_in_executor(self.pools.decode, job)
+            cached = f.step_payload = (version, asyncio.ensure_future(future))
+        return Pieces(await cached[1])
 
     async def wait_for_change(self, f: FragmentState, after: int, wait: float) -> bool:
         """True once f.version != after (newer, or older after a restore); False on timeout or

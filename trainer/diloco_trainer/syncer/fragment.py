@@ -138,8 +138,9 @@ class FragmentState:
     # that a replay after a restart or a standby's take-over is still a duplicate. Only those a
     # replay of which would not be refused as stale are kept (`recent_merges`).
     merged: dict[PushKey, int] = field(default_factory=dict)
-    # The current version's downloads, encoded once: as a step (True) and as values (False).
-    encoded: dict[bool, tuple[int, asyncio.Future[bytes]]] = field(default_factory=dict)
+    # The current version's quantized step, encoded once for every learner that polls for it
+    # (values are sent from the arrays themselves: payload.py).
+    step_payload: tuple[int, asyncio.Future[bytes]] | None = None
     # What learners hold (downlink.py); None: the downlink sends `params` themselves.
     publication: Publication | None = None
     # L2 norm of `params`, the reference of the push norm bound (kept current by the syncer).

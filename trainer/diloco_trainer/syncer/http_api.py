@@ -14,6 +14,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from diloco_trainer.auth import UNIT_HEADER, Caller
+from diloco_trainer.payload import Pieces
 from diloco_trainer.syncer.admission import authenticate, check_layout
 from diloco_trainer.syncer.conn import (
     CONNECTIONS_KEY,
@@ -35,8 +36,8 @@ from diloco_trainer.wire import (
     DataLease,
     WireError,
     data_lease_from_json,
-    encode_params,
     loads_json,
+    params_pieces,
     parse_count,
     parse_data_position,
 )
@@ -53,8 +54,19 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, text=json.dumps(data), content_type="application/json")
 
 
-def _tensors(payload: bytes, **headers: str) -> web.Response:
-    return web.Response(body=payload, content_type="application/octet-stream", headers=headers)
+async def _tensors(request: web.Request, payload: Pieces, **headers: str) -> web.StreamResponse:
+    """Write a payload a slice at a time, straight from the arrays it points into."""
+    s = request.app[SYNCER_KEY]
+    s.bytes_sent += payload.size
+    s.metrics.bytes_out.inc(payload.size)
+    response = web.StreamResponse(headers=headers)
+    response.content_type = "application/octet-stream"
+    response.content_length = payload.size
+    await response.prepare(request)
+    for piece in payload.slices():
+        await response.write(piece)
+    await response.write_eof()
+    return response
 
 
 def json_error(status: int, reason: str, message: str) -> web.Response:
@@ -285,18 +297,14 @@ async def heartbeat(request: web.Request) -> web.Response:
     )
 
 
-async def params(request: web.Request) -> web.Response:
+async def params(request: web.Request) -> web.StreamResponse:
     s = request.app[SYNCER_KEY]
     snap: dict[str, Any] = {}
     for f in s.frags:
         snap.update(f.published())
     versions = s.versions()
-    payload = await asyncio.get_running_loop().run_in_executor(
-        None, encode_params, snap, versions, None, s.epoch
-    )
-    s.bytes_sent += len(payload)
-    s.metrics.bytes_out.inc(len(payload))
-    return _tensors(payload, **{"X-Diloco-Versions": json.dumps(versions)})
+    payload = params_pieces(snap, versions, None, s.epoch)
+    return await _tensors(request, payload, **{"X-Diloco-Versions": json.dumps(versions)})
 
 
 async def push(request: web.Request) -> web.Response:
@@ -318,7 +326,7 @@ async def push(request: web.Request) -> web.Response:
     return _json(reply)
 
 
-async def poll(request: web.Request) -> web.Response:
+async def poll(request: web.Request) -> web.StreamResponse:
     s = request.app[SYNCER_KEY]
     f = s.fragment(request.match_info["p"])
     raw_after = request.query.get("after", "-1")
@@ -333,10 +341,9 @@ async def poll(request: web.Request) -> web.Response:
         raise Reject(400, "bad_request", f"wait: must be a finite number >= 0, got {wait}")
     if not await s.wait_for_change(f, after, min(wait, MAX_POLL_WAIT)):
         return web.Response(status=204, headers={"X-Diloco-Version": str(f.version)})
+    version = f.version  # the payload's, whatever a merge does while it is written
     payload = await s.fragment_payload(f, after, request.query.get("epoch", ""))
-    s.bytes_sent += len(payload)
-    s.metrics.bytes_out.inc(len(payload))
-    return _tensors(payload, **{"X-Diloco-Version": str(f.version)})
+    return await _tensors(request, payload, **{"X-Diloco-Version": str(version)})
 
 
 async def put_roster(request: web.Request) -> web.Response:
