@@ -16,7 +16,14 @@ from diloco_trainer.learner.distributed import (
     GENERATION_ENV,
     distributed_args,
 )
-from diloco_trainer.learner.unit_restart import PATH, Peers, UnitRestart, from_env
+from diloco_trainer.learner.unit_restart import (
+    PATH,
+    SIGNATURE_HEADER,
+    Peers,
+    UnitRestart,
+    from_env,
+    signature,
+)
 from gcs_server import free_port
 
 TOKEN = "unit-token"
@@ -96,10 +103,11 @@ def test_the_generation_survives_a_container_restart(tmp_path: Path) -> None:
         again.close()
 
 
-def post(url: str, body: bytes, token: str = TOKEN) -> tuple[int, dict[str, object]]:
-    request = urllib.request.Request(
-        url, data=body, method="POST", headers={"Authorization": f"Bearer {token}"}
-    )
+def post(
+    url: str, body: bytes, token: str = TOKEN, generation: int = 7
+) -> tuple[int, dict[str, object]]:
+    headers = {SIGNATURE_HEADER: signature(token, generation)}
+    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=5) as reply:
             return reply.status, json.loads(reply.read())
@@ -110,12 +118,14 @@ def post(url: str, body: bytes, token: str = TOKEN) -> tuple[int, dict[str, obje
 def test_bad_announcements_are_refused_and_change_nothing(unit: Unit) -> None:
     url = f"http://{unit.names[0]}:{unit.port}{PATH}"
     assert post(url, b'{"generation": 7}', token="another-units-token")[0] == 401
+    # signed for another generation: a captured announcement replayed with a higher number
+    assert post(url, b'{"generation": 8}', generation=7)[0] == 401
     assert post(url, b"not json")[0] == 400
-    assert post(url, b'{"generation": -1}')[0] == 400
+    assert post(url, b'{"generation": -1}', generation=-1)[0] == 400
     assert post(url, b'{"gen": 3}')[0] == 400
     assert post(f"http://{unit.names[0]}:{unit.port}/v1/other", b"{}")[0] == 404
     assert unit.hosts[0].generation == 0
-    assert post(url, b'{"generation": 3}') == (200, {"generation": 3})
+    assert post(url, b'{"generation": 3}', generation=3) == (200, {"generation": 3})
 
 
 def test_an_unreachable_peer_is_left_to_the_operator(tmp_path: Path) -> None:

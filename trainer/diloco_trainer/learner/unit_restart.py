@@ -5,7 +5,7 @@ collective fails or hangs, and a learner restarted on that host alone would find
 in the old program, or their old coordinator. So the supervisors of a unit's hosts (one per pod,
 supervisor.py) agree on a *generation*: every learner of generation g uses the coordinator port
 of g (distributed.coordinator_port), and a supervisor whose learner crashes moves the unit to
-g+1 by telling every peer (`POST /v1/unit/restart`, the unit's token as bearer). A peer that hears of a newer generation
+g+1 by telling every peer (`POST /v1/unit/restart`, signed with the unit's token). A peer that hears of a newer generation
 kills its learner and starts the next one; a learner of the new generation can only ever meet
 learners of the same generation (another port), so no restart is lost in a race. Two hosts
 crashing at once both announce g+1: the generation moves once. A supervisor restarted by the
@@ -19,6 +19,7 @@ of its child instead (`serve_once`); an announcement's threads are joined before
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -40,8 +41,17 @@ BIND_ENV = "DILOCO_UNIT_RESTART_BIND"  # several hosts of a unit on one machine 
 DEFAULT_PORT = 8475
 GENERATION_FILE = "generation"
 PATH = "/v1/unit/restart"
+SIGNATURE_HEADER = "X-Diloco-Restart-Signature"
 ANNOUNCE_TIMEOUT_S = 2.0
 ANNOUNCE_TRIES = 3
+
+
+def signature(token: str, generation: int) -> str:
+    """An announcement's proof that it comes from a host of the unit: an HMAC of the generation
+    keyed by the unit's token, which itself never crosses the pods' network. Replayed, a
+    captured announcement can only ask for a generation the unit has already reached."""
+    message = f"unit-restart:{generation}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,7 @@ class UnitRestart:
                 data=body,
                 method="POST",
                 headers={
-                    "Authorization": f"Bearer {self.token}",
+                    SIGNATURE_HEADER: signature(self.token, generation),
                     "Content-Type": "application/json",
                 },
             )
@@ -173,9 +183,6 @@ def _handler(unit: UnitRestart) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             if self.path != PATH:
                 return self._reply(404, {"error": "not_found"})
-            given = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {unit.token}".encode()):
-                return self._reply(401, {"error": "unauthorized"})
             try:
                 length = min(int(self.headers.get("Content-Length", "0")), 1024)
                 generation = int(json.loads(self.rfile.read(length))["generation"])
@@ -183,6 +190,9 @@ def _handler(unit: UnitRestart) -> type[BaseHTTPRequestHandler]:
                 return self._reply(400, {"error": "bad_request", "detail": "want {generation}"})
             if generation < 0:
                 return self._reply(400, {"error": "bad_request", "detail": "generation < 0"})
+            given = self.headers.get(SIGNATURE_HEADER, "")
+            if not hmac.compare_digest(given.encode(), signature(unit.token, generation).encode()):
+                return self._reply(401, {"error": "unauthorized"})
             self._reply(200, {"generation": unit.heard(generation)})
 
         def _reply(self, code: int, body: dict[str, object]) -> None:
