@@ -40,6 +40,7 @@ BENCHES: list[tuple[str, str]] = [
     ("sharding", "bench.speed.sharding"),
     ("operator", "bench.cluster.operator"),
     ("huge_units", "bench.cluster.huge_units"),
+    ("huge_fleet", "bench.cluster.huge_fleet"),
     ("real_pods", "bench.cluster.real_pods"),
     ("soak", "bench.faults.soak"),
 ]
@@ -68,6 +69,7 @@ the same machine; absolute times are context only. Sections: {names}.
 | sharded syncer: memory per shard <= 1.1/S of one syncer's, <= 12 bytes per held parameter, the same parameters bit for bit; a shard SIGKILL loses 0 versions | sharded_syncer |
 | pod failure -> Offline <= 2 s, -> replacement <= 5 s beyond backoff; RSS < 300 MiB at 50x16 | operator |
 | a 2,304-host tpu7x unit on KWOK: recreated within 30 s; API requests per pass independent of the pods | huge_units |
+| 4 units of 2,304 hosts in one run on KWOK: operator RSS < 1 GiB, API requests per pass independent of the pods, a failed host recreates its unit only | huge_fleet |
 | real pods: learner killed -> replacement training again, median <= 15 s beyond backoff | real_pods |
 | FSDP unit on 8 devices: same loss curve as replicated, ~1/8 the per-device parameter + optimizer bytes; an over-budget model trains sharded | sharding |
 | one bad unit of four (9.9x deltas with huge counters, noise, flipped signs): loss within 2% of a calm run; the defences move a calm run by <= 0.5% | bad_unit |

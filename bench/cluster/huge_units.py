@@ -47,29 +47,26 @@ FULL, QUICK = ("16x24x24", 2304), ("8x16x16", 512)
 SMALL_TOPOLOGY, SMALL_HOSTS = "4x4x4", 16
 
 
+def tpu7x_pool(name: str, nodes: int, topology: str, hosts_per_node: int = 1) -> Any:
+    """A pool of fake tpu7x nodes; `hosts_per_node` > 1 packs that many hosts' chips (and CPU
+    and memory) into each node (huge_fleet.py)."""
+    return kwok.NodePool(
+        name,
+        nodes,
+        "tpu7x-standard-4t",
+        str(224 * hosts_per_node),
+        f"{960 * hosts_per_node}Gi",
+        ACCELERATOR,
+        topology,
+        CHIPS_PER_HOST * hosts_per_node,
+    )
+
+
 def node_pools(topology: str, hosts: int) -> list[Any]:
     return [
         kwok.NodePool("default-pool", 2, "e2-standard-8", "8", "32Gi"),
-        kwok.NodePool(
-            f"tpu7x-{topology}",
-            hosts,
-            "tpu7x-standard-4t",
-            "224",
-            "960Gi",
-            ACCELERATOR,
-            topology,
-            CHIPS_PER_HOST,
-        ),
-        kwok.NodePool(
-            f"tpu7x-{SMALL_TOPOLOGY}",
-            SMALL_HOSTS,
-            "tpu7x-standard-4t",
-            "224",
-            "960Gi",
-            ACCELERATOR,
-            SMALL_TOPOLOGY,
-            CHIPS_PER_HOST,
-        ),
+        tpu7x_pool(f"tpu7x-{topology}", hosts, topology),
+        tpu7x_pool(f"tpu7x-{SMALL_TOPOLOGY}", SMALL_HOSTS, SMALL_TOPOLOGY),
     ]
 
 
@@ -209,11 +206,15 @@ def requests_per_pass(port: int, window_s: float) -> float:
 # its default 20 requests/s (burst 30), as large clusters' control planes are: at 20/s it lifts
 # the new nodes' not-ready taints at ~5 nodes/s and creates a Job's pods at 20/s.
 CONTROLLER_MANAGER_ARGS = "--node-monitor-grace-period=600s --kube-api-qps=200 --kube-api-burst=400"
+# etcd's 2 GiB default quota held one 2,304-pod unit's revisions, not four units' (its alarm
+# then refuses every write): 8 GiB, compacted every minute.
+ETCD_ARGS = "--quota-backend-bytes=8589934592 --auto-compaction-mode=periodic --auto-compaction-retention=1m"
 
 
 @contextlib.contextmanager
 def cluster_with(pools: list[Any]) -> Iterator[Any]:
     os.environ["DILOCO_E2E_CONTROLLER_MANAGER_ARGS"] = CONTROLLER_MANAGER_ARGS
+    os.environ["DILOCO_E2E_ETCD_ARGS"] = ETCD_ARGS
     state = harness.cache_root() / "state-bench-huge"
     cluster = harness.LocalCluster(state, node_pools=pools)
     log(f"starting the local control plane with {sum(p.nodes for p in pools)} fake nodes")
