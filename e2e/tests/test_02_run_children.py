@@ -95,7 +95,8 @@ def test_headless_unit_services(cluster: Any, namespace: str, mixed: dict[str, A
     for name, svc in svcs.items():
         assert svc["spec"]["clusterIP"] == "None"
         assert svc["spec"]["publishNotReadyAddresses"] is True
-        assert svc["spec"]["selector"] == {"diloco.dev/unit": name}
+        attempt = svc["metadata"]["labels"].get("diloco.dev/attempt", "0")
+        assert svc["spec"]["selector"] == {"diloco.dev/unit": name, "diloco.dev/attempt": attempt}
 
 
 def test_syncer_and_run_objects(cluster: Any, namespace: str, mixed: dict[str, Any]) -> None:
