@@ -11,9 +11,9 @@ from diloco_trainer.wire import (
     WireError,
     decode_params,
     decode_push,
-    encode_params,
     encode_push,
     encode_tensors,
+    params_pieces,
 )
 
 
@@ -62,7 +62,7 @@ def test_push_round_trip_quantized_is_smaller_and_close(scheme: str, ratio: floa
 
 def test_params_round_trip() -> None:
     d = delta()
-    got = decode_params(encode_params(d, [3, 4], fragment=1))
+    got = decode_params(params_pieces(d, [3, 4], fragment=1).joined())
     assert got.versions == [3, 4] and got.fragment == 1
     np.testing.assert_array_equal(got.tensors["ln.scale"], d["ln.scale"])
 
@@ -100,7 +100,7 @@ def test_missing_metadata_and_wrong_kind_are_rejected() -> None:
     with pytest.raises(WireError, match="baseVersion"):
         decode_push(no_base)
     with pytest.raises(WireError, match="kind"):
-        decode_push(encode_params(delta(), [0]))
+        decode_push(params_pieces(delta(), [0]).joined())
 
 
 def test_wrong_dtype_and_inconsistent_quantized_tensors_are_rejected() -> None:

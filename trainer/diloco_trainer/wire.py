@@ -280,15 +280,6 @@ def params_pieces(
     return tensor_pieces({k: np.asarray(v, dtype=np.float32) for k, v in params.items()}, meta)
 
 
-def encode_params(
-    params: Mapping[str, np.ndarray],
-    versions: list[int],
-    fragment: int | None = None,
-    epoch: str = "",
-) -> bytes:
-    return params_pieces(params, versions, fragment, epoch).joined()
-
-
 @dataclass(frozen=True)
 class Download:
     """A decoded fragment or parameters download. `step` True: `tensors` is a dequantized step

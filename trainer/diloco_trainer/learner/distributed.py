@@ -70,6 +70,11 @@ def worker_id(env: Mapping[str, str]) -> int:
     return found
 
 
+def worker_hostnames(env: Mapping[str, str]) -> list[str]:
+    """The unit's hosts in worker-id order (TPU_WORKER_HOSTNAMES, comma separated)."""
+    return [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+
+
 def coordinator_port(generation: int) -> int:
     return COORDINATOR_PORT + generation % PORT_SPAN
 
@@ -93,7 +98,7 @@ def distributed_args(env: Mapping[str, str]) -> DistributedArgs | None:
     cluster, the tests). A single host (GKE writes `localhost` there) has no peers. The first
     host coordinates.
     """
-    hosts = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    hosts = worker_hostnames(env)
     if len(hosts) <= 1:
         return None
     worker = worker_id(env)

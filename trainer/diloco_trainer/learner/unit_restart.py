@@ -5,10 +5,10 @@ collective fails or hangs, and a learner restarted on that host alone would find
 in the old program, or their old coordinator. So the supervisors of a unit's hosts (one per pod,
 supervisor.py) agree on a *generation*: every learner of generation g uses the coordinator port
 of g (distributed.coordinator_port), and a supervisor whose learner crashes moves the unit to
-g+1 by telling every peer (`POST /v1/unit/restart`, signed with the unit's token). A peer that hears of a newer generation
-kills its learner and starts the next one; a learner of the new generation can only ever meet
-learners of the same generation (another port), so no restart is lost in a race. Two hosts
-crashing at once both announce g+1: the generation moves once. A supervisor restarted by the
+g+1 by telling every peer (`POST /v1/unit/restart`, signed with the unit's token). A peer that
+hears of a newer generation kills its learner and starts the next one; a learner of the new
+generation can only ever meet learners of the same generation (another port), so no restart is
+lost in a race. Two hosts crashing at once both announce g+1: the generation moves once. A supervisor restarted by the
 kubelet (its pod's restart rule) finds the generation in the pod's restart directory and
 announces the next one, so a whole-container restart also restarts the unit.
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
-from diloco_trainer.learner.distributed import GENERATION_ENV, worker_id
+from diloco_trainer.learner.distributed import GENERATION_ENV, worker_hostnames, worker_id
 
 log = logging.getLogger("diloco_trainer.learner.unit_restart")
 
@@ -88,7 +88,6 @@ class UnitRestart:
         self.generation = self._read()
         self._write(self.generation)
         self.server = HTTPServer((bind, port), _handler(self))
-        self.server.timeout = 0.0
 
     def _read(self) -> int:
         if self.path is None or not self.path.exists():
@@ -212,7 +211,7 @@ def _handler(unit: UnitRestart) -> type[BaseHTTPRequestHandler]:
 def from_env(env: Mapping[str, str], token: str, state_dir: str | None) -> UnitRestart | None:
     """This host's UnitRestart for a multi-host unit (TPU_WORKER_HOSTNAMES lists several hosts),
     else None: a single host restarts alone."""
-    hosts = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    hosts = worker_hostnames(env)
     if len(hosts) <= 1:
         return None
     port = int(env.get(PORT_ENV, str(DEFAULT_PORT)))
