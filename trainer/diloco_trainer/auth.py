@@ -23,6 +23,14 @@ from diloco_trainer.config import ConfigError
 # the same secret.
 DOMAIN = b"diloco-unit/1:"
 UNIT_HEADER = "X-Diloco-Unit"
+# A warm spare's credential is a unit token minted for "spare:<name>": unit names are DNS labels
+# with no ':', so a spare can never speak as a unit, nor a unit as a spare.
+SPARE_PREFIX = "spare:"
+
+
+def spare_token(secret: str, spare: str) -> str:
+    """The bearer token of warm spare `spare` (sent with `X-Diloco-Unit: spare:<spare>`)."""
+    return unit_token(secret, SPARE_PREFIX + spare)
 
 
 def unit_token(secret: str, unit: str) -> str:

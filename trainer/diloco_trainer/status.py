@@ -144,6 +144,43 @@ class CheckpointStatus:
         return {"skippedAtStart": list(self.skipped_at_start)}
 
 
+SpareState = Literal["Waiting", "Covering", "Returning", "Silent"]
+SPARE_STATES: tuple[SpareState, ...] = ("Waiting", "Covering", "Returning", "Silent")
+
+
+@dataclass(frozen=True)
+class SpareStatus:
+    """A warm spare as the syncer sees it (syncer/spares.py): waiting for a unit to cover,
+    covering `unit` under wire attempt `attempt` since `since`, between two waits, or silent."""
+
+    group: str = "default"
+    state: SpareState = "Silent"
+    unit: str | None = None
+    attempt: int | None = None
+    since: float | None = None
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> SpareStatus:
+        state = doc.get("state")
+        unit = doc.get("unit")
+        return cls(
+            group=str(doc.get("group") or "default"),
+            state=cast(SpareState, state) if state in SPARE_STATES else "Silent",
+            unit=unit if isinstance(unit, str) else None,
+            attempt=_int(doc.get("attempt")),
+            since=_float(doc.get("since")),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "state": self.state,
+            "unit": self.unit,
+            "attempt": self.attempt,
+            "since": self.since,
+        }
+
+
 @dataclass(frozen=True)
 class SyncerStatus:
     """The whole status document. Counters are None when a reader got a document without them
@@ -172,10 +209,12 @@ class SyncerStatus:
     # Which syncer shard wrote this document (shards.py); None: an unsharded syncer, or one
     # older than shards. A shard's fragments, outer step and bytes are its own (`gathered`).
     shard: Shard | None = None
+    # Warm spares waiting at (or covering a unit for) the syncer, by name (shard 0's alone).
+    spares: dict[str, SpareStatus] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> SyncerStatus:
-        learners = doc.get("learners")
+        learners, spares = doc.get("learners"), doc.get("spares")
         fragments = doc.get("fragments")
         final_eval = doc.get("finalEval")
         health, checkpoint = doc.get("health"), doc.get("checkpoint")
@@ -210,6 +249,13 @@ class SyncerStatus:
             else None,
             roster_revision=_int(doc.get("rosterRevision")),
             shard=_shard(doc.get("shard")),
+            spares={
+                str(name): SpareStatus.from_json(entry)
+                for name, entry in spares.items()
+                if isinstance(entry, Mapping)
+            }
+            if isinstance(spares, Mapping)
+            else {},
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -232,6 +278,7 @@ class SyncerStatus:
             "checkpoint": self.checkpoint.to_json() if self.checkpoint else None,
             "rosterRevision": self.roster_revision,
             "shard": str(self.shard) if self.shard is not None and self.shard.sharded else None,
+            "spares": {name: entry.to_json() for name, entry in self.spares.items()},
         }
 
 

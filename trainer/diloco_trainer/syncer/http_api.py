@@ -7,15 +7,15 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from diloco_trainer.auth import UNIT_HEADER, Caller
+from diloco_trainer.auth import Caller
 from diloco_trainer.payload import Pieces
-from diloco_trainer.syncer.admission import authenticate, check_layout
+from diloco_trainer.syncer import spare_api
+from diloco_trainer.syncer.admission import check_layout
 from diloco_trainer.syncer.conn import (
     CONNECTIONS_KEY,
     KEEPALIVE_SECONDS,
@@ -26,7 +26,16 @@ from diloco_trainer.syncer.conn import (
 from diloco_trainer.syncer.core import Syncer
 from diloco_trainer.syncer.fields import counter, field_of
 from diloco_trainer.syncer.fragment import MAX_POLL_WAIT, Reject
-from diloco_trainer.syncer.limits import kind_of, retry_after
+from diloco_trainer.syncer.http_common import (
+    CALLER_KEY,
+    JOIN_BODY_LIMIT,
+    ROSTER_PATH,
+    STATUS_PATH,
+    SYNCER_KEY,
+    json_body,
+    json_response,
+)
+from diloco_trainer.syncer.http_guard import guard
 from diloco_trainer.syncer.roster import Roster
 from diloco_trainer.syncer.storage import CheckpointError
 from diloco_trainer.tls import ServerTls
@@ -36,22 +45,12 @@ from diloco_trainer.wire import (
     DataLease,
     WireError,
     data_lease_from_json,
-    loads_json,
     params_pieces,
     parse_count,
     parse_data_position,
 )
 
 log = logging.getLogger("diloco.syncer")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-SYNCER_KEY = web.AppKey("syncer", Syncer)
-ROSTER_PATH = "/v1/units"
-STATUS_PATH = "/v1/status"
-CALLER_KEY = web.RequestKey("caller", Caller)
-
-
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, text=json.dumps(data), content_type="application/json")
 
 
 async def _tensors(request: web.Request, payload: Pieces, **headers: str) -> web.StreamResponse:
@@ -69,95 +68,6 @@ async def _tensors(request: web.Request, payload: Pieces, **headers: str) -> web
     return response
 
 
-def json_error(status: int, reason: str, message: str) -> web.Response:
-    return web.Response(
-        status=status,
-        text=json.dumps({"error": message, "reason": reason}),
-        content_type="application/json",
-    )
-
-
-@web.middleware
-async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Bearer auth on /v1/*, and one place that turns Reject into a 4xx + log line."""
-    syncer = request.app[SYNCER_KEY]
-    request.app[CONNECTIONS_KEY].served(request)
-    try:
-        if request.path.startswith("/v1/"):
-            caller = authenticate(syncer, request.headers)
-            if caller.operator and request.method != "GET" and request.path != ROSTER_PATH:
-                raise Reject(
-                    403,
-                    "forbidden",
-                    "the run token is for status reads and the roster; a learner sends its "
-                    f"unit token and {UNIT_HEADER}",
-                )
-            if caller.observer and (request.method, request.path) != ("GET", STATUS_PATH):
-                raise Reject(403, "forbidden", "a join credential's observer reads the status only")
-            request[CALLER_KEY] = caller
-            if caller.unit is not None and not caller.observer:
-                syncer.gate.admit(caller.unit)
-                throttled = _throttle(syncer, caller.unit, request)
-                if throttled is not None:
-                    return throttled
-        return await handler(request)
-    except Reject as exc:
-        if request.path.endswith("/push"):
-            syncer.metrics.pushes.labels("rejected", exc.reason).inc()
-        log.warning(
-            "event=rejected method=%s path=%s status=%d reason=%s message=%r peer=%s",
-            request.method,
-            request.path,
-            exc.status,
-            exc.reason,
-            exc.message,
-            request.remote,
-        )
-        return json_error(exc.status, exc.reason, exc.message)
-    except web.HTTPRequestEntityTooLarge as exc:
-        syncer.metrics.pushes.labels("rejected", "too_large").inc()
-        log.warning("event=rejected path=%s status=413 reason=too_large", request.path)
-        return json_error(413, "too_large", exc.text or "request body too large")
-
-
-def _throttle(syncer: Syncer, unit: str, request: web.Request) -> web.Response | None:
-    """A 429 with Retry-After when `unit` sends requests of this kind faster than any honest
-    learner does (limits.py), else None."""
-    kind = kind_of(request.method, request.path)
-    if kind is None:
-        return None
-    now = time.monotonic()
-    wait = syncer.gate.limits.take(unit, kind, now)
-    if wait <= 0:
-        return None
-    syncer.metrics.limited.labels(kind).inc()
-    if syncer.gate.limits.should_log(unit, now):
-        log.warning(
-            "event=rate_limited unit=%s kind=%s retry_after=%.2f peer=%s (logged once a minute)",
-            unit,
-            kind,
-            wait,
-            request.remote,
-        )
-    response = json_error(
-        429, "rate_limited", f"{kind} requests of unit {unit!r} too frequent: retry in {wait:.2f}s"
-    )
-    response.headers["Retry-After"] = retry_after(wait)
-    return response
-
-
-async def _json_body(request: web.Request, limit: int | None = None) -> dict[str, Any]:
-    body = await read_body(request, limit or JSON_BODY_LIMIT)
-    request.app[SYNCER_KEY].bytes_received += len(body)
-    try:
-        data = loads_json(body or b"{}")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Reject(400, "malformed", f"body is not JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise Reject(400, "malformed", "body must be a JSON object")
-    return data
-
-
 def _identity(request: web.Request, data: dict[str, Any]) -> tuple[str, int, str]:
     """The learner a JSON request speaks for: it must be the authenticated unit, and a unit new
     to the run only while the run has room for it."""
@@ -170,16 +80,21 @@ def _identity(request: web.Request, data: dict[str, Any]) -> tuple[str, int, str
     group = field_of(data, "group", str, "default")
     if len(group) > 63:  # a DNS label, like every group name; status and logs carry it
         raise Reject(400, "bad_request", f"group: at most 63 characters, got {len(group)}")
-    request.app[SYNCER_KEY].gate.admit(unit, group)
-    return unit, counter(data, "attempt", 0), group
+    syncer = request.app[SYNCER_KEY]
+    syncer.gate.admit(unit, group)
+    attempt = counter(data, "attempt", 0)
+    syncer.learners.check_current(unit, attempt)  # a newer process is the unit: 409 superseded
+    return unit, attempt, group
 
 
 async def join(request: web.Request) -> web.Response:
     s = request.app[SYNCER_KEY]
-    data = await _json_body(request, JOIN_BODY_LIMIT)
+    data = await json_body(request, JOIN_BODY_LIMIT)
     unit, attempt, group = _identity(request, data)
     check_layout(s, data, unit)  # before anything of the unit is recorded
     s.learners.seen(unit, attempt, group, time.time()).joined.add(attempt)
+    for spare in s.spares.release(unit, attempt):
+        log.info("event=cover_over unit=%s attempt=%d spare=%s", unit, attempt, spare)
     resume_step = s.learners.resume_step(unit, attempt)  # where its LR schedule continues
     lease = None
     if s.shard.leads:  # the data lease book is shard 0's alone
@@ -197,7 +112,7 @@ async def join(request: web.Request) -> web.Response:
     )
     # The learner holds the same config (compression, innerSteps, ...); the reply carries only
     # what the run's state decides.
-    return _json(
+    return json_response(
         {
             "run": s.run,
             "layout": [f.names for f in s.frags],
@@ -246,7 +161,7 @@ async def claim_data(request: web.Request) -> web.Response:
         raise Reject(
             421, "wrong_shard", f"data leases are syncer shard 0's; this is shard {s.shard.index}"
         )
-    data = await _json_body(request)
+    data = await json_body(request)
     unit, attempt, group = _identity(request, data)
     try:
         finished = data_lease_from_json(data.get("finished"), s.cfg.data.shards, "finished")
@@ -256,7 +171,7 @@ async def claim_data(request: web.Request) -> web.Response:
     moves = s.leases.moves
     lease = s.leases.claim(unit, finished, _alive(s))
     await _journal_leases(s, moves)
-    return _json({"dataLease": lease.to_json()})
+    return json_response({"dataLease": lease.to_json()})
 
 
 def _data_position(request: web.Request) -> DataLease | None:
@@ -271,7 +186,7 @@ def _data_position(request: web.Request) -> DataLease | None:
 
 async def heartbeat(request: web.Request) -> web.Response:
     s = request.app[SYNCER_KEY]
-    data = await _json_body(request)
+    data = await json_body(request)
     unit, attempt, group = _identity(request, data)
     step, tokens, now = counter(data, "step"), counter(data, "tokens"), time.time()
     s.gate.check_heartbeat(unit, attempt, step, tokens, now)
@@ -287,7 +202,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     )
     s.publish_gauges()
     s.check_complete()
-    return _json(
+    return json_response(
         {
             "complete": s.complete,
             "versions": s.versions(),
@@ -323,7 +238,7 @@ async def push(request: web.Request) -> web.Response:
         s.leases.report(caller.unit, at)
         await _journal_leases(s, moves)
     s.metrics.pushes.labels("accepted", "duplicate" if reply["duplicate"] else "ok").inc()
-    return _json(reply)
+    return json_response(reply)
 
 
 async def poll(request: web.Request) -> web.StreamResponse:
@@ -352,14 +267,14 @@ async def put_roster(request: web.Request) -> web.Response:
     if not request[CALLER_KEY].operator:
         raise Reject(403, "forbidden", "the roster is set with the run token")
     try:
-        roster = Roster.from_json(await _json_body(request), "body")
+        roster = Roster.from_json(await json_body(request), "body")
     except ValueError as exc:
         raise Reject(400, "bad_request", str(exc)) from exc
     taken = s.take_roster(roster)
     if taken:
         await _write_roster(s)
     held = s.gate.roster_revision
-    return _json({"taken": taken, "revision": held}, status=200 if taken else 409)
+    return json_response({"taken": taken, "revision": held}, status=200 if taken else 409)
 
 
 async def _write_roster(s: Syncer) -> None:
@@ -373,7 +288,7 @@ async def _write_roster(s: Syncer) -> None:
 
 
 async def status(request: web.Request) -> web.Response:
-    return _json(request.app[SYNCER_KEY].status().to_json())
+    return json_response(request.app[SYNCER_KEY].status().to_json())
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -387,7 +302,7 @@ async def readyz(request: web.Request) -> web.Response:
     health = request.app[SYNCER_KEY].health
     if health.ready:
         return web.Response(text="ready")
-    return _json(health.to_json(), status=503)
+    return json_response(health.to_json(), status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -396,12 +311,6 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(
         body=generate_latest(s.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
     )
-
-
-# Heartbeat and claim bodies are a few hundred bytes; a join carries the learner's fragment plan
-# (layout_plan.py: up to MAX_PLAN_BYTES, else its fingerprint alone).
-JSON_BODY_LIMIT = 64 * 1024
-JOIN_BODY_LIMIT = 1024 * 1024
 
 
 def build_app(syncer: Syncer) -> web.Application:
@@ -422,6 +331,7 @@ def build_app(syncer: Syncer) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    spare_api.add_routes(app)
     app.on_startup.append(syncer.start_background)
     app.on_shutdown.append(syncer.wake_pollers)
     app.on_cleanup.append(syncer.stop_background)

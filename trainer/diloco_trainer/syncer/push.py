@@ -129,6 +129,7 @@ def check_sender(s: SyncerState, header: PushHeader, caller: str | None) -> None
             "not_joined",
             f"unit {header.unit!r} attempt {header.attempt} has not joined: join first",
         )
+    s.learners.check_current(header.unit, header.attempt)
     s.gate.quarantined(header.unit, header.attempt)
 
 

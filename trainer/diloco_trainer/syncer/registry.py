@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from diloco_trainer.status import LearnerStatus
+from diloco_trainer.syncer.fragment import Reject
 from diloco_trainer.syncer.grace import Ema
 from diloco_trainer.syncer.trust import median
 from diloco_trainer.wire import MAX_COUNTER
@@ -103,6 +104,22 @@ class LearnerRegistry:
                 unit, start_step=start, step_time=Ema(self.ema), lead=self.lead
             )
         return self.records[unit]
+
+    def newest_joined(self, unit: str) -> int | None:
+        rec = self.records.get(unit)
+        return max(rec.joined) if rec is not None and rec.joined else None
+
+    def check_current(self, unit: str, attempt: int) -> None:
+        """Refuse (409 superseded) an attempt older than the newest of `unit` that joined:
+        another process is that unit now (its recreated pod, or a warm spare's cover), and
+        two processes under one unit would read the same data and merge it twice."""
+        newest = self.newest_joined(unit)
+        if newest is not None and attempt < newest:
+            raise Reject(
+                409,
+                "superseded",
+                f"unit {unit!r} attempt {attempt}: attempt {newest} of the unit joined since",
+            )
 
     def seen(self, unit: str, attempt: int, group: str, now: float) -> LearnerRecord:
         rec = self.get(unit)

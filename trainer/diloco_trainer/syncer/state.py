@@ -40,6 +40,7 @@ from diloco_trainer.syncer.metrics import SyncerMetrics
 from diloco_trainer.syncer.pools import Pools
 from diloco_trainer.syncer.registry import LearnerRegistry
 from diloco_trainer.syncer.roster import Roster
+from diloco_trainer.syncer.spares import SpareDesk
 from diloco_trainer.tls import ClientTrust
 from diloco_trainer.workload.check import tokens_per_step
 
@@ -91,6 +92,7 @@ class SyncerState:
         self.frags = [self._new_fragment(i, names, params) for i, names in enumerate(layout)]
         self.held = [f for f in self.frags if f.held]
         self.leases = LeaseBook(cfg.data.shards)  # who reads which shard (data_leases.py)
+        self.spares = SpareDesk()  # warm spares waiting to cover a lost unit (spares.py)
         # A lease whose unit was not heard from for this long may go to another unit.
         self.lease_orphan_after = max(30.0, 10 * cfg.heartbeat_seconds)
         self.eval_loss: float | None = None
@@ -268,4 +270,5 @@ class SyncerState:
             checkpoint=CheckpointStatus(tuple(self.store.skipped) if self.store else ()),
             roster_revision=self.gate.roster_revision,
             shard=self.shard,
+            spares=self.spares.status(now),
         )
