@@ -13,6 +13,18 @@ from __future__ import annotations
 
 STRIDE = 1000  # restarts in place per recreation the attempt number has room for
 EXIT_GIVE_UP = 3  # the learner's exit once its restarts in place are spent: recreate the unit
+# The learner's exit when the syncer says a newer attempt of its unit joined (409 superseded):
+# its recreated pod took over, from a warm spare's cover or from a pod thought lost.
+EXIT_SUPERSEDED = 4
+# The restarts-in-place part of a warm spare's cover attempt: above any count a pod reaches
+# (failurePolicy.inPlaceRestarts), below the unit's next recreation (learner/spare.py).
+COVER_RESTARTS = STRIDE - 1
+
+
+def cover_attempt(recreations: int) -> int:
+    """The attempt a warm spare covers a unit under while the unit's `recreations`-th pod is
+    replaced by the next: newer than every restart of that pod, older than the new pod."""
+    return wire_attempt(recreations, COVER_RESTARTS)
 
 
 def wire_attempt(recreations: int, restarts: int) -> int:

@@ -55,6 +55,7 @@ class RecordingLink:
 
     def __init__(self) -> None:
         self.complete = threading.Event()
+        self.superseded = threading.Event()
         self.pushes: list[Any] = []
         self.arrivals: list[Any] = []
 

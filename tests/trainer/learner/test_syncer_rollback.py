@@ -57,6 +57,7 @@ class Arrived:
     def __init__(self, arrivals: list[Arrival]) -> None:
         self.arrivals = arrivals
         self.complete = type("Flag", (), {"is_set": staticmethod(lambda: False)})()
+        self.superseded = self.complete
 
     def drain(self) -> list[Arrival]:
         arrivals, self.arrivals = self.arrivals, []

@@ -286,6 +286,13 @@ class SyncerClient:
             raise SyncerUnavailable("POST /v1/data/claim: reply without dataLease")
         return lease
 
+    def wait_for_cover(self, spare: str, wait: float) -> dict[str, Any] | None:
+        """A warm spare's long-poll (the client's unit is "spare:<spare>"): the identity of the
+        unit to cover, or None when none came within `wait` seconds."""
+        body = json.dumps({"spare": spare, "group": self.group, "wait": wait}).encode()
+        status, _, data = self._request("POST", "/v1/spares/wait", body, timeout=wait + 10.0)
+        return None if status == 204 else cast(dict[str, Any], json.loads(data))
+
     def pull_all(self) -> tuple[dict[str, np.ndarray], list[int]]:
         _, _, data = self._request("GET", "/v1/params", timeout=max(self.timeout, 60.0))
         try:

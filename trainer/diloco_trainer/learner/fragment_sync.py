@@ -92,7 +92,7 @@ class FragmentBook:
         host agrees on it."""
         newest: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
         if link is not None:
-            if link.complete.is_set():
+            if link.complete.is_set() or link.superseded.is_set():
                 signal = signal._replace(stop=True)
             for arrival in link.drain():
                 newest[arrival.fragment] = (arrival.version, arrival.tensors)

@@ -31,7 +31,7 @@ from diloco_trainer.api import partition_rules
 from diloco_trainer.config import TrainingConfig
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.layout_plan import announce, plan_of
-from diloco_trainer.learner.client import SyncerClient
+from diloco_trainer.learner.client import SyncerClient, SyncerRejected
 from diloco_trainer.learner.data_feed import unit_feed
 from diloco_trainer.learner.distributed import (
     StepSignal,
@@ -298,7 +298,14 @@ def _start(
     bytes_joined = 0
     data_lease = None
     if leader:
-        joined = join_and_pull(client, stop)
+        try:
+            joined = join_and_pull(client, stop)
+        except SyncerRejected as exc:
+            if exc.reason != "superseded":
+                raise
+            log.warning("event=superseded action=stop error=%s", exc)
+            elapsed = time.monotonic() - started
+            return LearnerResult(0, 0, elapsed, False, None, versions, superseded=True)
         if joined is None:  # stopped while waiting for the syncer
             return LearnerResult(0, 0, time.monotonic() - started, False, None, versions)
         if joined.complete:
@@ -375,4 +382,5 @@ def _result(
         bytes_joined=start.bytes_joined,
         loop_seconds=loop_seconds,
         overwritten_share=frags.counters.overwritten_share(step),
+        superseded=link is not None and link.superseded.is_set(),
     )

@@ -3,12 +3,16 @@
 `diloco-learner --config FILE --standby`: a warm spare for the local runtime (standby.py): it
 imports JAX and compiles the train step first, then reads its unit identity on stdin.
 
+`diloco-learner --config FILE --spare NAME`: a warm spare on Kubernetes (spare.py): the same,
+but it waits at the syncer for a unit to cover, and again after each cover.
+
 The start is logged phase by phase (phases.py; the list is in docs/local.md): imports, jax_init,
 the workload check, initial_params, join, pull, first_batch, compile, first_step.
 
 Exit codes: 0 when the syncer reports the run complete (or --max-steps was reached), 2 for a
-config/usage error (the message names the field), 143 after SIGTERM/SIGINT (stopped, not done),
-1 for anything else (the supervisor restarts the unit).
+config/usage error (the message names the field), 3 once the restarts in place are spent, 4 when
+a newer attempt of the unit joined (superseded: another process is the unit now), 143 after
+SIGTERM/SIGINT (stopped, not done), 1 for anything else (the supervisor restarts the unit).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import ValidationError
 
-from diloco_trainer.attempts import EXIT_GIVE_UP, wire_attempt
+from diloco_trainer.attempts import EXIT_GIVE_UP, EXIT_SUPERSEDED, wire_attempt
 from diloco_trainer.auth import resolve_token
 from diloco_trainer.config import (
     ConfigError,
@@ -130,6 +134,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         action="store_true",
         help="warm spare (local runtime): import, build and compile first, then read the unit "
         "identity as one JSON line on stdin",
+    )
+    add(
+        "--spare",
+        default=_env_default(env, "DILOCO_SPARE", ""),
+        help="warm spare NAME (Kubernetes): compile first, then wait at the syncer for a unit "
+        "to cover, again after each cover (else DILOCO_SPARE)",
     )
     return parser
 
@@ -247,6 +257,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     configure_logging(args.log_level.upper(), log_format)
     if args.standby:
         return standby_main(args, env)
+    if args.spare:
+        from diloco_trainer.learner.spare import spare_life
+        from diloco_trainer.learner.supervisor import supervise
+
+        return supervise(_import_trainer, lambda: _leave_jax(spare_life(args, env)), spare=True)
     if args.supervise:
         from diloco_trainer.learner.supervisor import supervise
         from diloco_trainer.learner.unit_restart import from_env
@@ -374,6 +389,8 @@ def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | N
         result.overwritten_share,
         ",".join(f"{k}:{v}" for k, v in result.link_stats.items()),
     )
+    if result.superseded:
+        return EXIT_SUPERSEDED
     if stop.is_set() and not result.complete:
         return EXIT_STOPPED
     return 0

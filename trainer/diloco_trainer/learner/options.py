@@ -47,6 +47,7 @@ class LearnerResult:
     # Of the learner's steps on each fragment, the share that installs replaced before a push
     # carried them: mostly the steps made while a merge it pushed to was under way.
     overwritten_share: float = 0.0
+    superseded: bool = False  # stopped because another process is the unit now (sync_link.py)
 
     @property
     def tokens_per_sec(self) -> float:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from diloco_trainer.attempts import EXIT_GIVE_UP
+from diloco_trainer.attempts import EXIT_GIVE_UP, EXIT_SUPERSEDED
 from diloco_trainer.learner.lifetime import die_with_parent
 
 if TYPE_CHECKING:
@@ -34,7 +34,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("diloco_trainer.learner.supervisor")
 
-FINAL_EXITS = frozenset({0, 2, EXIT_GIVE_UP})  # a restart cannot help these
+FINAL_EXITS = frozenset({0, 2, EXIT_GIVE_UP, EXIT_SUPERSEDED})  # a restart cannot help these
+# A warm spare (spare.py) goes back to waiting after its cover ends, superseded or crashed, and
+# stops only when the run is complete (0), on a config error (2) or after this many crashes in
+# a row (then EXIT_GIVE_UP: its pod is recreated).
+SPARE_FINAL_EXITS = frozenset({0, 2})
+SPARE_CRASHES = 5
 
 
 def exit_code(status: int) -> int:
@@ -45,11 +50,15 @@ def exit_code(status: int) -> int:
 
 
 def supervise(
-    preload: Callable[[], None], learner: Callable[[], int], unit: UnitRestart | None = None
+    preload: Callable[[], None],
+    learner: Callable[[], int],
+    unit: UnitRestart | None = None,
+    spare: bool = False,
 ) -> int:
     """Run `preload` once, then `learner` in a forked child until it ends with a final exit
     or the supervisor is stopped; the exit code to leave with. With `unit` (a multi-host unit,
-    unit_restart.py) a crash restarts every host's learner, and a peer's crash restarts ours."""
+    unit_restart.py) a crash restarts every host's learner, and a peer's crash restarts ours.
+    `spare`: the child is a warm spare's life (spare.py), forked again when a cover ends."""
     if unit is not None and unit.restarted_container:
         log.warning("event=supervisor_restarted action=restart_unit")
         unit.restart_all()
@@ -58,6 +67,8 @@ def supervise(
         unit.catch_up()  # restarts announced while it imported went unheard
     child = 0
     stopping = False
+    crashes = 0
+    final = SPARE_FINAL_EXITS if spare else FINAL_EXITS
 
     def pass_on(signum: int, _frame: FrameType | None) -> None:
         nonlocal stopping
@@ -81,8 +92,15 @@ def supervise(
             os._exit(_run(learner))
         code = _wait(child, unit, generation)
         child = 0
-        if stopping or code in FINAL_EXITS:
+        if stopping or code in final:
             return code
+        if spare:
+            crashes = 0 if code == EXIT_SUPERSEDED else crashes + 1
+            if crashes >= SPARE_CRASHES:
+                log.error("event=spare_crashing exit=%d crashes=%d action=give_up", code, crashes)
+                return EXIT_GIVE_UP
+            log.info("event=spare_again exit=%d", code)
+            continue
         if unit is not None and unit.generation > generation:
             log.warning(
                 "event=learner_restarted_for_unit exit=%d generation=%d", code, unit.generation

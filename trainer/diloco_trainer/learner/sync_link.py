@@ -155,6 +155,9 @@ class SyncLink:
         self.progress = progress
         self.heartbeat_seconds = heartbeat_seconds
         self.complete = threading.Event()
+        # Another process is this unit now (the syncer's 409 superseded): a recreated pod took
+        # over from a warm spare's cover, or from this pod while it was thought lost.
+        self.superseded = threading.Event()
         self.budget_done = 0.0  # the run's share of its budget, as of the last heartbeat reply
         self.stopping = threading.Event()
         self.stats = {"pushes": 0, "push_failures": 0, "push_combined": 0, "rejected": 0}
@@ -294,6 +297,7 @@ class SyncLink:
             except SyncerRejected as exc:
                 self.stats["rejected"] += 1
                 log.warning("event=push_rejected fragment=%d error=%s", push.fragment, exc)
+                self._note_superseded(exc)
                 continue
             with self._outbox_cv:
                 self._backoff.pop(link, None)
@@ -329,6 +333,14 @@ class SyncLink:
                 self._known[fragment] = got[0]
                 self._inbox.put(Arrival(fragment, got[0], got[1]))
 
+    def _note_superseded(self, exc: Exception) -> bool:
+        if not (isinstance(exc, SyncerRejected) and exc.reason == "superseded"):
+            return False
+        if not self.superseded.is_set():
+            log.warning("event=superseded action=stop error=%s", exc)
+        self.superseded.set()
+        return True
+
     def _heartbeat(self) -> None:
         backoff = Backoff()
         delay = 0.0
@@ -338,6 +350,8 @@ class SyncLink:
             try:
                 reply = self.client.heartbeat(snap.step, snap.tokens, snap.tokens_per_sec, loss)
             except (SyncerUnavailable, SyncerRejected) as exc:
+                if self._note_superseded(exc):
+                    return
                 delay = backoff.after(exc)
                 log.warning("event=heartbeat_retry delay=%.2f error=%s", delay, exc)
                 continue
