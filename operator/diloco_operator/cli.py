@@ -97,8 +97,9 @@ def _add_local(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     run.add_argument(
         "--spares",
         type=int,
-        default=1,
-        help="warm spare learners kept waiting to take over a recreated unit (0: none)",
+        default=None,
+        help="warm spare learners kept waiting to take over a recreated unit (0: none; "
+        "default: the manifest's unitGroups[].spares summed, else 1)",
     )
     run.add_argument(
         "--no-fork-server",
@@ -363,6 +364,7 @@ def _local_run(args: argparse.Namespace) -> int:
         load_manifest,
     )
     from diloco_operator.local.runtime import LocalRuntime, RunAborted, RunOptions
+    from diloco_operator.local.spares import pool_size
 
     console = Console(stderr=True, soft_wrap=True)
     logging.basicConfig(
@@ -398,7 +400,7 @@ def _local_run(args: argparse.Namespace) -> int:
         max_seconds=args.max_seconds,
         live=live,
         checkpoint_dir=checkpoint_location(args.resume_from, args.checkpoint_dir),
-        spare_learners=max(0, args.spares),
+        spare_learners=max(0, pool_size(args.spares, run.spec)),
         fork_server=not args.no_fork_server,
         syncer_start_timeout=args.start_timeout,
     )

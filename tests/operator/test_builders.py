@@ -10,8 +10,10 @@ import pytest
 import yaml
 from diloco_operator.api import parse_spec, pod_security
 from diloco_operator.k8s import builders, object_meta, run_secrets
-from diloco_operator.planner import CreateUnit, desired_units
-from diloco_trainer.auth import unit_token
+from diloco_operator.k8s.spare_pods import spare_objects
+from diloco_operator.planner import CreateSpare, CreateUnit, desired_units
+from diloco_operator.planner.spares import desired_spares
+from diloco_trainer.auth import spare_token, unit_token
 from diloco_trainer.config import SERVING_LOCK_FILE, load_training_config
 from k8s_roundtrip import roundtrip
 
@@ -31,7 +33,7 @@ MIXED = {
             "replicas": 1,
             "tpu": {"accelerator": "tpu-v5p-slice", "topology": "2x2x1"},
         },
-        {"name": "cpu", "replicas": 1, "nodeSelector": {"pool": "cpu"}},
+        {"name": "cpu", "replicas": 1, "nodeSelector": {"pool": "cpu"}, "spares": 1},
     ],
     "training": {"totalSteps": 100, "quorum": 2, "innerSteps": 7},
     "serviceAccountName": "trainer",
@@ -67,7 +69,36 @@ def all_objects(run: builders.Run) -> list[dict[str, Any]]:
     objs = builders.run_objects(run)
     for slot in desired_units(run.name, run.spec):
         objs += builders.unit_objects(run, create(run, slot.name), "run-secret")
+    for spare in desired_spares(run.name, run.spec):
+        action = CreateSpare(spare.name, spare.group, spare.index, 2, run.spec.total_units)
+        objs += spare_objects(run, action, "run-secret")
     return objs
+
+
+def test_a_spare_pod_is_its_groups_unit_pod_without_a_unit() -> None:
+    run = make_run()
+    secret, job = spare_objects(run, CreateSpare("mix-cpu-s0", "cpu", 0, 2, 4), "run-secret")
+    unit = builders.unit_job(run, create(run, "mix-cpu-0"))
+    assert secret["stringData"]["token"] == spare_token("run-secret", "mix-cpu-s0")
+    assert job["metadata"]["labels"]["diloco.dev/spare"] == "true"
+    pod = job["spec"]["template"]
+    assert pod["metadata"]["labels"]["diloco.dev/spare"] == "true"
+    assert pod["metadata"]["labels"]["diloco.dev/attempt"] == "2"
+    env = env_of(job)
+    assert env["DILOCO_SPARE"] == "mix-cpu-s0" and env["DILOCO_NUM_UNITS"] == "4"
+    assert not {"DILOCO_UNIT", "DILOCO_UNIT_NAME", "DILOCO_ATTEMPT"} & set(env)
+    assert (
+        env["DILOCO_GROUP"] == "cpu" and env["DILOCO_SUPERVISE"] == env_of(unit)["DILOCO_SUPERVISE"]
+    )
+    # The same hardware and placement as the group's units; no Service to resolve it by.
+    spare_pod, unit_pod = pod["spec"], unit["spec"]["template"]["spec"]
+    assert "subdomain" not in spare_pod
+    for key in ("nodeSelector", "securityContext", "affinity", "tolerations"):
+        assert spare_pod.get(key) == unit_pod.get(key), key
+    volumes = {v["name"]: v for v in spare_pod["volumes"]}
+    assert volumes.pop("token")["secret"]["secretName"] == "mix-cpu-s0-token"
+    assert volumes == {v["name"]: v for v in unit_pod["volumes"] if v["name"] != "token"}
+    assert spare_pod["containers"][0]["resources"] == unit_pod["containers"][0]["resources"]
 
 
 def test_every_object_round_trips_through_the_kubernetes_models() -> None:

@@ -63,6 +63,7 @@ LABEL_GROUP = "diloco.dev/group"
 LABEL_UNIT = "diloco.dev/unit"
 LABEL_INDEX = "diloco.dev/index"
 LABEL_ATTEMPT = "diloco.dev/attempt"
+LABEL_SPARE = "diloco.dev/spare"  # "true" on a warm spare's Job and pods (no unit of its own)
 LABEL_COMPONENT = "app.kubernetes.io/component"
 
 # Run names become prefixes of Job/Service/Pod names (63-char DNS labels): run (40) + "-" +
@@ -374,6 +375,7 @@ from diloco_operator.api.status import (  # noqa: E402
     Condition,
     DilocoRunStatus,
     RunPhase,
+    SpareStatus,
     UnitFailure,
     UnitState,
     UnitStatus,
@@ -387,6 +389,7 @@ __all__ = [
     "Quantity",
     "ResourceRequirements",
     "RunPhase",
+    "SpareStatus",
     "Toleration",
     "UnitFailure",
     "UnitState",

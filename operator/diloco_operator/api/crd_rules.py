@@ -173,7 +173,18 @@ RULES: dict[str, list[dict[str, str]]] = {
             "message": "hostsPerUnit: a TPU unit's hosts come from tpu.topology; remove "
             "hostsPerUnit",
             "fieldPath": ".hostsPerUnit",
-        }
+        },
+        {
+            "rule": "!has(self.spares) || self.spares == 0 || "
+            "!has(self.hostsPerUnit) || self.hostsPerUnit == 1",
+            "message": "spares: warm spares cover units of one host; remove spares or hostsPerUnit",
+            "fieldPath": ".spares",
+        },
+        {
+            "rule": "!has(self.spares) || self.spares == 0 || !has(self.remote) || !self.remote",
+            "message": "spares: a remote group's spares belong to its own cluster's run",
+            "fieldPath": ".spares",
+        },
     ],
     "Toleration": [
         {

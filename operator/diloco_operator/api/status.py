@@ -12,6 +12,7 @@ from pydantic import Field
 from diloco_operator.api.kubesyntax import MAX_UNITS
 from diloco_operator.api.unit_goodput import UnitGoodput
 
+SpareState = Literal["Starting", "Ready", "Covering", "Failed"]
 RunPhase = Literal["Pending", "Queued", "Running", "Degraded", "Suspended", "Succeeded", "Failed"]
 UnitState = Literal[
     "Pending",
@@ -82,6 +83,26 @@ class UnitStatus(Strict):
         description="The unit runs in another cluster (a remote unit group): its state is "
         "what the syncer hears of it, and its own cluster's operator recreates it.",
     )
+    covered_by: str | None = Field(
+        None,
+        description="The warm spare training as this unit while its pods are recreated.",
+    )
+
+
+class SpareStatus(Strict):
+    """A warm spare pod of a unit group (spec.unitGroups[].spares)."""
+
+    name: str = Field(max_length=63, description="The spare's Job.")
+    group: str = Field(description="Unit group (spec.unitGroups[].name).")
+    state: SpareState = Field(
+        description="Starting (created, not waiting at the syncer yet), Ready (compiled and "
+        "waiting to cover a unit), Covering (training as a unit whose pods are recreated) or "
+        "Failed (it crashed too often: recreated after its backoff)."
+    )
+    attempt: int = Field(0, description="Attempt number of the spare's current Job (from 0).")
+    covering: str | None = Field(None, description="The unit it trains as, while Covering.")
+    covers: int = Field(0, description="Units it was asked to cover so far.")
+    since: datetime | None = Field(None, description="When it entered its state.")
 
 
 class SyncerReach(Strict):
@@ -195,4 +216,10 @@ class DilocoRunStatus(Strict):
         max_length=MAX_SHARDS,
         description="A sharded syncer only (syncer.shards > 1): each shard, shard 0 first. "
         "The run's outerStep is their sum while every shard answers.",
+    )
+    spares: list[SpareStatus] | None = Field(
+        None,
+        max_length=256,
+        description="The warm spares of the run's unit groups (unitGroups[].spares); null "
+        "when there are none.",
     )

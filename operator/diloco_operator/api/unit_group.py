@@ -26,6 +26,8 @@ from diloco_operator.api.pod_template import PodTemplate
 
 # jax.distributed's processes in one CPU/GPU unit (GKE's largest GPU node pools are hundreds).
 MAX_HOSTS_PER_UNIT = 1024
+# Warm spares per group: each holds a unit's hardware, so a handful is already a lot.
+MAX_SPARES = 16
 
 Accelerator = Literal[
     "tpu-v6e-slice", "tpu-v5p-slice", "tpu-v5-lite-podslice", "tpu-v4-podslice", "tpu7x"
@@ -137,6 +139,15 @@ class UnitGroup(Strict):
         "shared by every attempt and unit of the group: a recreated pod skips compiling. "
         "Default: a pod-local emptyDir, kept across restarts in place only.",
     )
+    spares: int = Field(
+        0,
+        ge=0,
+        le=MAX_SPARES,
+        description="Warm spare pods kept started for this group (JAX imported, step compiled, "
+        "waiting at the syncer): when a unit's pods are lost, a spare trains as that unit at "
+        "once while its pods are recreated, then waits again. Each spare holds a unit's "
+        "hardware. Units of one host only.",
+    )
     compression: LinkCompression | None = Field(
         None,
         description="This group's own compression of its pushes over training.compression "
@@ -171,6 +182,17 @@ class UnitGroup(Strict):
             raise ValueError(
                 "hostsPerUnit: a TPU unit's hosts come from tpu.topology; remove hostsPerUnit"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _spares_of_one_host(self) -> UnitGroup:
+        if self.spares and self.hosts > 1:
+            raise ValueError(
+                f"spares: warm spares cover units of one host; this group's units have "
+                f"{self.hosts} hosts"
+            )
+        if self.spares and self.remote:
+            raise ValueError("spares: a remote group's spares belong to its own cluster's run")
         return self
 
     @model_validator(mode="after")

@@ -15,10 +15,13 @@ from prometheus_client import Counter
 from diloco_operator.k8s import builders, kube
 from diloco_operator.k8s.netpolicy import run_objects_with_policy
 from diloco_operator.k8s.refusals import Refusal, create_all
+from diloco_operator.k8s.spare_pods import spare_objects
 from diloco_operator.k8s.state import STATE
-from diloco_operator.k8s.syncer_calls import read_run_token
+from diloco_operator.k8s.syncer_calls import ask_cover, read_run_token
 from diloco_operator.planner import (
     Action,
+    CoverUnit,
+    CreateSpare,
     CreateSyncer,
     CreateUnit,
     DeleteUnit,
@@ -57,8 +60,28 @@ async def create_unit(p: Pass, action: CreateUnit) -> None:
     await _create(p, action, objs, ("create_unit", f"attempt{min(action.attempt, 1)}"))
 
 
+async def create_spare(p: Pass, action: CreateSpare) -> None:
+    run_token = await read_run_token(p.run)
+    if run_token is None:
+        log.info("spare=%s waits for the run's token Secret", action.name)
+        return
+    objs = spare_objects(p.run, action, run_token, STATE.options.kubelet_rule_ok)
+    await _create(p, action, objs, ("create_spare", f"attempt{min(action.attempt, 1)}"))
+
+
+async def cover_unit(p: Pass, action: CoverUnit) -> None:
+    spare = await ask_cover(p.run, action)
+    ACTIONS.labels("cover_unit", "handed" if spare else "not_handed").inc()
+    if spare:
+        message = f"{action.name} covered by warm spare {spare} while its pods are recreated"
+        kopf.event(p.body, type="Normal", reason="UnitCovered", message=message)
+
+
 async def _create(
-    p: Pass, action: CreateSyncer | CreateUnit, objs: list[dict[str, Any]], metric: tuple[str, str]
+    p: Pass,
+    action: CreateSyncer | CreateUnit | CreateSpare,
+    objs: list[dict[str, Any]],
+    metric: tuple[str, str],
 ) -> None:
     problem = await create_all(p.run, objs)
     p.refused = (p.refused or []) + ([(action, problem)] if problem else [])
@@ -101,6 +124,8 @@ Applier = Callable[[Pass, Any], Awaitable[None]]
 APPLIERS: dict[type, Applier] = {
     CreateSyncer: create_syncer,
     CreateUnit: create_unit,
+    CreateSpare: create_spare,
+    CoverUnit: cover_unit,
     DeleteUnit: delete_unit,
     SuspendUnit: suspend_unit,
     ScaleSyncer: scale_syncer,

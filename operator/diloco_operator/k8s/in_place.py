@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco_trainer.attempts import EXIT_GIVE_UP
+from diloco_trainer.attempts import EXIT_GIVE_UP, EXIT_SUPERSEDED
 
 from diloco_operator.api import DilocoRunStatus, FailurePolicy
 from diloco_operator.api.pod_security import CACHE_DIR
@@ -29,8 +29,9 @@ CONDITION = "RestartInPlace"
 SINCE = (1, 36)
 
 # Exits a restart in place cannot help: complete (0), a config error (2), restarts in place
-# spent (EXIT_GIVE_UP), stopped by SIGTERM (143: the pod is going away).
-NOT_RESTARTED_IN_PLACE = [0, 2, EXIT_GIVE_UP, 143]
+# spent (EXIT_GIVE_UP), superseded by a newer attempt of the unit (EXIT_SUPERSEDED), stopped by
+# SIGTERM (143: the pod is going away).
+NOT_RESTARTED_IN_PLACE = [0, 2, EXIT_GIVE_UP, EXIT_SUPERSEDED, 143]
 
 
 def restart_in_place(pod_spec: dict[str, Any], policy: FailurePolicy, server_ok: bool) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from diloco_operator.api import LABEL_ATTEMPT, LABEL_GROUP, LABEL_INDEX, LABEL_UNIT
+from diloco_operator.api import LABEL_ATTEMPT, LABEL_GROUP, LABEL_INDEX, LABEL_SPARE, LABEL_UNIT
 from diloco_operator.k8s.kueue import QUEUE_NAME_LABEL
 from diloco_operator.planner.model import (
     DISRUPTION_TARGET,
@@ -71,6 +71,7 @@ class JobView:
     # When the Job last resumed from a suspension (its Suspended condition turned False); 0.0
     # for a Job never suspended.
     resumed: float = 0.0
+    spare: bool = False  # a warm spare's Job (planner/spares.py)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ def job_view(body: Mapping[str, Any]) -> JobView:
         suspended=spec.get("suspend") is True or _condition(conditions, "Suspended") is not None,
         queue=str(labels.get(QUEUE_NAME_LABEL, "")),
         resumed=_resumed(conditions),
+        spare=labels.get(LABEL_SPARE) == "true",
     )
 
 
@@ -207,6 +209,7 @@ def observe_unit(
             since=job.created,
             disruption_reason=disruption_reason,
             queue=job.queue,
+            spare=job.spare,
         )
 
     if job.terminating:

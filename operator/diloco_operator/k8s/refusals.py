@@ -10,9 +10,9 @@ from typing import Any
 
 import kopf
 
-from diloco_operator.api import DilocoRunStatus
+from diloco_operator.api import DilocoRunStatus, SpareStatus
 from diloco_operator.k8s import builders, kube
-from diloco_operator.planner import CreateSyncer, CreateUnit
+from diloco_operator.planner import CreateSpare, CreateSyncer, CreateUnit
 from diloco_operator.planner.conditions import set_condition
 
 log = logging.getLogger("diloco_operator")
@@ -30,7 +30,7 @@ async def create_all(run: builders.Run, objs: list[dict[str, Any]]) -> kube.Chil
     return None
 
 
-Refusal = tuple[CreateSyncer | CreateUnit, kube.ChildError]
+Refusal = tuple[CreateSyncer | CreateUnit | CreateSpare, kube.ChildError]
 
 
 CHILDREN_CONDITION = "ChildrenCreated"
@@ -61,6 +61,9 @@ def report_refusals(
         u for u in (before.units if before else []) if u.name in not_made
     ]
     units.sort(key=lambda u: u.global_index)
+    spares = _kept_spares(
+        status, before, {a.name for a, _ in refused if isinstance(a, CreateSpare)}
+    )
     conditions = set_condition(
         status.conditions, CHILDREN_CONDITION, ok, reason, message, time.time(), generation
     )
@@ -70,4 +73,16 @@ def report_refusals(
     if not ok and (old is None or old.message != message):
         kopf.event(body, type="Warning", reason=reason, message=message)
     conditions.sort(key=lambda c: c.type)
-    return status.model_copy(update={"conditions": conditions, "units": units})
+    return status.model_copy(update={"conditions": conditions, "units": units, "spares": spares})
+
+
+def _kept_spares(
+    status: DilocoRunStatus, before: DilocoRunStatus | None, not_made: set[str]
+) -> list[SpareStatus] | None:
+    """The pass's spares, but the bookkeeping from before for those never created."""
+    if not not_made:
+        return status.spares
+    earlier = [s for s in (before.spares or []) if s.name in not_made] if before else []
+    kept = [s for s in status.spares or [] if s.name not in not_made] + earlier
+    order = {s.name: i for i, s in enumerate(status.spares or [])}
+    return sorted(kept, key=lambda s: order.get(s.name, len(order))) or None

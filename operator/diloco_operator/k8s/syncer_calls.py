@@ -35,6 +35,7 @@ from diloco_operator.k8s import builders, kube
 from diloco_operator.k8s.away import error_reason, refusal_reason
 from diloco_operator.k8s.cross_cluster import ca_source
 from diloco_operator.k8s.state import STATE, Reach
+from diloco_operator.planner import CoverUnit
 from diloco_operator.planner.placement import roster_document
 
 log = logging.getLogger("diloco_operator")
@@ -228,3 +229,43 @@ async def hand_roster(
     except (aiohttp.ClientError, TimeoutError, ValueError, ssl.SSLError) as exc:
         log.debug("roster run=%s error=%r", run.name, exc)
         return False
+
+
+async def ask_cover(run: builders.Run, cover: CoverUnit) -> str | None:
+    """Ask shard 0 of the run's syncer to hand `cover`'s unit to a waiting spare
+    (planner/spares.py); the spare's name, or None when refused or unreachable (the next pass
+    asks again while the report still shows a spare waiting)."""
+    token = await read_run_token(run)
+    if token is None or STATE.http is None:
+        return None
+    body = {
+        "unit": cover.name,
+        "index": cover.global_index,
+        "numUnits": cover.num_units,
+        "group": cover.group,
+        "attempt": cover.attempt,
+    }
+    try:
+        trust = await _trust(run)
+        async with STATE.http.post(
+            f"{syncer_url(run)}/v1/spares/cover",
+            json=body,
+            headers=_headers(run, token),
+            ssl=trust if trust else True,
+        ) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                log.info(
+                    "cover run=%s unit=%s http=%s body=%s",
+                    run.name,
+                    cover.name,
+                    resp.status,
+                    text[:300],
+                )
+                return None
+            spare = str(json.loads(text).get("spare", ""))
+    except (aiohttp.ClientError, TimeoutError, ValueError, ssl.SSLError) as exc:
+        log.info("cover run=%s unit=%s error=%r", run.name, cover.name, exc)
+        return None
+    log.info("cover run=%s unit=%s attempt=%d spare=%s", run.name, cover.name, cover.attempt, spare)
+    return spare

@@ -294,7 +294,16 @@ class LocalRuntime:
         observed, self.ready = observe_units(self.slots, self._unit_processes(), report, self.ready)
         syncer = ObservedSyncer(present=self.syncer.alive(), ready=self.syncer.healthy)
         spec = self.run.spec
-        result = plan(self.run.name, spec, observed, self.status, now, syncer=syncer, report=report)
+        result = plan(
+            self.run.name,
+            spec,
+            observed,
+            self.status,
+            now,
+            syncer=syncer,
+            report=report,
+            spares=False,
+        )
         self.status = result.status
         self.requeue_after = result.requeue_after
         self.apply(result.actions, now)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
+from diloco_operator.api import DilocoRunSpec
 from diloco_operator.local.forkserver import ForkedChild, ForkServer
 from diloco_operator.local.processes import ProcessTable
 from diloco_operator.local.programs import LEARNER_ARGV, exit_description
@@ -31,6 +32,14 @@ MAX_SPARE_FAILURES = 3
 FORK_SERVER_START_TIMEOUT = 60.0
 # Once it is ready a fork takes milliseconds; this only bounds a broken server.
 FORK_TIMEOUT = 10.0
+
+
+def pool_size(flag: int | None, spec: DilocoRunSpec) -> int:
+    """The run's warm spares here: the --spares flag, else what the manifest's groups ask for
+    (one pool for the whole run: every local unit runs the same program), else one."""
+    if flag is not None:
+        return flag
+    return sum(g.spares for g in spec.unit_groups) or 1
 
 
 def is_spare(key: str) -> bool:

@@ -12,6 +12,8 @@ from diloco_trainer.status import LearnerStatus, SyncerStatus
 from diloco_operator.planner.failure import fault_targets
 from diloco_operator.planner.model import (
     Action,
+    CoverUnit,
+    CreateSpare,
     CreateSyncer,
     CreateUnit,
     DeleteUnit,
@@ -27,6 +29,8 @@ from diloco_operator.planner.reconcile import plan
 
 __all__ = [
     "Action",
+    "CoverUnit",
+    "CreateSpare",
     "CreateSyncer",
     "CreateUnit",
     "DeleteUnit",

@@ -38,6 +38,7 @@ class ObservedUnit:
     which tells a preemption from a failure (planner/preemption.py).
     queue: the Kueue LocalQueue its Job is labelled with ("" when none): such a Job's suspension
     belongs to Kueue (admission, eviction, preemption), never to the operator.
+    spare: a warm spare of the group (planner/spares.py), not a unit.
     """
 
     name: str
@@ -51,6 +52,7 @@ class ObservedUnit:
     since: float = 0.0
     disruption_reason: str = ""
     queue: str = ""
+    spare: bool = False
 
 
 def gone(obs: ObservedUnit | None) -> bool:
@@ -78,6 +80,30 @@ class CreateUnit:
     attempt: int
     num_units: int
     hosts: int
+
+
+@dataclass(frozen=True)
+class CreateSpare:
+    """Create a warm spare of a group (Kubernetes: an Indexed Job of one pod): a learner that
+    compiles, then waits at the syncer for a unit to cover (planner/spares.py)."""
+
+    name: str
+    group: str
+    index: int
+    attempt: int
+    num_units: int
+
+
+@dataclass(frozen=True)
+class CoverUnit:
+    """Ask the syncer to hand unit `name` to a waiting spare of its group, under wire attempt
+    `attempt` (the trainer's attempts.cover_attempt), while its pods are recreated."""
+
+    name: str
+    group: str
+    global_index: int
+    num_units: int
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -117,7 +143,16 @@ class EmitEvent:
     unit: str | None = None
 
 
-Action = CreateUnit | DeleteUnit | SuspendUnit | CreateSyncer | ScaleSyncer | EmitEvent
+Action = (
+    CreateUnit
+    | CreateSpare
+    | CoverUnit
+    | DeleteUnit
+    | SuspendUnit
+    | CreateSyncer
+    | ScaleSyncer
+    | EmitEvent
+)
 
 
 @dataclass(frozen=True)

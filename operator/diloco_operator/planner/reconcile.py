@@ -46,6 +46,7 @@ from diloco_operator.planner.model import (
 from diloco_operator.planner.placement import UnitSlot, desired_units
 from diloco_operator.planner.remote import remote_units
 from diloco_operator.planner.scaling import remove, surplus
+from diloco_operator.planner.spares import covers, is_cover, mark_covered, step_spares
 from diloco_operator.planner.suspension import (
     QUEUED,
     SUSPENDED,
@@ -250,8 +251,9 @@ def succeeded_since(prev: DilocoRunStatus, now: float) -> float:
 
 
 def in_place_count(unit: UnitStatus, learner: LearnerStatus | None) -> UnitStatus:
-    """`unit` with the restarts in place of its current attempt, once the syncer heard them."""
-    if learner is None or learner.attempt != unit.attempt:
+    """`unit` with the restarts in place of its current attempt, once the syncer heard them
+    (a warm spare's cover of the unit is none of them)."""
+    if learner is None or learner.attempt != unit.attempt or is_cover(learner.restarts_in_place):
         return unit
     if learner.restarts_in_place == unit.restarts_in_place:
         return unit
@@ -336,10 +338,14 @@ def plan(
     syncer: ObservedSyncer,
     report: SyncerStatus | None = None,
     generation: int | None = None,
+    spares: bool = True,
 ) -> Plan:
-    """Plan one reconciliation pass of run `run` at time `now` (seconds since the epoch)."""
+    """Plan one reconciliation pass of run `run` at time `now` (seconds since the epoch).
+    `spares`: whether this backend keeps the spec's warm spares (the local runtime has a spare
+    pool of its own, local/spares.py)."""
     prev = status or DilocoRunStatus()
-    obs_by = {o.name: o for o in observed if o.phase != "Missing"}
+    obs_by = {o.name: o for o in observed if o.phase != "Missing" and not o.spare}
+    spare_obs = {o.name: o for o in observed if o.phase != "Missing" and o.spare}
     prev_by = {u.name: u for u in prev.units}
     slots = desired_units(run, spec)
     local = [s for s in slots if not s.remote]
@@ -372,6 +378,15 @@ def plan(
     actions, units = _settle(phase, actions, units, obs_by, finish_wait)
     if phase == "Succeeded" and finish_wait > 0:
         waits.append(finish_wait)
+    stopping = phase in TERMINAL or spec.suspend or not spares
+    kept, spare_actions, spare_waits = step_spares(
+        run, spec, prev.spares, spare_obs, report, now, stopping
+    )
+    actions += spare_actions
+    if not stopping:
+        actions += covers(units, report, spec.total_units)
+    units = mark_covered(units, report)
+    waits += spare_waits
     if phase != prev.phase:
         kind: Literal["Normal", "Warning"] = (
             "Warning" if phase in ("Failed", "Degraded") else "Normal"
@@ -389,6 +404,7 @@ def plan(
         selector=f"{LABEL_RUN}={run},{LABEL_GROUP}={first}",
         observed_generation=generation if generation is not None else prev.observed_generation,
         message=why,
+        spares=kept or None,
         **_progress(report, prev),
     )
     return Plan(tuple(actions), new_status, min(waits) if waits else None)
