@@ -1,13 +1,16 @@
 """Real pods on the e2e cluster's real node: apply -> first training step in the run's status, and
 a killed learner -> its replacement training again (docs/e2e.md, "The real node").
 
-The scenario is the real-workload e2e module itself (`e2e/tests/test_09_real_workload.py`), run
-by pytest on a fresh local cluster: a chaos kill from the manifest, a SIGKILL inside a learner's
-container (five times: its supervisor forks a new one; once with the supervisor: the kubelet
-restarts the container; then once more: recreated) and a deleted pod, each
-timed from the fault to the new learner having joined with the global parameters. The module
-writes what it measured to DILOCO_E2E_TIMINGS; this section reads it. Needs root (the real
-node); targets: restarts in place <= 3 s and recreations <= 5 s, medians.
+The scenarios are e2e modules themselves, run by pytest on one fresh local cluster:
+`e2e/tests/test_09_real_workload.py` (a chaos kill from the manifest, a SIGKILL inside a
+learner's container five times: its supervisor forks a new one; once with the supervisor: the
+kubelet restarts the container; then once more: recreated; and a deleted pod, each timed from
+the fault to the new learner having joined with the global parameters), `test_15_multi_host_unit`
+(one host of a two-pod unit SIGKILLed: both restart in their pods) and `test_16_warm_spare` (a
+unit's pod deleted: a warm spare covers it until the recreated pod is back). The modules write
+what they measured beside DILOCO_E2E_TIMINGS; this section reads it. Needs root (the real
+node); targets: restarts in place <= 3 s, recreations <= 5 s (medians), a spare's takeover
+<= 2 s.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from pathlib import Path
 from bench.lib.common import REPO, BenchContext, Section, log, md_table, median
 
 MODULE = "e2e/tests/test_09_real_workload.py"
+MODULES = (MODULE, "e2e/tests/test_15_multi_host_unit.py", "e2e/tests/test_16_warm_spare.py")
+SPARE_TAKEOVER_TARGET_S = 2.0  # unit pod lost -> the spare joined as the unit
 IN_PLACE_SAMPLES = 6  # SIGKILLs of one learner in its pod: 5 of the learner, then its container
 IN_PLACE_TARGET_S = 3.0  # median, crash -> training again in the same pod
 RECREATE_TARGET_S = 5.0  # median, pod lost -> training again in a new pod
@@ -40,9 +45,9 @@ def run(ctx: BenchContext) -> Section:
         "DILOCO_E2E_REQUIRE": "1",
         "DILOCO_E2E_IN_PLACE_RESTARTS": str(IN_PLACE_SAMPLES),
     }
-    log(f"pytest {MODULE} (a fresh local cluster with the real node)")
+    log(f"pytest {' '.join(MODULES)} (a fresh local cluster with the real node)")
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", MODULE, "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "-q", "-x", *MODULES, "-p", "no:cacheprovider"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -50,9 +55,11 @@ def run(ctx: BenchContext) -> Section:
     )
     if r.returncode != 0 or not out.exists():
         raise RuntimeError(
-            f"{MODULE} failed ({r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-2000:]}"
+            f"{MODULES} failed ({r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-2000:]}"
         )
     t = json.loads(out.read_text())
+    unit = json.loads(out.with_name("multi_host.json").read_text())
+    spare = json.loads(out.with_name("spare.json").read_text())
     samples = list(zip(t["replacement_what"], [float(x) for x in t["replacement_s"]], strict=True))
     supervised = [x for what, x in samples if "by its supervisor" in what]
     by_kubelet = [x for what, x in samples if "by the kubelet" in what]
@@ -78,6 +85,27 @@ def run(ctx: BenchContext) -> Section:
         [
             "syncer pod deleted -> new syncer restored its checkpoint",
             f"{t['syncer_restore_s']:.1f} s",
+            "-",
+        ],
+        _median_row(
+            "two-pod unit, one host's learner SIGKILLed -> both restarted in their pods, "
+            "training again (1 sample)",
+            [float(unit["restart_s"])],
+            IN_PLACE_TARGET_S,
+        ),
+        _median_row(
+            "unit pod deleted -> a warm spare joined as the unit (1 sample)",
+            [float(spare["takeover_joined_s"])],
+            SPARE_TAKEOVER_TARGET_S,
+        ),
+        [
+            "unit pod deleted -> the spare's first step as the unit",
+            f"{float(spare['takeover_step_s']):.1f} s",
+            "-",
+        ],
+        [
+            "unit pod deleted -> recreated unit Online, the spare waiting again",
+            f"{float(spare['handback_s']):.1f} s",
             "-",
         ],
     ]
@@ -129,6 +157,7 @@ def run(ctx: BenchContext) -> Section:
         body=body,
         command=ctx.command,
         config=f"{MODULE}: 2 CPU units (tiny model) and the syncer as containers of the "
-        "trainer image, operator in-cluster from its image, warm images",
+        "trainer image; test_15: one unit of two pods; test_16: one unit and one warm spare; "
+        "operator in-cluster from its image, warm images",
         quick=ctx.quick,
     )

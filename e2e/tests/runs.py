@@ -4,6 +4,7 @@ read a run's children and status back from the API server (kubectl, JSON)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +137,11 @@ def all_units_online(c: Any, namespace: str, run: str, n: int) -> bool:
 def node_of(c: Any, name: str) -> dict[str, Any]:
     out: dict[str, Any] = c.kubectl_json("get", "node", name)
     return out
+
+
+def record_timings(name: str, timings: dict[str, Any]) -> None:
+    """What a real-pods module measured, for bench/cluster/real_pods.py: `<name>.json` beside
+    the file DILOCO_E2E_TIMINGS names (unset: not recorded)."""
+    out = os.environ.get("DILOCO_E2E_TIMINGS")
+    if out:
+        Path(out).with_name(f"{name}.json").write_text(json.dumps(timings))

@@ -195,3 +195,4 @@ def test_the_unit_completes(cluster: harness._ClusterBase, run: dict[str, Any]) 
 
     wait_for("both pods Completed", completed, 120)
     kubectl(cluster, "delete", "dlr", RUN, "-n", ns, "--wait=true", "--timeout=120s")
+    runs.record_timings("multi_host", {"restart_s": run.get("restart_s")})
