@@ -152,7 +152,8 @@ def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "source",
         metavar="RUN_OR_CHECKPOINT",
         help="a checkpoint (ckpt-*), a checkpoint directory or gs://bucket/prefix (its newest "
-        "valid checkpoint) or a local run's report folder",
+        "valid checkpoint; a sharded syncer's: every shard's joined) or a local run's report "
+        "folder",
     )
     export.add_argument(
         "--out",

@@ -96,6 +96,17 @@ def shard_folder(shard: Shard) -> str:
 _FOLDER = re.compile(r"^shard-(\d+)-of-(\d+)$")
 
 
+def parse_shard_folder(name: str) -> Shard | None:
+    """The shard a checkpoint folder named `shard-I-of-S` belongs to, or None."""
+    match = _FOLDER.match(name)
+    if match is None:
+        return None
+    try:
+        return Shard(int(match.group(1)), int(match.group(2)))
+    except ValueError:  # an index or count out of range: not a shard's folder
+        return None
+
+
 def foreign_shard_folders(names: Sequence[str], count: int) -> list[str]:
     """The entries of a checkpoint path written by a syncer with another shard count."""
     foreign = []

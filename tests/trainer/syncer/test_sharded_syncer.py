@@ -4,6 +4,7 @@ by the learner's real clients. The shards together must be the one syncer, bit f
 from __future__ import annotations
 
 import http.client
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -245,3 +246,46 @@ def test_gathered_status_adds_up_shards_and_keeps_shard_0s_run_view() -> None:
     assert (run.bytes_sent, run.bytes_received) == (15, 3)
     assert gathered([lead]) is lead
     assert SyncerStatus.from_json({"shard": "9/2"}).shard is None  # garbage is no shard
+
+
+def test_diloco_export_joins_every_shards_checkpoint_into_the_whole_model(tmp_path: Path) -> None:
+    import safetensors
+    from diloco_trainer.syncer.export import ExportError, export_checkpoint
+
+    both = start_pair(tmp_path / "ckpt")
+    # The shards' folders as a sharded syncer names them under its checkpoint path.
+    try:
+        whole, sharded = both.whole.client(), both.sharded_client()
+        layout = whole.join().layout
+        sharded.join()
+        for p, names in enumerate(layout):
+            delta = _delta(both.whole.syncer.shapes, names, seed=p)
+            assert whole.push(p, 0, delta, 4, 128, step=4).accepted
+            assert sharded.push(p, 0, delta, 4, 128, step=4).accepted
+            assert whole.poll(p, 0, wait=5) is not None and sharded.poll(p, 0, wait=5) is not None
+    finally:
+        both.close()  # each writes its final checkpoint
+    base = tmp_path / "ckpt"
+    (base / "shard-0").rename(base / "shard-0-of-2")
+    (base / "shard-1").rename(base / "shard-1-of-2")
+    one = export_checkpoint(base / "whole", tmp_path / "whole.safetensors")
+    split = export_checkpoint(base, tmp_path / "split.safetensors")
+    assert split.leaves == one.leaves == len(both.whole.syncer.shapes)
+    assert split.outer_step == one.outer_step == len(layout)
+    assert split.metadata["versions"] == one.metadata["versions"] == json.dumps([1] * len(layout))
+    assert len(split.metadata["checkpointSeq"].split(",")) == 2
+    with (
+        safetensors.safe_open(tmp_path / "whole.safetensors", framework="numpy") as a,
+        safetensors.safe_open(tmp_path / "split.safetensors", framework="numpy") as b,
+    ):
+        assert set(a.keys()) == set(b.keys())
+        for name in a.keys():  # noqa: SIM118
+            np.testing.assert_array_equal(a.get_tensor(name), b.get_tensor(name), err_msg=name)
+    # A shard's folder missing, or one of another count beside: refused, naming it.
+    (base / "shard-1-of-2").rename(base / "elsewhere")
+    with pytest.raises(ExportError, match="shard-1-of-2 missing"):
+        export_checkpoint(base, tmp_path / "x.safetensors")
+    (base / "elsewhere").rename(base / "shard-1-of-2")
+    (base / "shard-0-of-3").mkdir()
+    with pytest.raises(ExportError, match=r"several shard counts \(2, 3\)"):
+        export_checkpoint(base, tmp_path / "x.safetensors")

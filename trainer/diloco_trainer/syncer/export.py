@@ -2,7 +2,9 @@
 
 The source is one checkpoint (`ckpt-<seq>/`), a checkpoint directory or `gs://bucket/prefix`
 (the syncer's `checkpoint.path`: its newest checkpoint that reads back intact) or a local run's
-report folder (its `checkpoints/`). Only the global parameters are written; the outer
+report folder (its `checkpoints/`). A sharded syncer's path holds one folder per shard
+(`shard-I-of-S/`, each shard's own fragments): the export joins every shard's newest checkpoint
+into the one model, and refuses when a shard's folder or one of its fragments is missing. Only the global parameters are written; the outer
 optimizer's momentum stays behind. The metadata records the run, the outer step, the fragment
 versions, the checkpoint's sequence number and the config hash.
 
@@ -20,13 +22,14 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 from safetensors import SafetensorError
 
+from diloco_trainer.shards import parse_shard_folder
 from diloco_trainer.syncer.checkpoint import CheckpointError, CheckpointStore, Snapshot
 from diloco_trainer.syncer.hf_names import NAMES as HF_NAMES
 from diloco_trainer.syncer.hf_names import HfNamingError, gpt_sizes, hf_config, hf_gpt2_tensors
@@ -90,6 +93,63 @@ def load_bucket_checkpoint(url: str) -> tuple[Snapshot, str]:
     return snap, f"{store.location.url}/ckpt-{snap.seq:010d}"
 
 
+def shard_roots(source: Path) -> list[Path] | None:
+    """A sharded syncer's shard folders under `source` in shard order, or None when it has none.
+    ExportError when they are of several shard counts or one is missing."""
+    if not source.is_dir():
+        return None
+    found: dict[int, dict[int, Path]] = {}
+    for entry in source.iterdir():
+        shard = parse_shard_folder(entry.name)
+        if shard is not None and entry.is_dir():
+            found.setdefault(shard.count, {})[shard.index] = entry
+    if not found:
+        return None
+    if len(found) > 1:
+        counts = ", ".join(str(c) for c in sorted(found))
+        raise ExportError(f"{source}: shard folders of several shard counts ({counts})")
+    ((count, by_index),) = found.items()
+    missing = [f"shard-{i}-of-{count}" for i in range(count) if i not in by_index]
+    if missing:
+        raise ExportError(f"{source}: {', '.join(missing)} missing: every shard's is needed")
+    return [by_index[i] for i in range(count)]
+
+
+def load_shards(roots: list[Path]) -> tuple[Snapshot, str, str]:
+    """Every shard's newest checkpoint joined into one snapshot: each fragment's values and
+    version from the shard that holds it, the outer steps added up. Also the checkpoints it
+    came from and their sequence numbers, comma-separated in shard order."""
+    snaps = []
+    for root in roots:
+        try:
+            snap = CheckpointStore(root).load_latest(remove_stray=False)
+        except CheckpointError as exc:
+            raise ExportError(str(exc)) from exc
+        if snap is None:
+            raise ExportError(f"{root}: holds no checkpoint yet")
+        snaps.append(snap)
+    layout = snaps[0].layout
+    params: dict[str, np.ndarray] = {}
+    versions = []
+    for p, names in enumerate(layout):
+        holder = next((s for s in snaps if names and names[0] in s.params), None)
+        if holder is None or any(n not in holder.params for n in names):
+            raise ExportError(f"{roots[0].parent}: no shard's checkpoint holds fragment {p}")
+        params.update({n: holder.params[n] for n in names})
+        versions.append(holder.versions[p])
+    joined = replace(
+        snaps[0],
+        params=params,
+        versions=versions,
+        outer_step=sum(s.outer_step for s in snaps),
+        outer_state=[],
+    )
+    paths = ",".join(
+        str((r / f"ckpt-{s.seq:010d}").resolve()) for r, s in zip(roots, snaps, strict=True)
+    )
+    return joined, paths, ",".join(str(s.seq) for s in snaps)
+
+
 def load_checkpoint(source: str | Path) -> tuple[Snapshot, Path | str]:
     """The snapshot to export and the checkpoint (directory or URL) it came from."""
     if is_bucket_url(source):
@@ -107,13 +167,15 @@ def load_checkpoint(source: str | Path) -> tuple[Snapshot, Path | str]:
     return snap, root / f"ckpt-{snap.seq:010d}"
 
 
-def export_metadata(snap: Snapshot, checkpoint: Path | str) -> dict[str, str]:
+def export_metadata(
+    snap: Snapshot, checkpoint: Path | str, seq: str | None = None
+) -> dict[str, str]:
     return {
         "format": EXPORT_FORMAT,
         "run": str(snap.extra.get("run") or ""),
         "outerStep": str(snap.outer_step),
         "versions": json.dumps(snap.versions),
-        "checkpointSeq": str(snap.seq),
+        "checkpointSeq": seq or str(snap.seq),
         "configHash": str(snap.extra.get("configHash") or "unknown"),
         "checkpoint": str(checkpoint.resolve() if isinstance(checkpoint, Path) else checkpoint),
     }
@@ -194,8 +256,14 @@ def export_checkpoint(
     """Write the global parameters of `source`'s checkpoint to `out` (atomically)."""
     target = Path(out)
     check_out(target, fmt, names)
-    snap, checkpoint = load_checkpoint(source)
-    metadata = export_metadata(snap, checkpoint)
+    shards = None if is_bucket_url(source) else shard_roots(Path(source))
+    if shards is not None:
+        snap, where, seqs = load_shards(shards)
+        metadata = export_metadata(snap, where, seqs)
+        checkpoint: Path | str = where
+    else:
+        snap, checkpoint = load_checkpoint(source)
+        metadata = export_metadata(snap, checkpoint)
     tensors, config = snap.params, None
     if names == "hf":
         tensors, config = hf_export(snap.params)
