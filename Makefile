@@ -77,7 +77,7 @@ images: venv
 # End-to-end suite (docs/e2e.md): a local control plane started and stopped by the fixture, or
 # DILOCO_E2E_KUBECONFIG=... for an existing cluster.
 e2e: venv e2e-deps
-	$(BIN)/python -m pytest -q e2e -m "not two_clusters"
+	$(BIN)/python -m pytest -q e2e -m "not two_clusters and not bench"
 
 # One run across two clusters (docs/e2e.md, "Two clusters"): a second control plane and real node
 # started beside the first, the home syncer reached through a proxy the tests cut. Needs root.

@@ -7,7 +7,9 @@ learner's container five times: its supervisor forks a new one; once with the su
 kubelet restarts the container; then once more: recreated; and a deleted pod, each timed from
 the fault to the new learner having joined with the global parameters), `test_15_multi_host_unit`
 (one host of a two-pod unit SIGKILLed: both restart in their pods) and `test_16_warm_spare` (a
-unit's pod deleted: a warm spare covers it until the recreated pod is back). The modules write
+unit's pod deleted: a warm spare covers it until the recreated pod is back) and
+`test_17_goodput_under_crashes` (two units, each one's learner SIGKILLed once a minute for five
+minutes: each unit's goodput over the window, >= 0.95). The modules write
 what they measured beside DILOCO_E2E_TIMINGS; this section reads it. Needs root (the real
 node); targets: restarts in place <= 3 s, recreations <= 5 s (medians), a spare's takeover
 <= 2 s.
@@ -25,8 +27,14 @@ from pathlib import Path
 from bench.lib.common import REPO, BenchContext, Section, log, md_table, median
 
 MODULE = "e2e/tests/test_09_real_workload.py"
-MODULES = (MODULE, "e2e/tests/test_15_multi_host_unit.py", "e2e/tests/test_16_warm_spare.py")
+MODULES = (
+    MODULE,
+    "e2e/tests/test_15_multi_host_unit.py",
+    "e2e/tests/test_16_warm_spare.py",
+    "e2e/tests/test_17_goodput_under_crashes.py",
+)
 SPARE_TAKEOVER_TARGET_S = 2.0  # unit pod lost -> the spare joined as the unit
+GOODPUT_TARGET = 0.95  # each unit, one learner crash per unit per minute
 IN_PLACE_SAMPLES = 6  # SIGKILLs of one learner in its pod: 5 of the learner, then its container
 IN_PLACE_TARGET_S = 3.0  # median, crash -> training again in the same pod
 RECREATE_TARGET_S = 5.0  # median, pod lost -> training again in a new pod
@@ -60,6 +68,8 @@ def run(ctx: BenchContext) -> Section:
     t = json.loads(out.read_text())
     unit = json.loads(out.with_name("multi_host.json").read_text())
     spare = json.loads(out.with_name("spare.json").read_text())
+    crashes = json.loads(out.with_name("goodput.json").read_text())
+    worst = min(crashes["ratios"].values())
     samples = list(zip(t["replacement_what"], [float(x) for x in t["replacement_s"]], strict=True))
     supervised = [x for what, x in samples if "by its supervisor" in what]
     by_kubelet = [x for what, x in samples if "by the kubelet" in what]
@@ -107,6 +117,13 @@ def run(ctx: BenchContext) -> Section:
             "unit pod deleted -> recreated unit Online, the spare waiting again",
             f"{float(spare['handback_s']):.1f} s",
             "-",
+        ],
+        [
+            f"goodput, one learner crash per unit per minute ({crashes['crashes']} crashes "
+            f"over {crashes['window_s']:.0f} s), the lower unit's; each: "
+            + ", ".join(f"{r:.3f}" for r in crashes["ratios"].values()),
+            f"{worst:.3f}",
+            f"{'met' if worst >= GOODPUT_TARGET else 'NOT met'} (>= {GOODPUT_TARGET:g})",
         ],
     ]
     final = t.get("final_status", {})

@@ -10,7 +10,8 @@ from typing import Any
 
 import kopf
 
-from diloco_operator.api import DilocoRunStatus, SpareStatus
+from diloco_operator.api import DilocoRunStatus
+from diloco_operator.api.status import SpareStatus
 from diloco_operator.k8s import builders, kube
 from diloco_operator.planner import CreateSpare, CreateSyncer, CreateUnit
 from diloco_operator.planner.conditions import set_condition

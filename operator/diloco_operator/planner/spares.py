@@ -20,7 +20,8 @@ from diloco_trainer.attempts import COVER_RESTARTS, cover_attempt
 from diloco_trainer.status import SpareStatus as HeardSpare
 from diloco_trainer.status import SyncerStatus
 
-from diloco_operator.api import DilocoRunSpec, FailurePolicy, SpareStatus, UnitStatus
+from diloco_operator.api import DilocoRunSpec, FailurePolicy, UnitStatus
+from diloco_operator.api.status import SpareStatus
 from diloco_operator.planner.failure import CACHE_LAG_SECONDS
 from diloco_operator.planner.model import (
     Action,

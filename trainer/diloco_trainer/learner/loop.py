@@ -234,6 +234,9 @@ def run_learner(
                 loop_seconds["other"] += time.monotonic() - now - slept
             if done:
                 break
+    except SyncerRejected as exc:  # a refused data claim: a newer attempt is the unit now?
+        if link is None or not link.note_superseded(exc):
+            raise
     finally:
         if link is not None:
             link.stop()

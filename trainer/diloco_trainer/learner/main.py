@@ -261,7 +261,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         from diloco_trainer.learner.spare import spare_life
         from diloco_trainer.learner.supervisor import supervise
 
-        return supervise(_import_trainer, lambda: _leave_jax(spare_life(args, env)), spare=True)
+        def become(program: StepProgram) -> int:  # the covered unit, from the spare's args
+            return learner_main(args, env, program)
+
+        return supervise(
+            _import_trainer, lambda: _leave_jax(spare_life(args, env, become)), spare=True
+        )
     if args.supervise:
         from diloco_trainer.learner.supervisor import supervise
         from diloco_trainer.learner.unit_restart import from_env
@@ -275,8 +280,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     return learner_main(args, env)
 
 
-def learner_main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    """One learner start: its config and identity, the heavy imports, then training."""
+def learner_main(
+    args: argparse.Namespace, env: Mapping[str, str], program: StepProgram | None = None
+) -> int:
+    """One learner start: its config and identity, the heavy imports, then training
+    (`program`: built and compiled already, a warm spare's)."""
     try:
         cfg, options = resolve(args, env)
     except (ConfigError, UsageError) as exc:
@@ -290,7 +298,7 @@ def learner_main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from diloco_trainer.workload.compile_cache import enable_compilation_cache
 
     enable_compilation_cache()
-    return train(cfg, options)
+    return train(cfg, options, program)
 
 
 def _import_trainer() -> None:

@@ -21,14 +21,17 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from diloco_trainer.auth import SPARE_PREFIX, resolve_token
 from diloco_trainer.config import ConfigError, load_training_config
 from diloco_trainer.learner.client import SyncerClient, SyncerRejected, SyncerUnavailable
 from diloco_trainer.shards import split_addresses
 from diloco_trainer.tls import ClientTrust
+
+if TYPE_CHECKING:
+    from diloco_trainer.learner.loop import StepProgram
 
 log = logging.getLogger("diloco_trainer.learner.spare")
 
@@ -74,10 +77,12 @@ def spare_client(args: argparse.Namespace, env: Mapping[str, str]) -> SyncerClie
     )
 
 
-def spare_life(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    """One life of spare `args.spare`: warm up, wait for a cover, train as the covered unit;
-    its exit code (EXIT_SUPERSEDED when the unit's recreated pod took over)."""
-    from diloco_trainer.learner.main import UsageError, resolve, train
+def spare_life(
+    args: argparse.Namespace, env: Mapping[str, str], become: Callable[[StepProgram], int]
+) -> int:
+    """One life of spare `args.spare`: warm up, wait for a cover, then `become` the covered
+    unit (its identity in `args`: the learner's own start, with the compiled program); the exit
+    code (EXIT_SUPERSEDED when the unit's recreated pod took over)."""
     from diloco_trainer.learner.standby import IdentityError, take_identity, warm_up
     from diloco_trainer.workload.compile_cache import enable_compilation_cache
 
@@ -107,10 +112,9 @@ def spare_life(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     assert identity is not None  # never stopped: SIGTERM ends the process
     try:
         take_identity(args, identity)
-        # The cover's attempt is the syncer's word: the pod's count of restarts is the spare's.
-        args.restart_dir = None
-        cfg, options = resolve(args, env)
-    except (ConfigError, UsageError, IdentityError, ValueError) as exc:
+    except IdentityError as exc:
         print(f"diloco-learner: {exc}", file=sys.stderr)
         return 2
-    return train(cfg, options, program)
+    # The cover's attempt is the syncer's word: the pod's count of restarts is the spare's.
+    args.restart_dir = None
+    return become(program)

@@ -297,7 +297,7 @@ class SyncLink:
             except SyncerRejected as exc:
                 self.stats["rejected"] += 1
                 log.warning("event=push_rejected fragment=%d error=%s", push.fragment, exc)
-                self._note_superseded(exc)
+                self.note_superseded(exc)
                 continue
             with self._outbox_cv:
                 self._backoff.pop(link, None)
@@ -333,7 +333,8 @@ class SyncLink:
                 self._known[fragment] = got[0]
                 self._inbox.put(Arrival(fragment, got[0], got[1]))
 
-    def _note_superseded(self, exc: Exception) -> bool:
+    def note_superseded(self, exc: Exception) -> bool:
+        """Whether `exc` says another process is the unit now; then the learner stops."""
         if not (isinstance(exc, SyncerRejected) and exc.reason == "superseded"):
             return False
         if not self.superseded.is_set():
@@ -350,7 +351,7 @@ class SyncLink:
             try:
                 reply = self.client.heartbeat(snap.step, snap.tokens, snap.tokens_per_sec, loss)
             except (SyncerUnavailable, SyncerRejected) as exc:
-                if self._note_superseded(exc):
+                if self.note_superseded(exc):
                     return
                 delay = backoff.after(exc)
                 log.warning("event=heartbeat_retry delay=%.2f error=%s", delay, exc)
