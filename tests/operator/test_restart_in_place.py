@@ -13,7 +13,7 @@ from diloco_operator.planner import LearnerStatus, SyncerStatus
 from diloco_operator.planner.goodput import account
 from diloco_operator.planner.placement import desired_units
 from diloco_operator.planner.reconcile import in_place_count
-from diloco_trainer.attempts import EXIT_GIVE_UP, wire_attempt
+from diloco_trainer.attempts import EXIT_GIVE_UP, EXIT_SUPERSEDED, wire_attempt
 from test_builders import create
 
 T0 = 1_700_000_000.0
@@ -44,7 +44,10 @@ def test_the_learner_restarts_in_its_pod_unless_that_is_turned_off() -> None:
     assert container["restartPolicy"] == "Never"
     (rule,) = container["restartPolicyRules"]
     assert rule["action"] == "RestartAllContainers"
-    assert rule["exitCodes"] == {"operator": "NotIn", "values": [0, 2, EXIT_GIVE_UP, 143]}
+    assert rule["exitCodes"] == {
+        "operator": "NotIn",
+        "values": [0, 2, EXIT_GIVE_UP, EXIT_SUPERSEDED, 143],
+    }
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert (env["DILOCO_IN_PLACE_RESTARTS"], env["DILOCO_SUPERVISE"]) == ("3", "1")
 

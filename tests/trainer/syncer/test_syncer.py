@@ -381,22 +381,25 @@ def test_duplicate_push_is_idempotent_and_unmerged_pushes_of_a_learner_add_up(
 @pytest.mark.parametrize("live", [dict(quorum=2)], indirect=True)
 def test_a_dead_attempts_unmerged_push_adds_to_its_successors(live: LiveSyncer) -> None:
     """A restarted unit (attempt+1) started from global parameters without its dead attempt's
-    unmerged push, so the two carry disjoint progress: both count, in either arrival order,
-    under the newest attempt's header."""
+    unmerged push, so the two carry disjoint progress: both count, under the newest attempt's
+    header. A push of the old attempt arriving after the successor joined is refused: the
+    successor reads that data again from the unit's lease."""
     dead, successor = live.client("unit-0", attempt=0), live.client("unit-0", attempt=1)
     d_dead, d_new = fragment_delta(live, 0, seed=7), fragment_delta(live, 0, seed=8)
     dead.push(0, 0, d_dead, c_steps=5, c_tokens=320, step=5)
     successor.push(0, 0, d_new, c_steps=3, c_tokens=192, step=3)
-    late = fragment_delta(live, 0, seed=9)  # a zombie retry of the old attempt, arriving last
-    dead.push(0, 0, late, c_steps=2, c_tokens=128, step=7)
+    late = fragment_delta(live, 0, seed=9)  # a push of the old attempt, arriving last
+    with pytest.raises(SyncerRejected) as refused:
+        dead.push(0, 0, late, c_steps=2, c_tokens=128, step=7)
+    assert (refused.value.status, refused.value.reason) == (409, "superseded")
     pending = live.syncer.frags[0].pending["unit-0"]
     assert (pending.header.attempt, pending.header.c_steps, pending.header.c_tokens) == (
         1,
-        10,
-        640,
+        8,
+        512,
     )
     for name, value in pending.delta.items():
-        np.testing.assert_allclose(value, d_dead[name] + d_new[name] + late[name], rtol=1e-6)
+        np.testing.assert_allclose(value, d_dead[name] + d_new[name], rtol=1e-6)
     assert live.syncer.frags[0].version == 0  # still one unit: below the quorum of 2
 
 
@@ -479,6 +482,7 @@ def test_heartbeats_count_across_attempts_and_complete_the_run(live: LiveSyncer)
         "checkpoint",
         "rosterRevision",
         "shard",
+        "spares",
     }
     assert status.steps == 90 and status.tokens == 90 * 64
     assert status.learners["unit-0"].step == 60 and status.learners["unit-0"].attempt == 1

@@ -57,8 +57,9 @@ def push_body(
     step: int = 3,
     unit: str = "unit-0",
     delta: dict[str, np.ndarray] | None = None,
+    attempt: int = 0,
 ) -> bytes:
-    header = PushHeader(p, 0, 3, 96, "none", unit, 0, step=step)
+    header = PushHeader(p, 0, 3, 96, "none", unit, attempt, step=step)
     return encode_push(header, delta or fragment_delta(live, p, scale=scale), 32)[0]
 
 
@@ -365,12 +366,18 @@ def test_a_push_needs_a_prior_join_of_that_attempt(live: LiveSyncer) -> None:
     status, reply = live.raw("POST", "/v1/fragments/0/push", push_body(live), unit="unit-0")
     assert (status, reply["reason"]) == (409, "not_joined")
     assert_unchanged(live, before)
-    live.client("unit-0", attempt=1).join()  # another attempt's join does not count
-    status, reply = live.raw("POST", "/v1/fragments/0/push", push_body(live), unit="unit-0")
-    assert (status, reply["reason"]) == (409, "not_joined")
     live.client("unit-0").join()
     status, _ = live.raw("POST", "/v1/fragments/0/push", push_body(live), unit="unit-0")
     assert status == 200
+    # Another attempt's join does not count for this one's pushes; once it joined, this older
+    # attempt's pushes are refused outright (another process is the unit now).
+    status, reply = live.raw(
+        "POST", "/v1/fragments/1/push", push_body(live, 1, attempt=1), unit="unit-0"
+    )
+    assert (status, reply["reason"]) == (409, "not_joined")
+    live.client("unit-0", attempt=1).join()
+    status, reply = live.raw("POST", "/v1/fragments/1/push", push_body(live, 1), unit="unit-0")
+    assert (status, reply["reason"]) == (409, "superseded")
     # The client joins by itself when told it has not (a syncer restarted from an older
     # checkpoint than its join), then sends the same push.
     assert live.client("unit-1").push(1, 0, fragment_delta(live, 1), 1, 8).accepted
