@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def sharded_manifest(tmp_path: Path) -> Path:
     # Checkpoints every 10 minutes: what the killed shard merged lives only in its journal.
-    path = manifest(tmp_path, fragments=4, totalTokens=300_000, checkpoint={"everySeconds": 600})
+    path = manifest(tmp_path, fragments=4, totalTokens=180_000, checkpoint={"everySeconds": 600})
     doc = yaml.safe_load(path.read_text())
     doc["spec"]["syncer"] = {"shards": 2}
     doc["spec"]["chaos"]["schedule"] = []

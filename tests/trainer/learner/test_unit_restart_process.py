@@ -97,6 +97,12 @@ def test_one_hosts_crash_restarts_the_whole_unit_in_place(tmp_path: Path) -> Non
         assert "event=unit_restart_heard generation=1 was=0" in host0
         assert "event=learner_restarted_for_unit" in host0
         assert "coordinator=127.0.0.1:8477" in host0 and "coordinator=127.0.0.1:8477" in host1
+        # Stopped (the pods deleted): each supervisor passes SIGTERM on and, for a learner that
+        # cannot act on it (waiting in a collective its peer left), SIGKILLs it after a grace.
+        for proc, _ in hosts:
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in hosts:
+            proc.wait(60)  # never: a learner left waiting would keep its pod to the grace end
     finally:
         for proc, _ in hosts:
             if proc.poll() is None:

@@ -405,9 +405,11 @@ def train(cfg: TrainingConfig, options: dict[str, Any], program: StepProgram | N
 
 
 def _leave_jax(code: int) -> int:
-    """What JAX's own atexit hook would do for a multi-host unit; `code` passed through."""
+    """What JAX's own atexit hook would do for a multi-host unit; `code` passed through. Not
+    for a learner that was stopped or superseded: its peers may be gone or stopping apart, and
+    the shutdown barrier would hold it until they all arrive (a pod's whole grace period)."""
     jax = sys.modules.get("jax")
-    if jax is not None:
+    if jax is not None and code not in (EXIT_STOPPED, EXIT_SUPERSEDED):
         with contextlib.suppress(Exception):
             jax.distributed.shutdown()
     return code

@@ -40,6 +40,9 @@ FINAL_EXITS = frozenset({0, 2, EXIT_GIVE_UP, EXIT_SUPERSEDED})  # a restart cann
 # a row (then EXIT_GIVE_UP: its pod is recreated).
 SPARE_FINAL_EXITS = frozenset({0, 2})
 SPARE_CRASHES = 5
+# How long a learner told to stop has before it is SIGKILLed: a learner waits in its unit's
+# collectives, and a host whose peers already left waits there for good.
+STOP_GRACE_SECONDS = 10
 
 
 def exit_code(status: int) -> int:
@@ -75,16 +78,23 @@ def supervise(
         stopping = True
         if child:
             os.kill(child, signum)
+            signal.alarm(STOP_GRACE_SECONDS)
+
+    def stop_for_good(_signum: int, _frame: FrameType | None) -> None:
+        if child:
+            log.warning("event=learner_not_stopping action=sigkill after=%ds", STOP_GRACE_SECONDS)
+            os.kill(child, signal.SIGKILL)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, pass_on)
+    signal.signal(signal.SIGALRM, stop_for_good)
     while True:
         generation = unit.generation if unit is not None else 0
         sys.stdout.flush()
         sys.stderr.flush()
         child = os.fork()
         if child == 0:  # the learner: default signal handling, and it dies with its supervisor
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
                 signal.signal(signum, signal.SIG_DFL)
             die_with_parent()
             if unit is not None:
