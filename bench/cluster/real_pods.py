@@ -166,6 +166,16 @@ def run(ctx: BenchContext) -> Section:
             "SIGKILL of the learner comes after its restarts in place are spent: it exits 3 and "
             "the unit is recreated. The first step includes the syncer's and learners' start "
             "and their first compile.",
+            "",
+            "The two-pod unit's restart is timed from the SIGKILL of host 1's learner to the "
+            "run's tokens rising again: both supervisors restart their learners and the two "
+            "form the JAX program again (jax.distributed's coordinator and gloo) before the "
+            "first step. The spare's takeover is timed from the deletion of the unit's pod to "
+            "the spare's log line of its join (and of its first step) as the unit, both in the "
+            "spare pod's own log clock (one machine). Goodput is the operator's per-unit "
+            "account over the window (seconds between consecutive heartbeats of one learner "
+            "process whose step advanced, over the seconds the unit should have trained), each "
+            "unit's learner SIGKILLed once a minute from the node.",
         ]
     )
     return Section(
