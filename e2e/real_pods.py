@@ -76,6 +76,56 @@ def on_real_node() -> dict[str, Any]:
     }
 
 
+def real_node_run(
+    name: str,
+    image: str,
+    *,
+    replicas: int = 1,
+    group: dict[str, Any] | None = None,
+    training: dict[str, Any] | None = None,
+    syncer: dict[str, Any] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
+    """A DilocoRun whose pods all run on the real node: one CPU unit group `cpu` training the
+    tiny model on the stdlib corpus, with small requests. `group`, `training` and `syncer` are
+    laid over those; `spec` adds the rest (failurePolicy, chaos, ...)."""
+    placement = on_real_node()
+    return {
+        "apiVersion": "diloco.dev/v1alpha1",
+        "kind": "DilocoRun",
+        "metadata": {"name": name},
+        "spec": {
+            "image": image,
+            "imagePullPolicy": "Never",
+            "replicas": replicas,
+            "unitGroups": [
+                {
+                    "name": "cpu",
+                    "resources": {
+                        "requests": {"cpu": "100m", "memory": "256Mi"},
+                        "limits": {"memory": "1536Mi"},
+                    },
+                    **placement,
+                    **(group or {}),
+                }
+            ],
+            "training": {
+                "model": {"preset": "tiny", "seqLen": 64},
+                "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 400000},
+                "innerSteps": 10,
+                "heartbeatSeconds": 1,
+                **(training or {}),
+            },
+            "syncer": {
+                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+                **placement,
+                **(syncer or {}),
+            },
+            **spec,
+        },
+    }
+
+
 # The chart as published at the previous release (`helm package` of it): where an upgrade starts.
 PREVIOUS_CHART = REPO / "e2e" / "fixtures" / "charts" / "diloco-operator-0.1.0.tgz"
 CRD_FILE = "diloco.dev_dilocoruns.yaml"

@@ -40,7 +40,7 @@ import pytest
 import runs
 from conftest import SYSTEM_NS, get_json, kubectl, say, wait_for
 from diloco_operator.api import crdgen
-from real_pods import ctr, on_real_node, operator_pod, operator_pods, upgrade_chart
+from real_pods import ctr, operator_pod, operator_pods, real_node_run, upgrade_chart
 
 from e2e.cluster import harness, real_node
 
@@ -61,53 +61,29 @@ IN_PLACE_RESTARTS = int(os.environ.get("DILOCO_E2E_IN_PLACE_RESTARTS", "2"))
 
 
 def manifest(image: str) -> dict[str, Any]:
-    placement = on_real_node()
-    return {
-        "apiVersion": "diloco.dev/v1alpha1",
-        "kind": "DilocoRun",
-        "metadata": {"name": RUN},
-        "spec": {
-            "image": image,
-            "imagePullPolicy": "Never",
-            "replicas": UNITS,
-            "unitGroups": [
-                {
-                    "name": "cpu",
-                    "resources": {
-                        "requests": {"cpu": "100m", "memory": "256Mi"},
-                        "limits": {"memory": "1536Mi"},
-                    },
-                    **placement,
-                }
-            ],
-            "training": {
-                "model": {"preset": "tiny", "seqLen": 64},
-                "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 400000},
-                "innerSteps": 10,
-                "fragments": 2,
-                # Every fault below hits a training run, however slow the machine: this
-                # budget would take ~6 min on 2 loaded cores (~15k tokens/s for both units).
-                # Once the faults are over, the last test lowers it to what is nearly done.
-                "totalSteps": TOTAL_STEPS,
-                "heartbeatSeconds": 1,
-                "checkpoint": {"everySeconds": CHECKPOINT_SECONDS},
-                "eval": {"everySeconds": 10, "batches": 2},
-            },
-            "syncer": {
-                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
-                "checkpoint": {"size": "1Gi"},
-                **placement,
-            },
-            "failurePolicy": {
-                "restartBackoffSeconds": BACKOFF_S,
-                "inPlaceRestarts": IN_PLACE_RESTARTS,
-                "kubeletRestartRule": True,  # the real node's kubelet declares the feature
-                "healthyAfterSeconds": 5,
-                "offlineAfterSeconds": 20,
-            },
-            "chaos": {"schedule": [{"atSeconds": CHAOS_KILL_AT, "action": "kill", "unit": 0}]},
+    return real_node_run(
+        RUN,
+        image,
+        replicas=UNITS,
+        training={
+            "fragments": 2,
+            # Every fault below hits a training run, however slow the machine: this
+            # budget would take ~6 min on 2 loaded cores (~15k tokens/s for both units).
+            # Once the faults are over, the last test lowers it to what is nearly done.
+            "totalSteps": TOTAL_STEPS,
+            "checkpoint": {"everySeconds": CHECKPOINT_SECONDS},
+            "eval": {"everySeconds": 10, "batches": 2},
         },
-    }
+        syncer={"checkpoint": {"size": "1Gi"}},
+        failurePolicy={
+            "restartBackoffSeconds": BACKOFF_S,
+            "inPlaceRestarts": IN_PLACE_RESTARTS,
+            "kubeletRestartRule": True,  # the real node's kubelet declares the feature
+            "healthyAfterSeconds": 5,
+            "offlineAfterSeconds": 20,
+        },
+        chaos={"schedule": [{"atSeconds": CHAOS_KILL_AT, "action": "kill", "unit": 0}]},
+    )
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import runs
 from conftest import get_json, kubectl, say, wait_for
-from real_pods import ctr, on_real_node
+from real_pods import ctr, real_node_run
 
 from e2e.cluster import harness
 
@@ -46,45 +46,19 @@ LABEL_SHARD = "diloco.dev/syncer-shard"
 
 
 def manifest(image: str) -> dict[str, Any]:
-    placement = on_real_node()
-    return {
-        "apiVersion": "diloco.dev/v1alpha1",
-        "kind": "DilocoRun",
-        "metadata": {"name": RUN},
-        "spec": {
-            "image": image,
-            "imagePullPolicy": "Never",
-            "replicas": 1,
-            "unitGroups": [
-                {
-                    "name": "cpu",
-                    "resources": {
-                        "requests": {"cpu": "100m", "memory": "256Mi"},
-                        "limits": {"memory": "1536Mi"},
-                    },
-                    **placement,
-                }
-            ],
-            "training": {
-                "model": {"preset": "tiny", "seqLen": 64},
-                "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 400000},
-                "innerSteps": 10,
-                "fragments": SHARDS,  # one fragment per shard
-                "totalSteps": TOTAL_STEPS,
-                "heartbeatSeconds": 1,
-                "checkpoint": {"everySeconds": 5},
-                # shard 0 reads shard 1's fragment for each evaluation: few of them on 2 cores
-                "eval": {"everySeconds": 60, "batches": 2},
-            },
-            "syncer": {
-                "shards": SHARDS,
-                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
-                "checkpoint": {"size": "1Gi"},
-                **placement,
-            },
-            "failurePolicy": {"healthyAfterSeconds": 5, "offlineAfterSeconds": 20},
+    return real_node_run(
+        RUN,
+        image,
+        training={
+            "fragments": SHARDS,  # one fragment per shard
+            "totalSteps": TOTAL_STEPS,
+            "checkpoint": {"everySeconds": 5},
+            # shard 0 reads shard 1's fragment for each evaluation: few of them on 2 cores
+            "eval": {"everySeconds": 60, "batches": 2},
         },
-    }
+        syncer={"shards": SHARDS, "checkpoint": {"size": "1Gi"}},
+        failurePolicy={"healthyAfterSeconds": 5, "offlineAfterSeconds": 20},
+    )
 
 
 @pytest.fixture(scope="module")

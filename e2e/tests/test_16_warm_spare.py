@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import runs
 from conftest import kubectl, say, wait_for
-from real_pods import on_real_node
+from real_pods import real_node_run
 
 from e2e.cluster import harness
 
@@ -39,44 +39,15 @@ COVER_ATTEMPT = 999  # attempts.cover_attempt(0): the restarts part of a wire at
 
 
 def manifest(image: str) -> dict[str, Any]:
-    placement = on_real_node()
-    return {
-        "apiVersion": "diloco.dev/v1alpha1",
-        "kind": "DilocoRun",
-        "metadata": {"name": RUN},
-        "spec": {
-            "image": image,
-            "imagePullPolicy": "Never",
-            "replicas": 1,
-            "unitGroups": [
-                {
-                    "name": "cpu",
-                    "spares": 1,
-                    "resources": {
-                        "requests": {"cpu": "100m", "memory": "256Mi"},
-                        "limits": {"memory": "1536Mi"},
-                    },
-                    **placement,
-                }
-            ],
-            "training": {
-                "model": {"preset": "tiny", "seqLen": 64},
-                "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 400000},
-                "innerSteps": 10,
-                "totalSteps": TOTAL_STEPS,
-                "heartbeatSeconds": 1,
-                "eval": {"everySeconds": 60, "batches": 2},
-            },
-            "syncer": {
-                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
-                # the real node's few local volumes belong to the modules that test claims
-                "checkpoint": {"ephemeral": True},
-                "standby": False,
-                **placement,
-            },
-            "failurePolicy": {"healthyAfterSeconds": 5, "offlineAfterSeconds": 30},
-        },
-    }
+    return real_node_run(
+        RUN,
+        image,
+        group={"spares": 1},
+        training={"totalSteps": TOTAL_STEPS, "eval": {"everySeconds": 60, "batches": 2}},
+        # the real node's few local volumes belong to the modules that test claims
+        syncer={"checkpoint": {"ephemeral": True}, "standby": False},
+        failurePolicy={"healthyAfterSeconds": 5, "offlineAfterSeconds": 30},
+    )
 
 
 @pytest.fixture(scope="module")

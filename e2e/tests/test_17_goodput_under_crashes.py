@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import runs
 from conftest import kubectl, say, wait_for
-from real_pods import on_real_node
+from real_pods import real_node_run
 from test_15_multi_host_unit import learner_pid
 
 from e2e.cluster import harness
@@ -36,42 +36,14 @@ TARGET = 0.95
 
 
 def manifest(image: str) -> dict[str, Any]:
-    placement = on_real_node()
-    return {
-        "apiVersion": "diloco.dev/v1alpha1",
-        "kind": "DilocoRun",
-        "metadata": {"name": RUN},
-        "spec": {
-            "image": image,
-            "imagePullPolicy": "Never",
-            "replicas": UNITS,
-            "unitGroups": [
-                {
-                    "name": "cpu",
-                    "resources": {
-                        "requests": {"cpu": "100m", "memory": "256Mi"},
-                        "limits": {"memory": "1536Mi"},
-                    },
-                    **placement,
-                }
-            ],
-            "training": {
-                "model": {"preset": "tiny", "seqLen": 64},
-                "data": {"source": "stdlib", "batchSize": 8, "maxBytes": 400000},
-                "innerSteps": 10,
-                "totalSteps": 10_000_000,
-                "heartbeatSeconds": 1,
-                "eval": {"everySeconds": 120, "batches": 2},
-            },
-            "syncer": {
-                "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
-                "checkpoint": {"ephemeral": True},
-                "standby": False,
-                **placement,
-            },
-            "failurePolicy": {"inPlaceRestarts": 50, "healthyAfterSeconds": 5},
-        },
-    }
+    return real_node_run(
+        RUN,
+        image,
+        replicas=UNITS,
+        training={"totalSteps": 10_000_000, "eval": {"everySeconds": 120, "batches": 2}},
+        syncer={"checkpoint": {"ephemeral": True}, "standby": False},
+        failurePolicy={"inPlaceRestarts": 50, "healthyAfterSeconds": 5},
+    )
 
 
 @pytest.fixture(scope="module")
