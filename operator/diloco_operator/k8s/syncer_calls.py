@@ -201,43 +201,28 @@ async def hand_roster(
         return False
     if report.roster_revision is not None and report.roster_revision >= generation:
         return True
-    token = await read_run_token(run)
-    if token is None or STATE.http is None:
+    roster = roster_document(run.name, run.spec, generation)
+    answer = await _send(run, "PUT", "/v1/units", roster, shard)
+    if answer is None:
         return False
-    try:
-        trust = await _trust(run)
-        async with STATE.http.put(
-            f"{syncer_url(run, shard)}/v1/units",
-            json=roster_document(run.name, run.spec, generation),
-            headers=_headers(run, token),
-            ssl=trust if trust else True,
-        ) as resp:
-            if resp.status != 200:
-                body = await resp.text()
-                log.info(
-                    "roster run=%s shard=%d http=%s body=%s", run.name, shard, resp.status, body
-                )
-                return False
-            log.info(
-                "roster run=%s shard=%d revision=%d units=%d",
-                run.name,
-                shard,
-                generation,
-                run.spec.total_units,
-            )
-            return True
-    except (aiohttp.ClientError, TimeoutError, ValueError, ssl.SSLError) as exc:
-        log.debug("roster run=%s error=%r", run.name, exc)
+    status, body = answer
+    if status != 200:
+        log.info("roster run=%s shard=%d http=%s body=%s", run.name, shard, status, body)
         return False
+    log.info(
+        "roster run=%s shard=%d revision=%d units=%d",
+        run.name,
+        shard,
+        generation,
+        run.spec.total_units,
+    )
+    return True
 
 
 async def ask_cover(run: builders.Run, cover: CoverUnit) -> str | None:
     """Ask shard 0 of the run's syncer to hand `cover`'s unit to a waiting spare
     (planner/spares.py); the spare's name, or None when refused or unreachable (the next pass
     asks again while the report still shows a spare waiting)."""
-    token = await read_run_token(run)
-    if token is None or STATE.http is None:
-        return None
     body = {
         "unit": cover.name,
         "index": cover.global_index,
@@ -245,27 +230,40 @@ async def ask_cover(run: builders.Run, cover: CoverUnit) -> str | None:
         "group": cover.group,
         "attempt": cover.attempt,
     }
+    answer = await _send(run, "POST", "/v1/spares/cover", body)
+    if answer is None:
+        return None
+    status, text = answer
+    if status != 200:
+        log.info("cover run=%s unit=%s http=%s body=%s", run.name, cover.name, status, text[:300])
+        return None
     try:
-        trust = await _trust(run)
-        async with STATE.http.post(
-            f"{syncer_url(run)}/v1/spares/cover",
-            json=body,
-            headers=_headers(run, token),
-            ssl=trust if trust else True,
-        ) as resp:
-            text = await resp.text()
-            if resp.status != 200:
-                log.info(
-                    "cover run=%s unit=%s http=%s body=%s",
-                    run.name,
-                    cover.name,
-                    resp.status,
-                    text[:300],
-                )
-                return None
-            spare = str(json.loads(text).get("spare", ""))
-    except (aiohttp.ClientError, TimeoutError, ValueError, ssl.SSLError) as exc:
+        spare = str(json.loads(text).get("spare", ""))
+    except (ValueError, AttributeError) as exc:
         log.info("cover run=%s unit=%s error=%r", run.name, cover.name, exc)
         return None
     log.info("cover run=%s unit=%s attempt=%d spare=%s", run.name, cover.name, cover.attempt, spare)
     return spare
+
+
+async def _send(
+    run: builders.Run, method: str, path: str, body: dict[str, object], shard: int = 0
+) -> tuple[int, str] | None:
+    """A request to a syncer shard under the run's credential: (HTTP status, body), or None
+    when there is no credential or session yet, or the syncer cannot be reached (logged)."""
+    token = await read_run_token(run)
+    if token is None or STATE.http is None:
+        return None
+    try:
+        trust = await _trust(run)
+        async with STATE.http.request(
+            method,
+            f"{syncer_url(run, shard)}{path}",
+            json=body,
+            headers=_headers(run, token),
+            ssl=trust if trust else True,
+        ) as resp:
+            return resp.status, await resp.text()
+    except (aiohttp.ClientError, TimeoutError, ValueError, ssl.SSLError) as exc:
+        log.debug("%s %s run=%s shard=%d error=%r", method, path, run.name, shard, exc)
+        return None
