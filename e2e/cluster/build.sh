@@ -12,12 +12,14 @@
 #   toxiproxy-server (the emulated WAN link of the bench's wan section) (github.com/Shopify/toxiproxy/v2)
 #   crane (`crane registry serve`: an in-memory OCI registry the new-user e2e test publishes the
 #          chart to, as a release does) (github.com/google/go-containerregistry)
+#   the Gateway API CRDs, standard channel (no binary: the gateway-route test installs them)
+#                                                                    (sigs.k8s.io/gateway-api)
 #
 # Everything comes from the Go module proxy; versions are pinned in versions.env. Binaries go to
 #   $DILOCO_E2E_CACHE/<component>-<version>/bin      (default cache: ~/.cache/diloco-e2e)
 # and a component whose bin/.complete stamp exists is not rebuilt, so a warm call takes seconds.
 #
-# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy|crane ...] (default: all)
+# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy|crane|gatewayapi ...] (default: all)
 #        e2e/cluster/build.sh --print-bin-dirs             (print the PATH entries, build nothing)
 # Env:   DILOCO_E2E_CACHE   cache root (default ${XDG_CACHE_HOME:-~/.cache}/diloco-e2e)
 #        DILOCO_E2E_GOCACHE Go build cache used for these builds (default $DILOCO_E2E_CACHE/go-build)
@@ -48,10 +50,11 @@ kueue_dir() { echo "$CACHE/kueue-$KUEUE_VERSION"; }
 fakegcs_dir() { echo "$CACHE/fake-gcs-server-$FAKE_GCS_VERSION"; }
 toxiproxy_dir() { echo "$CACHE/toxiproxy-$TOXIPROXY_VERSION"; }
 crane_dir() { echo "$CACHE/crane-$CRANE_VERSION"; }
+gatewayapi_dir() { echo "$CACHE/gateway-api-$GATEWAY_API_VERSION"; }
 pause_dir() { echo "$CACHE/pause-$(sha256sum "$HERE/../node/pause/main.go" | cut -c1-12)"; }
 
 if [[ "${1:-}" == "--print-bin-dirs" ]]; then
-  for c in k8s etcd kwok helm coredns pause kueue fakegcs toxiproxy crane; do echo "$("${c}_dir")/bin"; done
+  for c in k8s etcd kwok helm coredns pause kueue fakegcs toxiproxy crane gatewayapi; do echo "$("${c}_dir")/bin"; done
   exit 0
 fi
 
@@ -283,8 +286,25 @@ build_crane() {
   stamp "$d" "$t0"
 }
 
+# Nothing to build: the module's CRD manifests (standard channel), copied out of the module cache.
+build_gatewayapi() {
+  local d; d=$(gatewayapi_dir)
+  if is_done "$d" && [[ -f "$d/crds/.complete" ]]; then
+    log "gateway-api $GATEWAY_API_VERSION: cached in $d/crds"; return
+  fi
+  local t0; t0=$(date +%s)
+  mkdir -p "$d/bin"; rm -f "$d/bin/.complete"
+  local src
+  src=$(GOFLAGS= go mod download -json "sigs.k8s.io/gateway-api@$GATEWAY_API_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+  [[ -f "$src/config/crd/standard/gateway.networking.k8s.io_tlsroutes.yaml" ]] || die "gateway-api module source has no standard TLSRoute CRD"
+  rm -rf "$d/crds"; mkdir -p "$d/crds"
+  cp "$src"/config/crd/standard/gateway.networking.k8s.io_*.yaml "$d/crds/"
+  chmod -R u+w "$d/crds"; touch "$d/crds/.complete"
+  stamp "$d" "$t0"
+}
+
 components=("$@")
-[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause kueue fakegcs toxiproxy crane)
+[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause kueue fakegcs toxiproxy crane gatewayapi)
 mkdir -p "$CACHE"
 # (version checks read the whole output first: `cmd | grep -q` under pipefail fails when grep
 # exits before cmd has written everything and cmd dies of SIGPIPE)
@@ -293,8 +313,8 @@ exec 9>"$CACHE/.build.lock"
 if ! flock -n 9; then log "another build.sh holds $CACHE/.build.lock; waiting"; flock 9; fi
 for c in "${components[@]}"; do
   case "$c" in
-    k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy|crane) "build_$c" ;;
-    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause, kueue, fakegcs, toxiproxy, crane)" ;;
+    k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy|crane|gatewayapi) "build_$c" ;;
+    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause, kueue, fakegcs, toxiproxy, crane, gatewayapi)" ;;
   esac
 done
 for c in "${components[@]}"; do echo "$("${c}_dir")/bin"; done

@@ -52,6 +52,11 @@ NEEDED = {
     ("", "persistentvolumeclaims", "create"),
     ("policy", "poddisruptionbudgets", "get"),  # the syncer's budget (builders.run_objects)
     ("policy", "poddisruptionbudgets", "create"),
+    # A syncer behind a Gateway API route (syncer.expose.gateway).
+    ("gateway.networking.k8s.io", "tlsroutes", "get"),
+    ("gateway.networking.k8s.io", "tlsroutes", "create"),
+    ("gateway.networking.k8s.io", "httproutes", "get"),
+    ("gateway.networking.k8s.io", "httproutes", "create"),
     # Only with networkPolicy.enabled (the per-run NetworkPolicy).
     ("networking.k8s.io", "networkpolicies", "get"),
     ("networking.k8s.io", "networkpolicies", "create"),
@@ -157,16 +162,47 @@ def built_children() -> list[dict[str, Any]]:
 
     run = builders.Run("r", "ns", "uid", parse_spec({"image": "t", "training": {"totalSteps": 5}}))
     unit = CreateUnit("r-default-0", "default", 0, 0, 0, 1, 1)
+    routed = [
+        builders.Run(
+            "r",
+            "ns",
+            "uid",
+            parse_spec(
+                {
+                    "image": "t",
+                    "training": {"totalSteps": 5},
+                    "syncer": {
+                        "tls": {},
+                        "expose": {
+                            "type": "Gateway",
+                            "gateway": {
+                                "parentRef": {"name": "gw"},
+                                "hostname": "syncer.example.internal",
+                                "kind": kind,
+                            },
+                        },
+                    },
+                }
+            ),
+        )
+        for kind in ("TLSRoute", "HTTPRoute")
+    ]
     return [
         *run_objects_with_policy(run, OperatorIdentity("ops")),
         *builders.unit_objects(run, unit, "run-secret"),
+        *(o for r in routed for o in builders.run_objects(r)),
     ]
 
 
 def test_every_kind_the_operator_creates_is_granted() -> None:
+    from diloco_operator.k8s import kube
+
     kube_py = (OPERATOR / "k8s" / "kube.py").read_text()
+    # The typed clients' kinds, and the custom resources' (created through one generic call).
     created = set(re.findall(r'"(\w+)": [\w()]+\.create_namespaced_', kube_py))
+    created |= set(kube.CUSTOM_KINDS)
     plural = {
+        **{kind: plural for kind, (_, plural) in kube.CUSTOM_KINDS.items()},
         "Service": "services",
         "Secret": "secrets",
         "ConfigMap": "configmaps",
@@ -185,6 +221,7 @@ def test_every_kind_the_operator_creates_is_granted() -> None:
     # A create that meets an existing object reads it (kube.ours): every created kind is gettable.
     readable = {r for (_, r, v) in NEEDED if v == "get"}
     read = set(re.findall(r'"(\w+)": [\w()]+\.read_namespaced_', kube_py))
+    read |= set(kube.CUSTOM_KINDS)
     assert read == created and {plural[k] for k in read} <= readable
 
 

@@ -90,6 +90,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create"]
+# A syncer exposed through a Gateway (syncer.expose.gateway): its TLSRoute or HTTPRoute.
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["tlsroutes", "httproutes"]
+  verbs: ["get", "create"]
 # Events about runs and units.
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]

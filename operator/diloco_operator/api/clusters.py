@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from diloco_trainer.config import Strict
 from pydantic import Field, model_validator
 
-from diloco_operator.api.kubesyntax import DNS_SUBDOMAIN, ENV_NAME
+from diloco_operator.api.kubesyntax import DNS_LABEL, DNS_SUBDOMAIN, ENV_NAME
 
 # https://host[:port], no path: the learners add the protocol's paths.
 SYNCER_ADDRESS = r"^https://[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?(:[0-9]{1,5})?$"
@@ -59,12 +59,57 @@ class ExternalSyncer(Strict):
     )
 
 
+class GatewayParent(Strict):
+    """The Gateway (and listener) a route attaches to: the user's, installed and run by their
+    Gateway API implementation."""
+
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="Gateway name.")
+    namespace: str | None = Field(
+        None,
+        max_length=63,
+        pattern=DNS_LABEL,
+        description="The Gateway's namespace (default: the run's); the Gateway's listener must "
+        "allow routes from the run's namespace.",
+    )
+    section_name: str | None = Field(
+        None,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="The listener to attach to (default: every listener the route fits).",
+    )
+
+
+class GatewayRoute(Strict):
+    """The syncer behind a Gateway API route. TLSRoute (the default) passes TLS through by SNI:
+    the learners' connection ends at the syncer, which serves its own certificate, so trust is
+    what it is with a load balancer. HTTPRoute ends TLS at the Gateway (learners verify the
+    Gateway's certificate) and the Gateway speaks HTTPS to the syncer."""
+
+    parent_ref: GatewayParent = Field(description="The Gateway the route attaches to.")
+    hostname: DnsName = Field(
+        description="The name away learners dial (their syncer.external.address is "
+        "https://HOSTNAME[:PORT]); a TLSRoute matches it by SNI, so the syncer's certificate "
+        "must name it (the operator-made one does)."
+    )
+    kind: Literal["TLSRoute", "HTTPRoute"] = Field(
+        "TLSRoute", description="TLSRoute: TLS passthrough; HTTPRoute: TLS ends at the Gateway."
+    )
+    source_ranges: list[Cidr] | None = Field(
+        None,
+        max_length=32,
+        description="CIDRs the Gateway's proxies connect from (a proxy-only subnet, the "
+        "gateway pods' range): the NetworkPolicy admits only these. Unset: any source (the "
+        "Gateway is the gate).",
+    )
+
+
 class SyncerExposure(Strict):
     """How the syncer is reached: from inside the cluster only, or from other clusters."""
 
-    type: Literal["ClusterIP", "LoadBalancer"] = Field(
+    type: Literal["ClusterIP", "LoadBalancer", "Gateway"] = Field(
         "ClusterIP",
-        description="LoadBalancer makes the syncer reachable from other clusters (away runs).",
+        description="LoadBalancer or Gateway make the syncer reachable from other clusters "
+        "(away runs): a Service of type LoadBalancer, or a route of a Gateway of yours.",
     )
     internal: bool = Field(
         True,
@@ -80,10 +125,27 @@ class SyncerExposure(Strict):
     annotations: dict[str, str] | None = Field(
         None, max_length=16, description="Extra annotations of the syncer Service."
     )
+    gateway: GatewayRoute | None = Field(
+        None, description="The route to the syncer; required with type Gateway, only with it."
+    )
 
     @property
     def external(self) -> bool:
-        return self.type == "LoadBalancer"
+        """Reached from other clusters (by either way)."""
+        return self.type != "ClusterIP"
+
+    @property
+    def source_ranges(self) -> list[str] | None:
+        """Where other clusters' traffic arrives from (None: anywhere)."""
+        if self.gateway is not None:
+            return self.gateway.source_ranges
+        return self.load_balancer_source_ranges
+
+    @model_validator(mode="after")
+    def _gateway_with_its_type(self) -> SyncerExposure:
+        if (self.type == "Gateway") != (self.gateway is not None):
+            raise ValueError("syncer.expose.gateway: required with type Gateway, and only with it")
+        return self
 
 
 class SyncerTls(Strict):
@@ -170,6 +232,6 @@ def check_cluster_fields(
     crosses = any(remote) or (expose is not None and expose.external)
     if crosses and tls is None:
         raise ValueError(
-            "syncer.tls: required when a unit group is remote or the syncer is exposed as a "
-            "LoadBalancer (plain HTTP stays inside the cluster)"
+            "syncer.tls: required when a unit group is remote or the syncer is exposed to "
+            "other clusters (plain HTTP stays inside the cluster)"
         )

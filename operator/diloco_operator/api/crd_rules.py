@@ -60,7 +60,7 @@ _LOCAL_GROUPS = (
 _ANY_REMOTE = "(has(self.unitGroups) && self.unitGroups.exists(g, has(g.remote) && g.remote))"
 _EXPOSED = (
     "(has(self.syncer) && has(self.syncer.expose) && has(self.syncer.expose.type) && "
-    "self.syncer.expose.type == 'LoadBalancer')"
+    "self.syncer.expose.type != 'ClusterIP')"
 )
 
 _SHARDS = _or_default("self.syncer.shards", api.SyncerSpec, "shards")
@@ -134,7 +134,7 @@ RULES: dict[str, list[dict[str, str]]] = {
             "rule": "(has(self.syncer) && (has(self.syncer.external) || has(self.syncer.tls))) || "
             f"!({_ANY_REMOTE} || {_EXPOSED})",
             "message": "syncer.tls: required when a unit group is remote or the syncer is "
-            "exposed as a LoadBalancer (plain HTTP stays inside the cluster)",
+            "exposed to other clusters (plain HTTP stays inside the cluster)",
         },
         {
             "rule": f"{_SHARDS} <= "
@@ -224,6 +224,13 @@ RULES: dict[str, list[dict[str, str]]] = {
         ),
         _or_default("self.blockSize", CompressionConfig, "block_size"),
     ),
+    "SyncerExposure": [
+        {
+            "rule": "has(self.gateway) == (has(self.type) && self.type == 'Gateway')",
+            "message": "syncer.expose.gateway: required with type Gateway, and only with it",
+            "fieldPath": ".gateway",
+        }
+    ],
     "SyncerTls": [
         {
             "rule": "!has(self.secretName) || (!has(self.dnsNames) && !has(self.ipAddresses))",

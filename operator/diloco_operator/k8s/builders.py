@@ -36,6 +36,7 @@ from diloco_operator.k8s.cross_cluster import (
     add_learner_transport,
     add_syncer_tls,
     expose,
+    syncer_route,
 )
 from diloco_operator.k8s.learner_env import LEARNER_METRICS_PORT as LEARNER_METRICS_PORT
 from diloco_operator.k8s.learner_env import LOG_FORMAT_ENV, learner_env
@@ -365,6 +366,7 @@ def run_objects(run: Run, token: str | None = None) -> list[dict[str, Any]]:
     shards = range(run.shards)
     objs += [c for c in (checkpoint_claim(run, i) for i in shards) if c is not None]
     objs += [syncer_service(run, i) for i in shards]
+    objs += [r for r in (syncer_route(run),) if r is not None]
     # The budgets before the Deployments: a syncer pod is never without its budget.
     objs += [syncer_disruption_budget(run, i) for i in shards]
     objs += [syncer_deployment(run, i) for i in shards]

@@ -1,7 +1,7 @@
 """What the children need for a run that crosses the cluster boundary (docs/multi-cluster.md):
 the syncer serving HTTPS from its certificate Secret, learners verifying it with the CA alone
 (never the private key), an away run's units joining with tokens derived from its join
-credential, and the syncer Service exposed to other clusters."""
+credential, and the syncer exposed to other clusters (a load balancer or a Gateway API route)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from diloco_trainer.auth import unit_token
 from diloco_trainer.join_credentials import parse_join_credential, unit_token_from_credential
 
 from diloco_operator.api.clusters import CA_KEY, INTERNAL_LB_ANNOTATION
+from diloco_operator.k8s.object_meta import SYNCER, child_meta
 from diloco_operator.k8s.run_ref import Run
 
 TLS_DIR = "/var/run/diloco/tls"
@@ -21,6 +22,8 @@ CA_FILE = CA_KEY  # learners see the bundle under the name the Secret gives it a
 JOIN_KEY = "join"
 # kubernetes.io/tls Secret keys (cert-manager writes these and CA_KEY).
 TLS_CERT, TLS_KEY = "tls.crt", "tls.key"
+GATEWAY_GROUP = "gateway.networking.k8s.io"
+PROTOCOL_PREFIX = "/v1/"  # every path of the learner-syncer protocol (docs/protocol.md)
 
 
 def ca_source(run: Run) -> tuple[str, str] | None:
@@ -93,9 +96,15 @@ def add_syncer_tls(template: dict[str, Any], run: Run, containers: tuple[str, ..
 
 
 def expose(service: dict[str, Any], run: Run) -> dict[str, Any]:
-    """The syncer Service as other clusters reach it: a (by default internal) load balancer."""
+    """The syncer Service as other clusters reach it: a (by default internal) load balancer;
+    behind an HTTPRoute, a port that says HTTPS (a Gateway that ends TLS speaks it onwards)."""
     exposure = run.spec.syncer.expose
-    if exposure is None or not exposure.external:
+    if exposure is not None and exposure.gateway is not None:
+        if exposure.gateway.kind == "HTTPRoute":
+            for port in service["spec"]["ports"]:
+                port["appProtocol"] = "HTTPS"
+        return service
+    if exposure is None or exposure.type != "LoadBalancer":
         return service
     spec = service["spec"]
     spec["type"] = "LoadBalancer"
@@ -107,6 +116,32 @@ def expose(service: dict[str, Any], run: Run) -> dict[str, Any]:
     if annotations:
         service["metadata"].setdefault("annotations", {}).update(annotations)
     return service
+
+
+def syncer_route(run: Run) -> dict[str, Any] | None:
+    """The Gateway API route to the syncer Service (`syncer.expose.gateway`), or None. One route
+    for the one syncer: an exposed syncer is never sharded (api.clusters.check_shards)."""
+    exposure = run.spec.syncer.expose
+    route = exposure.gateway if exposure is not None else None
+    if route is None:
+        return None
+    parent: dict[str, Any] = {"name": route.parent_ref.name}
+    if route.parent_ref.namespace:
+        parent["namespace"] = route.parent_ref.namespace
+    if route.parent_ref.section_name:
+        parent["sectionName"] = route.parent_ref.section_name
+    rule: dict[str, Any] = {
+        "backendRefs": [{"name": run.syncer_name, "port": run.spec.syncer.port}]
+    }
+    if route.kind == "HTTPRoute":
+        # The learners' protocol, nothing else the syncer serves.
+        rule["matches"] = [{"path": {"type": "PathPrefix", "value": PROTOCOL_PREFIX}}]
+    return {
+        "apiVersion": f"{GATEWAY_GROUP}/v1",
+        "kind": route.kind,
+        "metadata": child_meta(run, run.syncer_name, SYNCER),
+        "spec": {"parentRefs": [parent], "hostnames": [route.hostname], "rules": [rule]},
+    }
 
 
 def unit_secret_data(run: Run, unit: str, key: str, token_key: str) -> dict[str, str]:

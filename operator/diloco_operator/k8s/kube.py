@@ -113,8 +113,24 @@ def replace_crd(name: str, body: dict[str, Any]) -> None:
     replace(name, body, _request_timeout=REQUEST_TIMEOUT)
 
 
+# Children of kinds that are custom resources (Gateway API routes): kind -> (group, plural).
+CUSTOM_KINDS = {
+    "TLSRoute": ("gateway.networking.k8s.io", "tlsroutes"),
+    "HTTPRoute": ("gateway.networking.k8s.io", "httproutes"),
+}
+CUSTOM_VERSION = "v1"
+
+
 def _creator(kind: str) -> Callable[..., Any]:
-    core, apps, batch, _ = _apis()
+    core, apps, batch, custom = _apis()
+    if kind in CUSTOM_KINDS:
+        group, plural = CUSTOM_KINDS[kind]
+        create = custom.create_namespaced_custom_object
+
+        def create_custom(ns: str, body: dict[str, Any], **kwargs: Any) -> Any:
+            return create(group, CUSTOM_VERSION, ns, plural, body, **kwargs)
+
+        return create_custom
     creators: dict[str, Callable[..., Any]] = {
         "Service": core.create_namespaced_service,
         "Secret": core.create_namespaced_secret,
@@ -137,7 +153,15 @@ class ChildError(Exception):
 
 
 def _reader(kind: str) -> Callable[..., Any]:
-    core, apps, batch, _ = _apis()
+    core, apps, batch, custom = _apis()
+    if kind in CUSTOM_KINDS:
+        group, plural = CUSTOM_KINDS[kind]
+        read = custom.get_namespaced_custom_object
+
+        def read_custom(name: str, ns: str, **kwargs: Any) -> Any:
+            return read(group, CUSTOM_VERSION, ns, plural, name, **kwargs)
+
+        return read_custom
     readers: dict[str, Callable[..., Any]] = {
         "Service": core.read_namespaced_service,
         "Secret": core.read_namespaced_secret,
@@ -186,6 +210,15 @@ async def create(obj: dict[str, Any], run_uid: str) -> bool:
     try:
         await _api(_creator(kind), ns, obj)
     except ApiException as exc:
+        if exc.status == 404 and kind in CUSTOM_KINDS:
+            raise ChildError(
+                "ChildRejected",
+                kind,
+                name,
+                f"this cluster does not serve {CUSTOM_KINDS[kind][0]}/{CUSTOM_VERSION} "
+                f"{kind}: install the Gateway API CRDs (standard channel) and a Gateway "
+                "implementation, or expose the syncer as a LoadBalancer",
+            ) from exc
         if exc.status != 409:
             if exc.status is not None and 400 <= exc.status < 500:
                 raise ChildError("ChildRejected", kind, name, _api_message(exc)) from exc

@@ -67,12 +67,13 @@ def _from_shard_zero(run: Run) -> list[dict[str, Any]]:
 
 def _from_other_clusters(run: Run) -> list[dict[str, Any]]:
     """An exposed syncer also takes the away clusters' traffic, which arrives through the load
-    balancer from their ranges: loadBalancerSourceRanges when given (the same CIDRs the load
-    balancer admits), else any source (the load balancer, internal by default, is the gate)."""
+    balancer from their ranges, or from a Gateway's proxies: the ranges given for either
+    (loadBalancerSourceRanges, the same CIDRs the load balancer admits; gateway.sourceRanges),
+    else any source (the load balancer, internal by default, or the Gateway is the gate)."""
     exposure = run.spec.syncer.expose
     if exposure is None or not exposure.external:
         return []
-    ranges = exposure.load_balancer_source_ranges or ["0.0.0.0/0", "::/0"]
+    ranges = exposure.source_ranges or ["0.0.0.0/0", "::/0"]
     return [
         {
             "from": [{"ipBlock": {"cidr": cidr}} for cidr in ranges],

@@ -36,7 +36,8 @@ def token_secret(run: Run, token: str | None = None) -> dict[str, Any]:
 def syncer_tls_secret(run: Run) -> dict[str, Any] | None:
     """The syncer's certificate Secret when the operator makes it (`syncer.tls` without
     `secretName`): signed by a private CA of the run's own (private_ca.py), naming the Service
-    (every shard's, one certificate for all) and `syncer.tls.dnsNames` / `ipAddresses`.
+    (every shard's, one certificate for all), a Gateway route's hostname and
+    `syncer.tls.dnsNames` / `ipAddresses`.
     Created once (a conflict keeps the existing)."""
     tls = run.spec.syncer.tls
     if tls is None or not tls.operator_made:
@@ -45,6 +46,9 @@ def syncer_tls_secret(run: Run) -> dict[str, Any] | None:
     for name in run.shard_names:
         service = f"{name}.{run.namespace}"
         names += [name, service, f"{service}.svc", f"{service}.svc.cluster.local"]
+    exposure = run.spec.syncer.expose
+    if exposure is not None and exposure.gateway is not None:
+        names.append(exposure.gateway.hostname)  # a TLSRoute's SNI: what away learners dial
     pem = private_ca.syncer_certificate(
         run.name,
         names + list(tls.dns_names or []),
