@@ -128,6 +128,36 @@ def test_bad_announcements_are_refused_and_change_nothing(unit: Unit) -> None:
     assert post(url, b'{"generation": 3}', generation=3) == (200, {"generation": 3})
 
 
+def test_two_hosts_announcing_at_once_hear_each_other(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each host's supervisor is one thread that announces while its peer announces to it (both
+    learners died of the same fault): each serves the other's announcement while it waits for
+    its own reply, so both get one (no `unreached`) and the unit moves to generation 1 once."""
+    port = free_port()
+    names = ["127.0.0.1", "127.0.0.2"]
+    hosts = []
+    for i, name in enumerate(names):
+        (folder := tmp_path / f"host-{i}").mkdir()
+        hosts.append(UnitRestart(Peers.of(names, i, port), TOKEN, folder, bind=name, port=port))
+    results: list[int] = []
+    supervisors = [
+        threading.Thread(target=lambda h=h: results.append(h.restart_all())) for h in hosts
+    ]
+    try:
+        with caplog.at_level("WARNING", logger="diloco_trainer.learner.unit_restart"):
+            for t in supervisors:
+                t.start()
+            for t in supervisors:
+                t.join()
+    finally:
+        for h in hosts:
+            h.close()
+    assert results == [1, 1]
+    assert [h.generation for h in hosts] == [1, 1]
+    assert "unit_restart_unreached" not in caplog.text
+
+
 def test_an_unreachable_peer_is_left_to_the_operator(tmp_path: Path) -> None:
     port = free_port()
     peers = Peers.of(["127.0.0.1", "127.0.0.9"], 0, port)  # nobody serves on .9

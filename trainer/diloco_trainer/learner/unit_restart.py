@@ -14,7 +14,8 @@ announces the next one, so a whole-container restart also restarts the unit.
 
 The supervisor is single-threaded on purpose: it forks its learner, and a fork taken while
 another thread holds a lock leaves the child with that lock held. It serves peers between polls
-of its child instead (`serve_once`); an announcement's threads are joined before it returns.
+of its child, and while its own announcement waits for replies, instead (`serve_once`); an
+announcement's threads are joined before it returns.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import hmac
 import json
 import logging
 import os
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -88,6 +90,7 @@ class UnitRestart:
         self.generation = self._read()
         self._write(self.generation)
         self.server = HTTPServer((bind, port), _handler(self))
+        self._serving = threading.Lock()
 
     def _read(self) -> int:
         if self.path is None or not self.path.exists():
@@ -135,7 +138,13 @@ class UnitRestart:
         if not others:
             return generation
         with ThreadPoolExecutor(max_workers=min(64, len(others))) as pool:
-            replies = list(pool.map(lambda url: self._tell(url, generation), others))
+            told = [pool.submit(self._tell, url, generation) for url in others]
+            # Peers are served meanwhile: two hosts that crash together announce to each other
+            # at once, and a supervisor that only waited for its replies would leave the other's
+            # unanswered until both timed out (ANNOUNCE_TRIES x ANNOUNCE_TIMEOUT_S).
+            while not all(f.done() for f in told):
+                self.serve_once(0.02)
+            replies = [f.result() for f in told]
         missed = sum(1 for r in replies if r is None)
         if missed:
             log.warning("event=unit_restart_unreached generation=%d peers=%d", generation, missed)
@@ -163,9 +172,15 @@ class UnitRestart:
         return None
 
     def serve_once(self, timeout_s: float) -> None:
-        """Answer at most one peer's request, waiting up to `timeout_s` for one."""
-        self.server.timeout = timeout_s
-        self.server.handle_request()
+        """Answer at most one peer's request, waiting up to `timeout_s` for one. One caller at a
+        time: two accepting at once could leave one blocked in accept (announce serves too)."""
+        if not self._serving.acquire(timeout=timeout_s):
+            return
+        try:
+            self.server.timeout = timeout_s
+            self.server.handle_request()
+        finally:
+            self._serving.release()
 
     def close(self) -> None:
         self.server.server_close()
