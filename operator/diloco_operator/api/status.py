@@ -89,6 +89,29 @@ class UnitStatus(Strict):
     )
 
 
+class GroupStatus(Strict):
+    """One unit group at a glance: a group is what one cluster runs, so at home these are the
+    run's clusters side by side (remote groups as the syncer hears them)."""
+
+    name: str = Field(description="The unit group (spec.unitGroups[].name).")
+    remote: bool = Field(False, description="It runs in another cluster.")
+    units: int = Field(0, ge=0, description="Its units (Removing ones excluded).")
+    units_online: int = Field(0, ge=0, description="Its units in state Online.")
+    tokens: int | None = Field(
+        None, ge=0, description="Tokens its units trained, as the syncer last reported them."
+    )
+    tokens_per_sec: float | None = Field(
+        None, ge=0, description="Its units' latest throughput, summed."
+    )
+    goodput: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Useful over total learner-seconds of its units (status.units[].goodput "
+        "summed); null until one was accounted.",
+    )
+
+
 class SpareStatus(Strict):
     """A warm spare pod of a unit group (spec.unitGroups[].spares)."""
 
@@ -188,6 +211,12 @@ class DilocoRunStatus(Strict):
         default_factory=list, max_length=MAX_UNITS, description="One entry per unit."
     )
     units_online: int = Field(0, description="Units in state Online.")
+    groups: list[GroupStatus] = Field(
+        default_factory=list,
+        max_length=16,  # spec.unitGroups' bound
+        description="Per unit group (per cluster, for a run across clusters): units, units "
+        "online, tokens, throughput and goodput.",
+    )
     replicas: int = Field(0, description="Units of the first group that exist (scale status).")
     selector: str = Field("", description="Label selector of the first group's pods (scale).")
     outer_step: int | None = Field(

@@ -32,6 +32,7 @@ from diloco_operator.planner.failure import (
     take_offline,
 )
 from diloco_operator.planner.goodput import account
+from diloco_operator.planner.groups import group_summaries
 from diloco_operator.planner.model import (
     Action,
     CreateSyncer,
@@ -400,6 +401,7 @@ def plan(
         conditions=_conditions(prev, phase, why, units, syncer, now, generation, spec.suspend),
         units=units,
         units_online=sum(u.state == "Online" for u in units),
+        groups=group_summaries(spec, units, report, prev.groups),
         replicas=sum(1 for u in units if u.state != "Removing" and u.group == first),
         selector=f"{LABEL_RUN}={run},{LABEL_GROUP}={first}",
         observed_generation=generation if generation is not None else prev.observed_generation,
