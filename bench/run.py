@@ -29,6 +29,7 @@ BENCHES: list[tuple[str, str]] = [
     ("install", "bench.quality.install"),
     ("bytes_loss", "bench.bytes.bytes_loss"),
     ("bytes_loss_narrow", "bench.bytes.bytes_loss_narrow"),
+    ("bytes_sparse", "bench.bytes.bytes_sparse"),
     ("ablations", "bench.quality.ablations"),
     ("bad_unit", "bench.faults.bad_unit"),
     ("goodput_real", "bench.faults.goodput_real"),

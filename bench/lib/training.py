@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 from diloco_trainer.config import CompressionConfig, TrainingConfig
 from diloco_trainer.data.corpus import train_batches
-from diloco_trainer.downlink import Publication
-from diloco_trainer.feedback import push_feedback
+from diloco_trainer.downlink import Publication, apply_step
+from diloco_trainer.feedback import PushFeedback, push_feedback
 from diloco_trainer.fragments import pack_fragments
 from diloco_trainer.learner.client import SyncerClient
 from diloco_trainer.learner.train import (
@@ -44,6 +44,7 @@ from diloco_trainer.workload.evaluate import eval_loss
 from bench.lib.common import log, two_at_a_time
 from bench.lib.decoupled_model import leased_batches, roundtrip
 from bench.lib.live import TOKEN, exit_fields, learner_process, syncer
+from bench.lib.sparse_topk import TopK
 
 KEY = step_key(0, 0)  # the built-in model's loss draws nothing from its rng
 
@@ -165,11 +166,15 @@ def sync_diloco(
     name: str = "",
     downlink: str = "none",
     learners: int = M,
+    sparse: TopK | None = None,
+    sparse_down: TopK | None = None,
 ) -> Outcome:
     """Synchronous DiLoCo in this process: pushes quantized with `scheme` (with the config's
     error feedback, `feedback.py`); with a `downlink` scheme the learners install the syncer's
     published copy (compressed steps with error feedback, `downlink.py`) instead of the global
-    parameters themselves."""
+    parameters themselves. `sparse`: top-k pushes instead (bench/lib/sparse_topk.py) with error
+    feedback; `sparse_down`: top-k published steps, the published copy's lag their error
+    feedback (else the `downlink` scheme's)."""
     start = time.perf_counter()
     mesh = make_mesh()
     opt = make_optimizer(cfg.inner_optimizer, steps)
@@ -181,7 +186,7 @@ def sync_diloco(
     published = [Publication(0, {n: global_params[n] for n in frag}) for frag in layout]
     outer = OuterOptimizer(cfg.outer_optimizer.lr, cfg.outer_optimizer.momentum, True)
     outer_states = [outer.init({n: global_params[n] for n in frag}) for frag in layout]
-    pushes = [Pusher(scheme, cfg.compression) for _ in range(learners)]
+    pushes = [Pusher(scheme, cfg.compression, sparse) for _ in range(learners)]
     units: list[list[Any]] = []
     for m in range(learners):
         p = place_params(global_params, mesh)
@@ -213,7 +218,7 @@ def sync_diloco(
             )
             global_params.update(new)
             published[i] = _next_publication(
-                published[i], new, downlink, cfg.compression.block_size
+                published[i], new, downlink, cfg.compression.block_size, sparse_down
             )
         held = {n: v for pub in published for n, v in pub.tensors.items()}
         for lr in units:  # overwrite local parameters, keep the inner optimizer state
@@ -228,23 +233,37 @@ class Pusher:
     """One learner's pushes as the syncer decodes them: quantized with `scheme` at the config's
     block size, with error feedback when the config asks for it (as `SyncerClient.push`)."""
 
-    def __init__(self, scheme: str, compression: CompressionConfig) -> None:
-        self.scheme, self.block = scheme, compression.block_size
-        self.feedback = push_feedback(scheme, compression.error_feedback)
+    def __init__(
+        self, scheme: str, compression: CompressionConfig, sparse: TopK | None = None
+    ) -> None:
+        self.scheme, self.block, self.sparse = scheme, compression.block_size, sparse
+        self.feedback = (
+            PushFeedback() if sparse else push_feedback(scheme, compression.error_feedback)
+        )
 
     def __call__(self, fragment: int, delta: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         sent = self.feedback.compensated(fragment, delta) if self.feedback else delta
-        applied = roundtrip(sent, self.scheme, self.block)
+        if self.sparse is not None:
+            applied = {name: self.sparse.roundtrip(v) for name, v in sent.items()}
+        else:
+            applied = roundtrip(sent, self.scheme, self.block)
         if self.feedback:
             self.feedback.settle(fragment, sent, applied)
         return applied
 
 
 def _next_publication(
-    pub: Publication, target: dict[str, np.ndarray], scheme: str, block_size: int
+    pub: Publication,
+    target: dict[str, np.ndarray],
+    scheme: str,
+    block_size: int,
+    sparse: TopK | None = None,
 ) -> Publication:
     """What the learners install next: `target` itself (a float32 downlink), or one compressed
     step towards it with error feedback, as the syncer publishes it."""
+    if sparse is not None:
+        step = {n: sparse.roundtrip(target[n] - v) for n, v in pub.tensors.items()}
+        return Publication(pub.version + 1, apply_step(pub.tensors, step))
     if scheme == "none":
         return Publication(pub.version + 1, dict(target))
     return pub.advance(target, pub.version + 1, scheme, block_size)  # type: ignore[arg-type]
