@@ -59,6 +59,7 @@ the same machine; absolute times are context only. Sections: {names}.
 | parity <= 1.00: does keeping the steps made during a merge (`install: rebase`) close the decoupled runs' gap | install |
 | bytes per token >= 400x below data-parallel with int4 | communication |
 | >= 1000x fewer bytes per token than data-parallel, sent and received, at loss <= 1.02 of it: on the parity model; on the narrower model where the product reaches parity, over three seeds | bytes_loss, bytes_loss_narrow |
+| experiment, time-boxed: top-k sparse deltas (SparseLoCo-style) at >= 4,000x fewer bytes per token than data-parallel, sent and received, at loss <= 1.02 of it, over three seeds | bytes_sparse |
 | goodput >= 90% at one kill per unit per minute | goodput_real |
 | chaos vs no chaos: final loss within 3% | chaos_loss |
 | syncer SIGKILL: serving again within 3 s, no published version lost; harsh schedule within 5% of calm loss at goodput >= 90% | syncer_failover |

@@ -199,6 +199,24 @@ def test_an_away_status_names_the_address_and_why_it_did_not_answer() -> None:
     assert (condition.status, condition.reason) == ("True", "Reachable")
     assert back.syncer is not None and back.syncer.last_merge is not None
     assert back.syncer.last_merge.timestamp() == T0 - 2
+    assert back.syncer.version_lag is None  # no push of its units heard yet
+
+
+def test_an_away_status_shows_how_far_behind_its_own_units_push() -> None:
+    """The home syncer's report lists every unit; the away run's lag is its own units' most."""
+    mine = UnitStatus(name="r-v5p-0", group="v5p", index=0, global_index=1, state="Online")
+    status = DilocoRunStatus(units=[mine])
+    learners = {
+        "r-v5p-0": LearnerStatus(version_lag=3),
+        "r-v6e-0": LearnerStatus(version_lag=9),  # home's unit, not this cluster's
+    }
+    answered = Reach("https://syncer.home.example:8470", True, T0, None)
+    seen = away_status(status, answered, SyncerStatus(learners=learners), T0)
+    assert seen.syncer is not None and seen.syncer.version_lag == 3
+    # A pass without a report keeps the last figure rather than forgetting it.
+    silent = Reach("https://syncer.home.example:8470", False, T0, "timed out")
+    later = away_status(seen, silent, None, T0 + 5).syncer
+    assert later is not None and later.version_lag == 3
 
 
 def test_silence_across_a_link_outage_is_not_the_away_units() -> None:

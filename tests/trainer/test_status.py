@@ -40,6 +40,7 @@ def test_the_documented_document_round_trips_field_for_field() -> None:
         tokens=2457600,
         tokens_per_sec=20480.0,
         loss=2.41,
+        version_lag=1,
     )
     assert status.fragments[0].version == 3
     assert status.health == HealthStatus(ready=True, problems={})

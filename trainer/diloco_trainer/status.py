@@ -52,6 +52,8 @@ class LearnerStatus:
     refused: int = 0
     last_refusal: str | None = None
     quarantined: str | None = None
+    # Versions its last accepted push was behind the fragment it pushed (syncer/registry.py).
+    version_lag: int | None = None
     # Not on the wire: the operator splits a pod's attempt into its recreation (`attempt`) and
     # the restarts in place within it (attempts.py).
     restarts_in_place: int = 0
@@ -72,6 +74,7 @@ class LearnerStatus:
             refused=_int(doc.get("refused")) or 0,
             last_refusal=last if isinstance(last, str) else None,
             quarantined=quarantined if isinstance(quarantined, str) else None,
+            version_lag=_int(doc.get("versionLag")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -87,6 +90,7 @@ class LearnerStatus:
             "refused": self.refused,
             "lastRefusal": self.last_refusal,
             "quarantined": self.quarantined,
+            "versionLag": self.version_lag,
         }
 
 

@@ -140,6 +140,12 @@ class SyncerReach(Strict):
     last_merge: datetime | None = Field(
         None, description="The syncer's latest merge of any fragment, as it last reported."
     )
+    version_lag: int | None = Field(
+        None,
+        ge=0,
+        description="Versions this cluster's units were behind: the most any of their last "
+        "accepted pushes was behind its fragment at the syncer (what the link costs them).",
+    )
 
 
 # training.fragments' bound (diloco_trainer.config): the most fragments one shard can hold.

@@ -63,12 +63,19 @@ def away_status(
     merges = [f.last_merge for f in (report.fragments if report else ()) if f.last_merge]
     before = status.syncer
     last_merge = at(max(merges)) if merges else (before.last_merge if before else None)
+    own = {u.name for u in status.units}
+    lags = [
+        entry.version_lag
+        for name, entry in (report.learners.items() if report else ())
+        if name in own and entry.version_lag is not None
+    ]
     view = SyncerReach(
         address=reach.address,
         reachable=reach.reachable,
         last_contact=at(reach.last_contact) if reach.last_contact else None,
         last_error=reach.error,
         last_merge=last_merge,
+        version_lag=max(lags) if lags else (before.version_lag if before else None),
     )
     message = f"{reach.address} answered" if reach.reachable else reach.error or ""
     conditions = set_condition(

@@ -329,7 +329,10 @@ def test_stale_base_is_refused(live: LiveSyncer) -> None:
         and "maxStaleness" in err.value.message
     )
     assert_unchanged(live, before)
-    assert c.push(0, 1, fragment_delta(live, 0, seed=3), 2, 64).accepted  # within the bound: fine
+    assert c.status().learners[c.unit].version_lag == 0  # its last accepted push: base 1 of 1
+    assert c.push(0, 1, fragment_delta(live, 0, seed=3), 3, 96).accepted  # within the bound: fine
+    # One version behind (base 1, fragment at 2): what the status tells an away cluster.
+    assert c.status().learners[c.unit].version_lag == 1
 
 
 def test_bad_json_endpoints_name_the_field(live: LiveSyncer) -> None:

@@ -56,7 +56,8 @@ async def accept_push(
     while len(f.seen) > SEEN_PER_FRAGMENT:
         f.seen.popitem(last=False)
     s.learners.seen(header.unit, header.attempt, s.learners.get(header.unit).group, now)
-    s.learners.pushed(header.unit, header.attempt, header.step, f.index)
+    lag = f.version - header.base_version
+    s.learners.pushed(header.unit, header.attempt, header.step, f.index, lag)
     # The merge weighs the push by counters no larger than an honest push's (trust.py).
     w_steps, w_tokens = s.gate.trust.weight_counters(header.c_steps, header.c_tokens)
     weighed = replace(header, c_steps=w_steps, c_tokens=w_tokens)

@@ -52,6 +52,9 @@ class LearnerRecord:
     # Times the unit was heard again after longer than offline_after without a sign of life (a
     # cut link, a paused host): its next pushes fold what it learned while unheard.
     silences: int = 0
+    # Versions its last accepted push was behind: the fragment's version then minus the push's
+    # base (0: it pushed against the newest). Across a thin link this is what the link costs.
+    version_lag: int | None = None
 
     def refused(self, why: str) -> None:
         self.refusals += 1
@@ -162,9 +165,14 @@ class LearnerRegistry:
             rec.loss = loss
         return rec
 
-    def pushed(self, unit: str, attempt: int, step: int, fragment: int = 0) -> None:
-        """An accepted push of `fragment` by `unit`'s `attempt`, made at its step `step`."""
+    def pushed(
+        self, unit: str, attempt: int, step: int, fragment: int = 0, lag: int | None = None
+    ) -> None:
+        """An accepted push of `fragment` by `unit`'s `attempt`, made at its step `step`,
+        `lag` versions behind the fragment."""
         rec = self.get(unit)
+        if lag is not None:
+            rec.version_lag = lag
         rec.pushed[attempt] = max(rec.pushed.get(attempt, 0), step)
         steps = rec.fragment_steps.setdefault(attempt, {})
         steps[fragment] = max(steps.get(fragment, 0), step)
@@ -256,6 +264,7 @@ class LearnerRegistry:
                 refused=r.refusals,
                 last_refusal=r.last_refusal,
                 quarantined=quarantined(unit, r.attempt) if quarantined else None,
+                version_lag=r.version_lag,
             )
         return out
 
