@@ -501,6 +501,7 @@ def test_heartbeats_count_across_attempts_and_complete_the_run(live: LiveSyncer)
         "refused",
         "lastRefusal",
         "quarantined",
+        "versionLag",
     }
     assert status.learners["unit-1"].loss is None
     assert status.train_loss == pytest.approx(2.5)
