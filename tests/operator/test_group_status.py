@@ -82,3 +82,11 @@ def test_without_a_report_a_group_keeps_what_it_last_showed() -> None:
 def test_an_away_run_shows_its_own_group_only() -> None:
     (own,) = group_summaries(spec(away=True), [unit("r-v5p-0", "v5p", "Online")], REPORT, [])
     assert (own.name, own.remote, own.units, own.tokens) == ("v5p", False, 1, 700)
+
+
+def test_clock_skew_never_shows_more_than_all_of_it() -> None:
+    """Useful seconds come from heartbeat times (the syncer's clock), total from the operator's:
+    a group's goodput is capped at 1 as a unit's is."""
+    ahead = [unit("r-v6e-0", "v6e", "Online", 102.2, 100)]
+    (v6e, _) = group_summaries(spec(), ahead, REPORT, [])
+    assert v6e.goodput == 1.0

@@ -21,7 +21,7 @@ from diloco_operator.planner.timefmt import at
 COUNTED_STATES = ("Pending", "Online", "Offline", "Recreating")
 
 
-def _ratio(useful: float, total: float) -> float:
+def useful_share(useful: float, total: float) -> float:
     # Heartbeat times (the syncer's clock) and pass times (the operator's) can disagree by a
     # little: never report more than all of it.
     return min(1.0, useful / total) if total > 0 else 0.0
@@ -61,7 +61,7 @@ def account(unit: UnitStatus, learner: LearnerStatus | None, now: float) -> Unit
     goodput = UnitGoodput(
         useful_seconds=round(useful, 3),
         total_seconds=round(total, 3),
-        ratio=round(_ratio(useful, total), 4),
+        ratio=round(useful_share(useful, total), 4),
         last_attempt=last[0],
         last_step=last[1],
         last_heartbeat=last[2],

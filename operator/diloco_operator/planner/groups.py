@@ -9,6 +9,7 @@ from diloco_trainer.status import SyncerStatus
 
 from diloco_operator.api import DilocoRunSpec, UnitStatus
 from diloco_operator.api.status import GroupStatus
+from diloco_operator.planner.goodput import useful_share
 
 
 def group_summaries(
@@ -43,7 +44,9 @@ def group_summaries(
                 units_online=sum(u.state == "Online" for u in mine),
                 tokens=tokens,
                 tokens_per_sec=rate,
-                goodput=sum(g.useful_seconds for g in accounted) / total if total > 0 else None,
+                goodput=useful_share(sum(g.useful_seconds for g in accounted), total)
+                if total > 0
+                else None,
             )
         )
     return out

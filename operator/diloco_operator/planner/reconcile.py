@@ -163,6 +163,15 @@ def _progress(report: SyncerStatus | None, prev: DilocoRunStatus) -> dict[str, A
     return out
 
 
+def _scale(run: str, spec: DilocoRunSpec, units: Sequence[UnitStatus]) -> dict[str, Any]:
+    """The scale subresource's fields: the first group's units and their pods' selector."""
+    first = spec.unit_groups[0].name
+    return {
+        "replicas": sum(1 for u in units if u.state != "Removing" and u.group == first),
+        "selector": f"{LABEL_RUN}={run},{LABEL_GROUP}={first}",
+    }
+
+
 def _new_unit(slot: UnitSlot, now: float, state: Any = "Pending") -> UnitStatus:
     return UnitStatus(
         name=slot.name,
@@ -395,15 +404,13 @@ def plan(
         actions.append(EmitEvent(kind, f"Run{phase}", why))
 
     units.sort(key=lambda u: u.global_index)
-    first = spec.unit_groups[0].name
     new_status = DilocoRunStatus(
         phase=phase,
         conditions=_conditions(prev, phase, why, units, syncer, now, generation, spec.suspend),
         units=units,
         units_online=sum(u.state == "Online" for u in units),
         groups=group_summaries(spec, units, report, prev.groups),
-        replicas=sum(1 for u in units if u.state != "Removing" and u.group == first),
-        selector=f"{LABEL_RUN}={run},{LABEL_GROUP}={first}",
+        **_scale(run, spec, units),
         observed_generation=generation if generation is not None else prev.observed_generation,
         message=why,
         spares=kept or None,
