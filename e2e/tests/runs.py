@@ -3,12 +3,16 @@ read a run's children and status back from the API server (kubectl, JSON)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
+from conftest import say
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -44,6 +48,21 @@ def apply(c: Any, namespace: str, doc: dict[str, Any]) -> None:
         sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}}
         c.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(sa))
     c.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(doc))
+
+
+@contextlib.contextmanager
+def restricted_run(
+    c: Any, namespace: str, doc: dict[str, Any], what: str
+) -> Iterator[dict[str, Any]]:
+    """`doc` applied in `namespace`, which first enforces the "restricted" Pod Security level
+    (the operator's pods must pass it); yields {"ns", "t0"} and says how long `what` took from
+    the apply to the end."""
+    enforce = "pod-security.kubernetes.io/enforce"
+    c.kubectl("label", "namespace", namespace, f"{enforce}=restricted")
+    t0 = time.monotonic()
+    apply(c, namespace, doc)
+    yield {"ns": namespace, "t0": t0}
+    say(f"{what}: {time.monotonic() - t0:.1f}s from apply to the end")
 
 
 def items(c: Any, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:

@@ -54,12 +54,10 @@ def manifest(image: str) -> dict[str, Any]:
 def run(
     cluster: harness._ClusterBase, real: dict[str, Any], incluster: str, namespace: str
 ) -> Iterator[dict[str, Any]]:
-    enforce = "pod-security.kubernetes.io/enforce"
-    kubectl(cluster, "label", "namespace", namespace, f"{enforce}=restricted")
-    t0 = time.monotonic()
-    runs.apply(cluster, namespace, manifest(real["images"]["trainer"]))
-    yield {"ns": namespace, "t0": t0}
-    say(f"warm spare module: {time.monotonic() - t0:.1f}s from apply to the end")
+    with runs.restricted_run(
+        cluster, namespace, manifest(real["images"]["trainer"]), "warm spare module"
+    ) as r:
+        yield r
 
 
 def st(c: harness._ClusterBase, ns: str) -> dict[str, Any]:
