@@ -186,7 +186,12 @@ class Clusters:
             return bool(match) or proc.popen.poll() is not None
 
         wait_for(seen, timeout)
-        assert found, f"no {pattern!r} in {proc.log_path}:\n{_read(proc.log_path)[-4000:]}"
+        others = {k: p for k in self.learners if (p := self.table.get(k)) and p is not proc}
+        assert found, (
+            f"no {pattern!r} in {proc.log_path}:\n{_read(proc.log_path)[-4000:]}\n"
+            f"other learners (exit codes { ({k: p.popen.poll() for k, p in others.items()}) }): "
+            f"{_tails(others)}"
+        )
         return found[0]
 
     @property
@@ -331,7 +336,9 @@ def test_a_revoked_credential_shuts_the_away_unit_out_while_home_trains_on(
         return step is not None and step > home_step + 2 * H
 
     assert wait_for(home_beyond, DEADLINE), c.status().learners[HOME]
-    assert learners[HOME].popen.poll() is None
+    # Both learners still run: the shut-out one waits, unheard, for a new credential (its
+    # units are recreated with one) rather than crash into a restart loop.
+    assert [learners[u].popen.poll() for u in (HOME, AWAY)] == [None, None], _tails(learners)
     after = c.status()
     assert after.learners[AWAY].step == away_step  # nothing of the away unit counted since
     assert not after.complete

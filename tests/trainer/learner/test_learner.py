@@ -6,14 +6,16 @@ import io
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from diloco_trainer.config import ConfigError, TrainingConfig
-from diloco_trainer.learner.client import PushReply, SyncerUnavailable
+from diloco_trainer.learner.client import PushReply, SyncerRejected, SyncerUnavailable
 from diloco_trainer.learner.loop import learner_horizon
 from diloco_trainer.learner.main import build_parser, main
 from diloco_trainer.learner.standby import IdentityError, take_identity, wait_for_identity
@@ -24,6 +26,7 @@ from diloco_trainer.learner.sync_link import (
     SyncLink,
     combine,
     fragment_delta,
+    retry_until,
 )
 
 
@@ -183,6 +186,39 @@ def test_backoff_grows_is_capped_and_resets() -> None:
     assert delays[-1] > delays[0] or delays[-1] >= 0.5
     backoff.reset()
     assert backoff.next_delay() <= 0.1
+
+
+def _refused_then(answers: list[Exception | str]) -> Callable[[], str]:
+    """A call that raises or returns each of `answers` in turn."""
+
+    def call() -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    return call
+
+
+def test_a_shut_out_unit_waits_at_its_data_claim_instead_of_crashing() -> None:
+    # A revoked credential refuses every request: the claim at the end of a shard must wait for
+    # the refusal to be lifted (or the unit recreated) as heartbeats and pushes do, not raise
+    # out of the training loop and crash the learner into a restart loop.
+    revoked = SyncerRejected(403, "credential_revoked", "join credential x is revoked")
+    down = SyncerUnavailable("POST /v1/data/claim: connection refused")
+    call = _refused_then([revoked, down, revoked, "lease"])
+    assert retry_until(call, threading.Event(), "data_claim", cap=0.05) == "lease"
+
+
+def test_a_refusal_that_is_no_shut_out_still_ends_the_wait() -> None:
+    superseded = SyncerRejected(409, "superseded", "attempt 2 is the unit now")
+    call = _refused_then([superseded, "lease"])
+    with pytest.raises(SyncerRejected, match="superseded"):
+        retry_until(call, threading.Event(), "data_claim", cap=0.05)
+    assert [SyncerRejected(403, r, "").shut_out for r in ("credential_expired", "bad_token")] == [
+        True,
+        True,
+    ]
 
 
 def test_learner_horizon_splits_the_budget() -> None:

@@ -81,6 +81,14 @@ class SyncerRejected(SyncerError):
         super().__init__(f"HTTP {status} {reason}: {message}")
         self.status, self.reason, self.message = status, reason, message
 
+    @property
+    def shut_out(self) -> bool:
+        """The unit's join credential is refused (expired, revoked, of another run or group, or
+        the token is not its own). Nothing the learner sends can succeed until the home run lifts
+        the refusal or the unit is recreated with a new credential, so the learner waits, unheard,
+        rather than crash and restart into the same refusal."""
+        return self.reason.startswith("credential_") or self.reason == "bad_token"
+
 
 # How long a unit the syncer does not know yet keeps asking to join (client.join).
 ROSTER_WAIT_SECONDS = 120.0

@@ -368,12 +368,15 @@ class SyncLink:
 def retry_until(
     call: Callable[[], T], stop: threading.Event, what: str, cap: float = 5.0
 ) -> T | None:
-    """Call until it succeeds (retrying SyncerUnavailable with backoff); None if `stop` is set."""
+    """Call until it succeeds (retrying SyncerUnavailable, and a shut-out unit's refusals, with
+    backoff, as heartbeats and pushes are); None if `stop` is set."""
     backoff = Backoff(cap=cap)
     while not stop.is_set():
         try:
             return call()
-        except SyncerUnavailable as exc:
+        except (SyncerUnavailable, SyncerRejected) as exc:
+            if isinstance(exc, SyncerRejected) and not exc.shut_out:
+                raise
             delay = backoff.after(exc)
             log.warning("event=%s_retry delay=%.2f error=%s", what, delay, exc)
             stop.wait(delay)
