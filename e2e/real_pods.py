@@ -33,9 +33,7 @@ from e2e.cluster import harness, real_node
 
 
 def cluster_info(c: harness._ClusterBase) -> dict[str, Any]:
-    if not isinstance(c, harness.LocalCluster):
-        return {}
-    return c._read_info()
+    return c.info()
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +60,63 @@ def helm(c: harness._ClusterBase, *args: str) -> None:
 
 
 def ctr(cluster: harness._ClusterBase, *args: str) -> str:
-    """The stdout of `ctr` against the real node's containerd (namespace k8s.io)."""
+    """The stdout of `ctr` against the real node's containerd (namespace k8s.io): a kind node's
+    inside its container, the local real node's on its socket."""
+    info = cluster.info()
+    if info.get("kind"):
+        argv = ["docker", "exec", info["real_node"], "ctr", "-n", "k8s.io", *args]
+        env = {**os.environ, "DOCKER_HOST": info["docker_host"]}
+        return subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout
     assert isinstance(cluster, harness.LocalCluster)
     sock = cluster.state_dir / "node" / "containerd.sock"
     argv = ["ctr", "--address", str(sock), "-n", "k8s.io", *args]
     return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+
+
+def container_pid(
+    cluster: harness._ClusterBase, pod: dict[str, Any], container: str | None = None
+) -> int:
+    """The host PID of a container's main process (default: the pod's first container), from
+    the node's containerd."""
+    statuses = pod["status"]["containerStatuses"]
+    status = next(c for c in statuses if c["name"] == container) if container else statuses[0]
+    cid = status["containerID"].removeprefix("containerd://")
+    out = ctr(cluster, "tasks", "ls")
+    for line in out.splitlines()[1:]:
+        task, pid, *_ = line.split()
+        if task == cid:
+            return host_pid(cluster, int(pid))
+    raise AssertionError(f"container {cid} has no task on the node:\n{out}")
+
+
+def host_pid(cluster: harness._ClusterBase, node_pid: int) -> int:
+    """The host's PID of a process the real node's containerd calls `node_pid`. The same number
+    on the local real node; a kind node is a container with a PID namespace of its own, so
+    there it is the process below the node's init whose PID one namespace down is `node_pid`."""
+    info = cluster.info()
+    if not info.get("kind"):
+        return node_pid
+    env = {**os.environ, "DOCKER_HOST": info["docker_host"]}
+    inspect = ["docker", "inspect", "-f", "{{.State.Pid}}", info["real_node"]]
+    init = int(subprocess.run(inspect, capture_output=True, text=True, check=True, env=env).stdout)
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            fields = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines())
+            nspid = fields.get("NSpid", "").split()
+            if len(nspid) > 1 and int(nspid[1]) == node_pid and _descends(int(proc.name), init):
+                return int(proc.name)
+    raise AssertionError(f"no host process is PID {node_pid} of kind node {info['real_node']}")
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: the parent
+    return False
 
 
 def on_real_node() -> dict[str, Any]:

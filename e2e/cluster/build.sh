@@ -14,12 +14,15 @@
 #          chart to, as a release does) (github.com/google/go-containerregistry)
 #   the Gateway API CRDs, standard channel (no binary: the gateway-route test installs them)
 #                                                                    (sigs.k8s.io/gateway-api)
+#   kind, kubeadm and kind's node-image files (only when asked for: make e2e-kind)
+#                                                  (sigs.k8s.io/kind, k8s.io/kubernetes)
 #
 # Everything comes from the Go module proxy; versions are pinned in versions.env. Binaries go to
 #   $DILOCO_E2E_CACHE/<component>-<version>/bin      (default cache: ~/.cache/diloco-e2e)
 # and a component whose bin/.complete stamp exists is not rebuilt, so a warm call takes seconds.
 #
-# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy|crane|gatewayapi ...] (default: all)
+# Usage: e2e/cluster/build.sh [k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy|crane|gatewayapi|kind ...]
+#        (default: all but kind)
 #        e2e/cluster/build.sh --print-bin-dirs             (print the PATH entries, build nothing)
 # Env:   DILOCO_E2E_CACHE   cache root (default ${XDG_CACHE_HOME:-~/.cache}/diloco-e2e)
 #        DILOCO_E2E_GOCACHE Go build cache used for these builds (default $DILOCO_E2E_CACHE/go-build)
@@ -51,6 +54,7 @@ fakegcs_dir() { echo "$CACHE/fake-gcs-server-$FAKE_GCS_VERSION"; }
 toxiproxy_dir() { echo "$CACHE/toxiproxy-$TOXIPROXY_VERSION"; }
 crane_dir() { echo "$CACHE/crane-$CRANE_VERSION"; }
 gatewayapi_dir() { echo "$CACHE/gateway-api-$GATEWAY_API_VERSION"; }
+kind_dir() { echo "$CACHE/kind-$KIND_VERSION-k8s-$K8S_VERSION"; }
 pause_dir() { echo "$CACHE/pause-$(sha256sum "$HERE/../node/pause/main.go" | cut -c1-12)"; }
 
 if [[ "${1:-}" == "--print-bin-dirs" ]]; then
@@ -109,27 +113,31 @@ for r in json.load(sys.stdin).get("Replace") or []:
   [[ $n -gt 0 ]] || die "found no local replace directives in $modver's go.mod (format changed?)"
 }
 
+# The version the k8s binaries report (component-base and client-go), as a release build's.
+k8s_ldflags() {
+  local ver="${K8S_VERSION#v}" major minor ld="-s -w" pkg
+  major="${ver%%.*}"; minor="${ver#*.}"; minor="${minor%%.*}"
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
+    ld+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+  done
+  echo "$ld"
+}
+
 build_k8s() {
   local d; d=$(k8s_dir)
   if is_done "$d" kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; then
     log "k8s $K8S_VERSION: cached in $d/bin"; return
   fi
   local t0; t0=$(date +%s)
-  local ver="${K8S_VERSION#v}" major minor
-  major="${ver%%.*}"; minor="${ver#*.}"; minor="${minor%%.*}"
-  local staging="v0.${ver#*.}"   # v1.37.2 -> v0.37.2
+  local staging="v0.${K8S_VERSION#v1.}"   # v1.37.2 -> v0.37.2
   log "k8s $K8S_VERSION (staging modules $staging): preparing wrapper module"
   new_wrapper "$d/src"
   (cd "$d/src" && go mod edit -require="k8s.io/kubernetes@$K8S_VERSION")
   replace_local_paths "$d/src" "k8s.io/kubernetes@$K8S_VERSION" "$staging"
-  local ld="-s -w" pkg
-  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-    ld+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
-    ld+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
-  done
   mkdir -p "$d/bin"; rm -f "$d/bin/.complete"
   log "k8s $K8S_VERSION: go build (one invocation, 6 commands; cold: tens of minutes on 2 cores)"
-  (cd "$d/src" && nice -n "$NICE" go build -trimpath -ldflags "$ld" -o "$d/bin/" \
+  (cd "$d/src" && nice -n "$NICE" go build -trimpath -ldflags "$(k8s_ldflags)" -o "$d/bin/" \
     k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler \
@@ -303,6 +311,31 @@ build_gatewayapi() {
   stamp "$d" "$t0"
 }
 
+# kind itself; kubeadm from the k8s wrapper module (kind runs it inside its nodes); and the files
+# of kind's own base image (entrypoint, systemd units) from the same kind version's module source,
+# which e2e/kind/images.sh lays over a debootstrap root (kind's base image is not pullable here).
+build_kind() {
+  local d; d=$(kind_dir)
+  if is_done "$d" kind kubeadm && [[ -f "$d/base-files/.complete" ]]; then
+    log "kind $KIND_VERSION: cached in $d/bin"; return
+  fi
+  local t0; t0=$(date +%s)
+  build_k8s
+  mkdir -p "$d/bin"; rm -f "$d/bin/.complete"
+  log "kind $KIND_VERSION: go install"
+  GOFLAGS= GOBIN="$d/bin" nice -n "$NICE" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kind@$KIND_VERSION"
+  log "kubeadm $K8S_VERSION: go build"
+  (cd "$(k8s_dir)/src" && nice -n "$NICE" go build -trimpath -ldflags "$(k8s_ldflags)" \
+    -o "$d/bin/kubeadm" k8s.io/kubernetes/cmd/kubeadm)
+  [[ "$("$d/bin/kubeadm" version -o short 2>&1)" == *"$K8S_VERSION"* ]] || die "kubeadm reports a wrong version"
+  local src
+  src=$(GOFLAGS= go mod download -json "sigs.k8s.io/kind@$KIND_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+  [[ -f "$src/images/base/files/usr/local/bin/entrypoint" ]] || die "kind module source has no images/base/files"
+  rm -rf "$d/base-files"; cp -r "$src/images/base/files" "$d/base-files"
+  chmod -R u+w "$d/base-files"; touch "$d/base-files/.complete"
+  stamp "$d" "$t0"
+}
+
 components=("$@")
 [[ ${#components[@]} -gt 0 ]] || components=(k8s etcd kwok helm coredns pause kueue fakegcs toxiproxy crane gatewayapi)
 mkdir -p "$CACHE"
@@ -313,8 +346,8 @@ exec 9>"$CACHE/.build.lock"
 if ! flock -n 9; then log "another build.sh holds $CACHE/.build.lock; waiting"; flock 9; fi
 for c in "${components[@]}"; do
   case "$c" in
-    k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy|crane|gatewayapi) "build_$c" ;;
-    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause, kueue, fakegcs, toxiproxy, crane, gatewayapi)" ;;
+    k8s|etcd|kwok|helm|coredns|pause|kueue|fakegcs|toxiproxy|crane|gatewayapi|kind) "build_$c" ;;
+    *) die "unknown component '$c' (expected k8s, etcd, kwok, helm, coredns, pause, kueue, fakegcs, toxiproxy, crane, gatewayapi, kind)" ;;
   esac
 done
 for c in "${components[@]}"; do echo "$("${c}_dir")/bin"; done

@@ -112,6 +112,11 @@ class _ClusterBase:
     def stop(self) -> None:  # pragma: no cover - overridden
         pass
 
+    def info(self) -> dict[str, Any]:
+        """What the cluster's maker recorded about it (cluster.json): its real node and the
+        images loaded there, among others; empty when nothing was recorded."""
+        return {}
+
     def __enter__(self) -> Self:
         return self
 
@@ -132,6 +137,14 @@ class ExistingCluster(_ClusterBase):
         )
         if not self.kubectl_path:
             raise ClusterError("no kubectl: run e2e/cluster/build.sh or install kubectl")
+
+    def info(self) -> dict[str, Any]:
+        """cluster.json beside the kubeconfig, as e2e/kind/cluster.sh writes it for its clusters."""
+        path = self.kubeconfig.parent / "cluster.json"
+        try:
+            return dict(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            return {}
 
 
 class LocalCluster(_ClusterBase):
@@ -388,6 +401,9 @@ class LocalCluster(_ClusterBase):
             "images": self.images,
         }
         (self.state_dir / "cluster.json").write_text(json.dumps(info, indent=2))
+
+    def info(self) -> dict[str, Any]:
+        return self._read_info()
 
     def _read_info(self) -> dict:
         try:

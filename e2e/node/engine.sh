@@ -26,6 +26,14 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
+# The Debian mirror this machine's apt uses (debootstrap needs one; the default may be unreachable).
+debian_mirror() {
+  local m
+  m=$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+  [[ -n "$m" ]] || m=$(awk '$1=="deb" && $3 ~ /^bookworm$/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null)
+  echo "${m:-http://deb.debian.org/debian}"
+}
+
 engine_up() {
   apt_install docker.io debootstrap
   if docker version >/dev/null 2>&1; then return 0; fi

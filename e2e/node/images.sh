@@ -24,14 +24,6 @@ log() { printf '[images %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 save_dir=""
 if [[ "${1:-}" == "--save" ]]; then save_dir="$2"; mkdir -p "$save_dir"; fi
 
-# The Debian mirror this machine's apt uses (debootstrap needs one; the default may be unreachable).
-debian_mirror() {
-  local m
-  m=$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
-  [[ -n "$m" ]] || m=$(awk '$1=="deb" && $3 ~ /^bookworm$/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null)
-  echo "${m:-http://deb.debian.org/debian}"
-}
-
 build_base() {
   if docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then return 0; fi
   local root="$CACHE/rootfs-bookworm" t0

@@ -40,7 +40,14 @@ import pytest
 import runs
 from conftest import SYSTEM_NS, get_json, kubectl, say, wait_for
 from diloco_operator.api import crdgen
-from real_pods import ctr, operator_pod, operator_pods, real_node_run, upgrade_chart
+from real_pods import (
+    container_pid,
+    ctr,
+    operator_pod,
+    operator_pods,
+    real_node_run,
+    upgrade_chart,
+)
 
 from e2e.cluster import harness, real_node
 
@@ -223,22 +230,6 @@ def children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-def container_pid(
-    cluster: harness._ClusterBase, pod: dict[str, Any], container: str | None = None
-) -> int:
-    """The host PID of a container's main process (default: the pod's first container), from
-    the node's containerd."""
-    statuses = pod["status"]["containerStatuses"]
-    status = next(c for c in statuses if c["name"] == container) if container else statuses[0]
-    cid = status["containerID"].removeprefix("containerd://")
-    out = ctr(cluster, "tasks", "ls")
-    for line in out.splitlines()[1:]:
-        task, pid, *_ = line.split()
-        if task == cid:
-            return int(pid)
-    raise AssertionError(f"container {cid} has no task on the node:\n{out}")
-
-
 def node_containers(cluster: harness._ClusterBase, ns: str) -> list[str]:
     pod_namespace = 'labels."io.kubernetes.pod.namespace"'
     return ctr(cluster, "containers", "ls", "-q", f"{pod_namespace}=={ns}").split()
@@ -276,7 +267,7 @@ def test_learners_train_in_pods_and_status_rises(
     assert (RUN in printed and str(later["outerStep"]) in printed) or later["outerStep"] > 0
     # Every pod is a real container on the real node, admitted under "restricted".
     for p in runs.items(cluster, "pods", ns, runs.run_selector(RUN)):
-        assert p["spec"]["nodeName"] == real_node.node_name(), p["metadata"]["name"]
+        assert p["spec"]["nodeName"] == cluster.info()["real_node"], p["metadata"]["name"]
     syncer_dns = f"http://{RUN}-syncer.{ns}.svc:8470"
     pod = training_pod(cluster, ns, unit_name(1), units(cluster, ns)[unit_name(1)]["attempt"])
     assert pod is not None

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import runs
 from conftest import get_json, kubectl, say, wait_for
-from real_pods import ctr, real_node_run
+from real_pods import container_pid, real_node_run
 
 from e2e.cluster import harness
 
@@ -104,17 +104,6 @@ def shard_pod(c: harness._ClusterBase, ns: str, i: int) -> dict[str, Any]:
 def pod_log(c: harness._ClusterBase, ns: str, pod: str, container: str, *more: str) -> str:
     r = kubectl(c, "logs", "-n", ns, pod, "-c", container, *more, check=False)
     return r.stdout + r.stderr
-
-
-def container_pid(c: harness._ClusterBase, pod: dict[str, Any], container: str) -> int:
-    """The host PID of a container's main process, from the node's containerd."""
-    status = next(s for s in pod["status"]["containerStatuses"] if s["name"] == container)
-    cid = status["containerID"].removeprefix("containerd://")
-    for line in ctr(c, "tasks", "ls").splitlines()[1:]:
-        task, pid, *_ = line.split()
-        if task == cid:
-            return int(pid)
-    raise AssertionError(f"container {cid} has no task on the node")
 
 
 def merged_versions(log: str) -> dict[int, int]:
