@@ -13,7 +13,7 @@ REGISTRY ?= ghcr.io/elastic-diloco
 # JAX on CPU: keep XLA from grabbing every core for its thread pool in tests.
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: venv demo test lint typecheck unit unit-deps validators crds bench bench-quick e2e e2e-two-clusters cluster-up cluster-down e2e-deps images clean print-version release-chart release-images release-push locks
+.PHONY: venv demo test lint typecheck unit unit-deps validators crds bench bench-quick e2e e2e-two-clusters e2e-kind e2e-kind-two-clusters cluster-up cluster-down e2e-deps images clean print-version release-chart release-images release-push locks
 
 venv: $(STAMP)
 
@@ -83,6 +83,14 @@ e2e: venv e2e-deps
 # started beside the first, the home syncer reached through a proxy the tests cut. Needs root.
 e2e-two-clusters: venv e2e-deps
 	$(BIN)/python -m pytest -q e2e -m two_clusters
+
+# The same two on kind (docs/e2e.md, "kind"): kind and its node image built here, offline; a
+# cluster "diloco-e2e" (and "diloco-e2e-away") made, used and deleted. Needs root.
+e2e-kind: venv e2e-deps
+	PYTHON=$(BIN)/python bash e2e/kind/run.sh
+
+e2e-kind-two-clusters: venv e2e-deps
+	PYTHON=$(BIN)/python bash e2e/kind/run.sh -q e2e -m two_clusters
 
 # A control plane for people (builds first if needed): eval "$$(make -s cluster-up)"
 cluster-up:

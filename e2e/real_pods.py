@@ -89,6 +89,11 @@ def container_pid(
     raise AssertionError(f"container {cid} has no task on the node:\n{out}")
 
 
+def children(pid: int) -> list[int]:
+    """The host PIDs of a process's children: a supervised learner's, one."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def host_pid(cluster: harness._ClusterBase, node_pid: int) -> int:
     """The host's PID of a process the real node's containerd calls `node_pid`. The same number
     on the local real node; a kind node is a container with a PID namespace of its own, so

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import VENV_BIN, Operator, installed_chart, kubectl, say, wait_for
+from conftest import REPO, VENV_BIN, Operator, installed_chart, kubectl, say, wait_for
 from diloco_operator.api.pod_security import TOKEN_KEY
 from diloco_operator.k8s.join_credential import credential_secret
 from diloco_trainer.join_credentials import mint_join_credential, parse_join_credential
@@ -50,8 +51,14 @@ def get(c: harness._ClusterBase, kind: str, name: str, ns: str) -> dict[str, Any
 
 
 @pytest.fixture(scope="module")
-def away(cluster: harness._ClusterBase, real: dict[str, Any]) -> Iterator[harness.LocalCluster]:
-    """A second local cluster whose real node sits beside the home one (AWAY site)."""
+def away(cluster: harness._ClusterBase, real: dict[str, Any]) -> Iterator[harness._ClusterBase]:
+    """A second cluster beside the home one: another kind cluster on kind's network when home
+    is a kind cluster (e2e/kind/cluster.sh), else a second local cluster whose real node sits
+    beside the home one (AWAY site)."""
+    home_kind = cluster.info().get("kind")
+    if home_kind:
+        yield from kind_cluster(f"{home_kind}-away")
+        return
     assert isinstance(cluster, harness.LocalCluster)
     state = cluster.state_dir.parent / f"away-{cluster.state_dir.name}"
     c = harness.LocalCluster(state, node_pools=[], site=real_node_config.AWAY)
@@ -64,9 +71,30 @@ def away(cluster: harness._ClusterBase, real: dict[str, Any]) -> Iterator[harnes
         c.stop()
 
 
+def kind_cluster(name: str) -> Iterator[harness._ClusterBase]:
+    """A kind cluster made (or found) by e2e/kind/cluster.sh, deleted at the end unless
+    DILOCO_E2E_KEEP."""
+    script = REPO / "e2e" / "kind" / "cluster.sh"
+    t0 = time.monotonic()
+    up = subprocess.run(["bash", str(script), "up", name], capture_output=True, text=True)
+    assert up.returncode == 0, f"cluster.sh up {name} failed:\n{up.stderr[-3000:]}"
+    say(f"kind cluster {name} up in {time.monotonic() - t0:.1f}s")
+    try:
+        yield harness.ExistingCluster(up.stdout.strip().splitlines()[-1])
+    finally:
+        if os.environ.get("DILOCO_E2E_KEEP", "") in ("", "0", "false"):
+            subprocess.run(["bash", str(script), "down", name], capture_output=True)
+
+
+def link_host(home: harness._ClusterBase) -> str:
+    """Where the link listens, on this host: the address away pods reach it at (kind's network
+    gateway; the away node's bridge gateway on the local clusters)."""
+    return str(home.info().get("gateway") or real_node_config.AWAY.gateway)
+
+
 @pytest.fixture(scope="module")
 def away_operator(
-    away: harness.LocalCluster, tmp_path_factory: pytest.TempPathFactory
+    away: harness._ClusterBase, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Operator]:
     """The away cluster's operator: a local process with the chart's ServiceAccount there."""
     with installed_chart(away, incluster=False) as names:
@@ -114,9 +142,14 @@ def home_run(
     cluster: harness._ClusterBase, real: dict[str, Any], incluster: str, namespace: str
 ) -> str:
     """The home run: its syncer over HTTPS with the certificate the operator makes (a private CA
-    of the run; it also names the away gateway's address, which away learners dial) and one unit
-    on the home node; the away group remote."""
-    apply(cluster, namespace, manifest(real["images"]["trainer"], HOME))
+    of the run; it also names the link's address, which away learners dial) and one unit on the
+    home node; the away group remote. On kind the syncer Service is a LoadBalancer, whose node
+    port the link forwards to (no load balancer answers for it there)."""
+    doc = manifest(real["images"]["trainer"], HOME)
+    doc["spec"]["syncer"]["tls"] = {"ipAddresses": [link_host(cluster)]}
+    if cluster.info().get("kind"):
+        doc["spec"]["syncer"]["expose"] = {"type": "LoadBalancer"}
+    apply(cluster, namespace, doc)
     return namespace
 
 
@@ -146,12 +179,18 @@ def link(
         lambda: get(cluster, "svc", f"{RUN}-syncer", home_run),
         timeout=120,
     )
+    node_ip = cluster.info().get("node_ip")
+    upstream = (  # a kind node's port of the Service, else the Service (kube-proxy on the host)
+        (node_ip, svc["spec"]["ports"][0]["nodePort"])
+        if node_ip
+        else (svc["spec"]["clusterIP"], SYNCER_PORT)
+    )
     with wan_link(
-        SYNCER_PORT,
+        upstream[1],
         Shape(),
         "home-syncer",
-        upstream_host=svc["spec"]["clusterIP"],
-        listen_host=real_node_config.AWAY.gateway,
+        upstream_host=upstream[0],
+        listen_host=link_host(cluster),
     ) as link:
         yield link
 
@@ -163,7 +202,7 @@ def address(link: Link) -> str:
 @pytest.fixture(scope="module")
 def away_run(
     cluster: harness._ClusterBase,
-    away: harness.LocalCluster,
+    away: harness._ClusterBase,
     away_operator: Operator,
     real: dict[str, Any],
     home_run: str,
@@ -205,7 +244,7 @@ def cli_credential(
     return minted.stdout
 
 
-def carry(away: harness.LocalCluster, ns: str, name: str, secret: str, ca: Path) -> None:
+def carry(away: harness._ClusterBase, ns: str, name: str, secret: str, ca: Path) -> None:
     """What a user carries to the away namespace: the credential Secret and the CA, as
     `<name>-ca`."""
     kubectl(away, "apply", "-n", ns, "-f", "-", input=secret)
@@ -247,7 +286,6 @@ def manifest(image: str, local: str, joins: dict[str, Any] | None = None) -> dic
         {"external": joins}
         if joins
         else {
-            "tls": {"ipAddresses": [real_node_config.AWAY.gateway]},
             "port": SYNCER_PORT,
             "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
             "checkpoint": {"ephemeral": True},

@@ -110,8 +110,9 @@ case "$action" in
     "$KUBECTL" --kubeconfig "$kc" label node "$node" diloco.dev/e2e-real-node=true --overwrite >/dev/null
     "$KUBECTL" --kubeconfig "$kc" taint node "$node" diloco.dev/real-node=true:NoSchedule --overwrite >/dev/null
     local_volumes
-    printf '{"kind": "%s", "kubeconfig": "%s", "docker_host": "%s", "real_node": "%s", "node_ip": "%s",\n "images": {"trainer": "%s", "operator": "%s"}}\n' \
-      "$name" "$kc" "$DOCKER_HOST" "$node" "$(node_ip)" "${images[trainer]}" "${images[operator]}" >"$state/cluster.json"
+    gateway=$(docker network inspect kind -f '{{range .IPAM.Config}}{{.Gateway}} {{end}}' | tr ' ' '\n' | grep -m1 '\.')
+    printf '{"kind": "%s", "kubeconfig": "%s", "docker_host": "%s", "real_node": "%s", "node_ip": "%s",\n "gateway": "%s", "images": {"trainer": "%s", "operator": "%s"}}\n' \
+      "$name" "$kc" "$DOCKER_HOST" "$node" "$(node_ip)" "$gateway" "${images[trainer]}" "${images[operator]}" >"$state/cluster.json"
     echo "$kc"
     ;;
   down)

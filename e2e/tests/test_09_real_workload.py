@@ -41,6 +41,7 @@ import runs
 from conftest import SYSTEM_NS, get_json, kubectl, say, wait_for
 from diloco_operator.api import crdgen
 from real_pods import (
+    children,
     container_pid,
     ctr,
     operator_pod,
@@ -223,11 +224,6 @@ def wait_restarted_in_place(
         timeout=120,
     )
     return time.monotonic() - t0, pod
-
-
-def children(pid: int) -> list[int]:
-    """The host PIDs of a process's children: a supervised learner's, one."""
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def node_containers(cluster: harness._ClusterBase, ns: str) -> list[str]:

@@ -49,12 +49,13 @@ from two_clusters import (
     cli_credential,
     crafted,
     external,
+    link_host,
     manifest,
     run_secret,
 )
 
 from bench.lib.toxiproxy import Link
-from e2e.cluster import harness, real_node_config
+from e2e.cluster import harness
 
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.two_clusters]
 
@@ -63,7 +64,7 @@ pytestmark = [pytest.mark.timeout(1500), pytest.mark.two_clusters]
 # helpers
 
 
-def away_pod(away: harness.LocalCluster, ns: str) -> dict[str, Any] | None:
+def away_pod(away: harness._ClusterBase, ns: str) -> dict[str, Any] | None:
     """The away unit's running learner pod."""
     for p in runs.learner_pods(away, ns, RUN):
         statuses = p.get("status", {}).get("containerStatuses") or []
@@ -76,7 +77,7 @@ def away_pod(away: harness.LocalCluster, ns: str) -> dict[str, Any] | None:
     return None
 
 
-def pushes(away: harness.LocalCluster, ns: str, pod: str) -> tuple[int, str]:
+def pushes(away: harness._ClusterBase, ns: str, pod: str) -> tuple[int, str]:
     """How many of the learner's pushes the home syncer has accepted (its latest progress
     line), and its log."""
     r = kubectl(away, "logs", "-n", ns, pod, "-c", "learner", check=False)
@@ -101,7 +102,7 @@ def outer_step(c: harness._ClusterBase, ns: str) -> int:
 
 
 def reach(
-    away: harness.LocalCluster, ns: str, status: str, reason: str | None = None
+    away: harness._ClusterBase, ns: str, status: str, reason: str | None = None
 ) -> dict[str, Any] | None:
     """The away run's SyncerReachable condition once it has this status (and reason)."""
     cond = runs.condition(runs.status(away, ns, RUN), "SyncerReachable")
@@ -121,11 +122,11 @@ def both_online(c: harness._ClusterBase, ns: str) -> dict[str, dict[str, Any]] |
 
 
 def test_one_run_trains_in_both_clusters(
-    cluster: harness._ClusterBase, away: harness.LocalCluster, away_run: str
+    cluster: harness._ClusterBase, away: harness._ClusterBase, away_run: str
 ) -> None:
     ns = away_run
     pod = wait_for("the away learner running", lambda: away_pod(away, ns), timeout=300)
-    assert pod["spec"]["nodeName"] == real_node_config.AWAY.node_name
+    assert pod["spec"]["nodeName"] == away.info()["real_node"]
     name = pod["metadata"]["name"]
     wait_for(f"{name}'s pushes accepted at home", lambda: pushes(away, ns, name)[0] >= 2, 300)
     units = wait_for("both units Online at home", lambda: both_online(cluster, ns), 120)
@@ -144,7 +145,7 @@ def test_one_run_trains_in_both_clusters(
 
 
 def test_cut_link_keeps_home_merging_and_away_rejoins(
-    cluster: harness._ClusterBase, away: harness.LocalCluster, away_run: str, link: Link
+    cluster: harness._ClusterBase, away: harness._ClusterBase, away_run: str, link: Link
 ) -> None:
     ns = away_run
     pod = away_pod(away, ns)
@@ -161,7 +162,7 @@ def test_cut_link_keeps_home_merging_and_away_rejoins(
             timeout=CUT_SECONDS - 15,
         )
         assert cond["reason"] == "Unreachable", cond
-        assert real_node_config.AWAY.gateway in cond["message"], cond
+        assert link_host(cluster) in cond["message"], cond
         wait_for(
             "the away unit Offline at home",
             lambda: runs.unit_status(cluster, ns, RUN)[AWAY_UNIT]["state"] == "Offline",
@@ -199,7 +200,7 @@ def test_cut_link_keeps_home_merging_and_away_rejoins(
 
 
 def test_away_learner_replaced_and_rejoins_across_the_link(
-    cluster: harness._ClusterBase, away: harness.LocalCluster, away_run: str
+    cluster: harness._ClusterBase, away: harness._ClusterBase, away_run: str
 ) -> None:
     ns = away_run
     pod = away_pod(away, ns)
@@ -239,7 +240,7 @@ def _joined_and_pushed(found: tuple[int, str]) -> bool:
     return pulled and accepted >= 1
 
 
-def pod_after(away: harness.LocalCluster, ns: str, attempt: int) -> dict[str, Any] | None:
+def pod_after(away: harness._ClusterBase, ns: str, attempt: int) -> dict[str, Any] | None:
     """The away unit's running pod of an attempt after `attempt`."""
     pod = away_pod(away, ns)
     if pod is not None and int(pod["metadata"]["labels"][runs.LABEL_ATTEMPT]) > attempt:
@@ -248,7 +249,7 @@ def pod_after(away: harness.LocalCluster, ns: str, attempt: int) -> dict[str, An
 
 
 def test_a_replaced_credential_takes_over_once_home_revokes_the_old_one(
-    cluster: harness._ClusterBase, away: harness.LocalCluster, away_run: str
+    cluster: harness._ClusterBase, away: harness._ClusterBase, away_run: str
 ) -> None:
     """Rotation as a user does it: a new credential minted at home replaces the old one in the
     away Secret, then home revokes the old one. The away learner, refused, goes stale; the away
@@ -290,7 +291,7 @@ def test_a_replaced_credential_takes_over_once_home_revokes_the_old_one(
 )
 def test_bad_join_is_refused_with_a_condition(
     cluster: harness._ClusterBase,
-    away: harness.LocalCluster,
+    away: harness._ClusterBase,
     away_run: str,
     link: Link,
     home_ca: Path,
@@ -326,7 +327,7 @@ def test_bad_join_is_refused_with_a_condition(
 
 
 def test_budget_reached_both_runs_succeed(
-    cluster: harness._ClusterBase, away: harness.LocalCluster, away_run: str
+    cluster: harness._ClusterBase, away: harness._ClusterBase, away_run: str
 ) -> None:
     ns = away_run
     steps = int(runs.status(cluster, ns, RUN).get("steps") or 0)

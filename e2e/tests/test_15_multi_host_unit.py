@@ -20,13 +20,12 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import runs
 from conftest import kubectl, say, wait_for
-from real_pods import ctr, real_node_run
+from real_pods import children, container_pid, real_node_run
 
 from e2e.cluster import harness
 
@@ -85,15 +84,8 @@ def learner_log(c: harness._ClusterBase, ns: str, pod: dict[str, Any]) -> str:
 
 def learner_pid(c: harness._ClusterBase, pod: dict[str, Any]) -> int:
     """The host PID of the learner process: the one child of the container's supervisor."""
-    status = next(s for s in pod["status"]["containerStatuses"] if s["name"] == "learner")
-    cid = status["containerID"].removeprefix("containerd://")
-    for line in ctr(c, "tasks", "ls").splitlines()[1:]:
-        task, pid, *_ = line.split()
-        if task == cid:
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            (child,) = children
-            return int(child)
-    raise AssertionError(f"container {cid} has no task on the node")
+    (child,) = children(container_pid(c, pod, "learner"))
+    return child
 
 
 def test_two_pods_train_as_one_unit(cluster: harness._ClusterBase, run: dict[str, Any]) -> None:
