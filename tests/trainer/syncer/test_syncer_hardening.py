@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -623,3 +624,37 @@ def test_readiness_stays_down_while_any_fragment_cannot_merge(
     monkeypatch.setattr(syncer, "merge_compute", real)
     wait_until(lambda: syncer.frags[0].version == 1)
     assert live.raw("GET", "/readyz")[0] == 200
+
+
+# ---------------------------------------------------------------- a learner gone mid-answer
+
+
+def test_a_long_poll_whose_learner_hung_up_is_dropped_in_one_line_not_an_error(
+    live: LiveSyncer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Over a WAN this is routine: a cut or reset link ends a learner's long poll, and the answer
+    # that the next version brings has nobody to go to. It is not a syncer error.
+    c = live.client()
+    c.join()
+    sock = socket.create_connection(("127.0.0.1", live.port), timeout=10)
+    head = (
+        "GET /v1/fragments/1?after=0&wait=30 HTTP/1.1\r\nHost: syncer\r\n"
+        f"Authorization: Bearer {unit_token(TOKEN, 'unit-0')}\r\n{UNIT_HEADER}: unit-0\r\n\r\n"
+    )
+    sock.sendall(head.encode())
+    server = live.runner.server
+    assert server is not None
+    wait_until(lambda: len(server.connections) == 2)  # the learner's own, and the held poll
+    # Hung up with a reset, as a cut link or a proxy does (a plain close would only half-close:
+    # the syncer may still write to it), and seen by the syncer before the answer comes.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+    wait_until(lambda: any(h.transport is None for h in server.connections))
+    with caplog.at_level(logging.INFO, logger="diloco.syncer"):
+        reply = c.push(1, 0, fragment_delta(live, 1), c_steps=5, c_tokens=320)
+        assert reply.accepted
+        wait_until(lambda: "event=reply_dropped" in caplog.text)
+    dropped = [r for r in caplog.records if "event=reply_dropped" in r.getMessage()]
+    assert dropped[0].levelno == logging.INFO and "/v1/fragments/1" in dropped[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert c.poll(1, 0, wait=5) is not None  # and the syncer answers the next poll as ever

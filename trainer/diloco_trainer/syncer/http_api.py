@@ -54,17 +54,23 @@ log = logging.getLogger("diloco.syncer")
 
 
 async def _tensors(request: web.Request, payload: Pieces, **headers: str) -> web.StreamResponse:
-    """Write a payload a slice at a time, straight from the arrays it points into."""
+    """Write a payload a slice at a time, straight from the arrays it points into. A learner
+    that went away meanwhile (a cut or reset link, a restart; a long poll's answer finds it
+    gone most often) is no error of the syncer's: one line, and aiohttp closes the connection."""
     s = request.app[SYNCER_KEY]
-    s.bytes_sent += payload.size
-    s.metrics.bytes_out.inc(payload.size)
     response = web.StreamResponse(headers=headers)
     response.content_type = "application/octet-stream"
     response.content_length = payload.size
-    await response.prepare(request)
-    for piece in payload.slices():
-        await response.write(piece)
-    await response.write_eof()
+    try:
+        await response.prepare(request)
+        for piece in payload.slices():
+            await response.write(piece)
+        await response.write_eof()
+    except ConnectionError as exc:
+        log.info("event=reply_dropped path=%s peer=%s error=%r", request.path, request.remote, exc)
+        return response
+    s.bytes_sent += payload.size
+    s.metrics.bytes_out.inc(payload.size)
     return response
 
 
