@@ -117,6 +117,32 @@ class _ClusterBase:
         images loaded there, among others; empty when nothing was recorded."""
         return {}
 
+    # -- Kueue (kueue.py) as a process of this machine, for the tests that need it
+    def kueue_host(self) -> str | None:
+        """The address of this machine at which the cluster's API server reaches Kueue's
+        webhooks; None where Kueue cannot serve this cluster as a process here."""
+        return None
+
+    def _kueue_procs(self) -> Processes:  # pragma: no cover - overridden where Kueue runs
+        raise ClusterError("this cluster cannot run Kueue as a process of this machine")
+
+    def start_kueue(self, timeout: float = 120) -> float:
+        """Install Kueue's CRDs and webhooks and run its manager (built by `build.sh kueue`)
+        as a process of this machine; idempotent while it runs. Seconds until its webhooks
+        answered (0 when it already ran)."""
+        host = self.kueue_host()
+        if host is None:
+            raise ClusterError("this cluster cannot run Kueue as a process of this machine")
+        procs = self._kueue_procs()
+        if kueue.running(self, procs):
+            return 0.0
+        home = kueue.kueue_dir(cache_root(), read_versions()["KUEUE_VERSION"])
+        return kueue.start(self, procs, home, self.kubeconfig, timeout, host)
+
+    def stop_kueue(self, timeout: float = 15) -> None:
+        """Remove Kueue's webhook configurations (nothing would serve them), then stop it."""
+        kueue.stop(self, self._kueue_procs(), timeout)
+
     def __enter__(self) -> Self:
         return self
 
@@ -145,6 +171,17 @@ class ExistingCluster(_ClusterBase):
             return dict(json.loads(path.read_text()))
         except (OSError, ValueError):
             return {}
+
+    def kueue_host(self) -> str | None:
+        """A kind cluster's API server, in a container, reaches this machine at kind's gateway."""
+        gateway = self.info().get("gateway")
+        return str(gateway) if gateway else None
+
+    def _kueue_procs(self) -> Processes:
+        state = self.kubeconfig.parent
+        for sub in ("logs", "pids"):
+            (state / sub).mkdir(parents=True, exist_ok=True)
+        return Processes(state, ON_REQUEST, cache_root())
 
 
 class LocalCluster(_ClusterBase):
@@ -300,20 +337,21 @@ class LocalCluster(_ClusterBase):
         self.procs.stop_all(CONTROL_PLANE + ON_REQUEST, last="etcd", quiet=quiet, timeout=timeout)
 
     # -- Kueue (kueue.py), for the tests that need it
-    def start_kueue(self, timeout: float = 120) -> None:
-        """Install Kueue's CRDs and webhooks and run its manager (built by `build.sh kueue`)
-        as a host process of this cluster; idempotent while it runs."""
-        if kueue.running(self, self.procs):
-            return
-        t0 = time.monotonic()
-        home = kueue.kueue_dir(cache_root(), self.versions["KUEUE_VERSION"])
-        ready = kueue.start(self, self.procs, home, self.kubeconfig, timeout)
-        self._took("kueue_ready_s", t0)
-        log(f"kueue up in {self.timings['kueue_ready_s']}s (webhooks answered after {ready:.1f}s)")
+    def kueue_host(self) -> str | None:
+        return "127.0.0.1"
 
-    def stop_kueue(self, timeout: float = 15) -> None:
-        """Remove Kueue's webhook configurations (nothing would serve them), then stop it."""
-        kueue.stop(self, self.procs, timeout)
+    def _kueue_procs(self) -> Processes:
+        return self.procs
+
+    def start_kueue(self, timeout: float = 120) -> float:
+        t0 = time.monotonic()
+        ready = super().start_kueue(timeout)
+        if ready:
+            self._took("kueue_ready_s", t0)
+            log(
+                f"kueue up in {self.timings['kueue_ready_s']}s (webhooks answered after {ready:.1f}s)"
+            )
+        return ready
 
     # -- the real node (real_node.py)
     def _new_node(self) -> real_node.RealNode:

@@ -3,7 +3,8 @@
 Kueue's manager serves its webhooks itself (Job defaulting/validation, its own types' defaults,
 CRD conversion between v1beta1 and v1beta2). As a host process it cannot be reached through a
 Service, so the webhook configurations and the CRDs' conversion webhooks point at
-https://127.0.0.1:<port>, and the certificate is one we make:
+https://127.0.0.1:<port> (a kind cluster's API server, in a container, reaches this machine at
+kind's network gateway instead), and the certificate is one we make:
 
 - Kueue's internal certificate management stays on (the default; switching it off makes the
   manager read metrics certificates from the fixed path /etc/kueue/metrics/certs). Its rotator
@@ -75,8 +76,8 @@ def _addext(*extensions: str) -> list[str]:
     return [arg for ext in extensions for arg in ("-addext", ext)]
 
 
-def make_certs(d: Path) -> dict[str, bytes]:
-    """ca.crt/ca.key (RSA, PKCS#1) and tls.crt/tls.key for the webhook service and 127.0.0.1."""
+def make_certs(d: Path, host: str = "127.0.0.1") -> dict[str, bytes]:
+    """ca.crt/ca.key (RSA, PKCS#1) and tls.crt/tls.key for the webhook service and `host`."""
     d.mkdir(parents=True, exist_ok=True)
     _openssl(d, "genrsa", "-traditional", "-out", "ca.key", "2048")
     _openssl(
@@ -98,7 +99,7 @@ def make_certs(d: Path) -> dict[str, bytes]:
             "basicConstraints=critical,CA:FALSE",
             "keyUsage=critical,digitalSignature,keyEncipherment",
             "extendedKeyUsage=serverAuth",
-            f"subjectAltName=DNS:{SERVICE}.{NAMESPACE}.svc,IP:127.0.0.1",
+            f"subjectAltName=DNS:{SERVICE}.{NAMESPACE}.svc,IP:{host}",
         ),
     )
     for key in ("ca.key", "tls.key"):
@@ -106,14 +107,16 @@ def make_certs(d: Path) -> dict[str, bytes]:
     return {name: (d / name).read_bytes() for name in ("ca.crt", "ca.key", "tls.crt", "tls.key")}
 
 
-def manager_config(webhook_port: int, health_port: int, cert_dir: Path) -> dict[str, Any]:
+def manager_config(
+    webhook_port: int, health_port: int, cert_dir: Path, host: str = "127.0.0.1"
+) -> dict[str, Any]:
     return {
         "apiVersion": "config.kueue.x-k8s.io/v1beta2",
         "kind": "Configuration",
         "namespace": NAMESPACE,
         "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
         "metrics": {"bindAddress": "0"},
-        "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(cert_dir)},
+        "webhook": {"port": webhook_port, "host": host, "certDir": str(cert_dir)},
         "leaderElection": {"leaderElect": False},
         "internalCertManagement": {
             "enable": True,
@@ -125,8 +128,9 @@ def manager_config(webhook_port: int, health_port: int, cert_dir: Path) -> dict[
     }
 
 
-def webhook_configurations(manifests: str, port: int, ca: bytes) -> list[dict[str, Any]]:
-    """Kueue's webhook configurations reduced to what this manager serves, pointed at it."""
+def webhook_configurations(manifests: str, endpoint: str, ca: bytes) -> list[dict[str, Any]]:
+    """Kueue's webhook configurations reduced to what this manager serves, pointed at it
+    (`endpoint`: host:port)."""
     import base64
 
     bundle = base64.b64encode(ca).decode()
@@ -139,7 +143,7 @@ def webhook_configurations(manifests: str, port: int, ca: bytes) -> list[dict[st
             path = hook["clientConfig"]["service"]["path"]
             if any(part in path for part in SERVED_PATH_PARTS):
                 hook["clientConfig"] = {
-                    "url": f"https://127.0.0.1:{port}{path}",
+                    "url": f"https://{endpoint}{path}",
                     "caBundle": bundle,
                 }
                 kept.append(hook)
@@ -148,7 +152,7 @@ def webhook_configurations(manifests: str, port: int, ca: bytes) -> list[dict[st
     return out
 
 
-def crds_with_conversion(crd_dir: Path, port: int, ca: bytes) -> list[dict[str, Any]]:
+def crds_with_conversion(crd_dir: Path, endpoint: str, ca: bytes) -> list[dict[str, Any]]:
     """The CRDs, those Kueue converts between versions with their conversion webhook set."""
     import base64
 
@@ -160,7 +164,7 @@ def crds_with_conversion(crd_dir: Path, port: int, ca: bytes) -> list[dict[str, 
                 "strategy": "Webhook",
                 "webhook": {
                     "clientConfig": {
-                        "url": f"https://127.0.0.1:{port}/convert",
+                        "url": f"https://{endpoint}/convert",
                         "caBundle": base64.b64encode(ca).decode(),
                     },
                     "conversionReviewVersions": ["v1"],
@@ -170,10 +174,10 @@ def crds_with_conversion(crd_dir: Path, port: int, ca: bytes) -> list[dict[str, 
     return out
 
 
-def install(c: Cluster, home: Path, port: int, certs: dict[str, bytes]) -> None:
+def install(c: Cluster, home: Path, endpoint: str, certs: dict[str, bytes]) -> None:
     """CRDs, namespace, the certificate Secret and the webhook configurations."""
     as_list = lambda objs: json.dumps({"apiVersion": "v1", "kind": "List", "items": objs})  # noqa: E731
-    crds = crds_with_conversion(home / "config" / "crds", port, certs["ca.crt"])
+    crds = crds_with_conversion(home / "config" / "crds", endpoint, certs["ca.crt"])
     c.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=as_list(crds))
     c.kubectl("create", "namespace", NAMESPACE, check=False)
     import base64
@@ -185,7 +189,7 @@ def install(c: Cluster, home: Path, port: int, certs: dict[str, bytes]) -> None:
         "data": {k: base64.b64encode(v).decode() for k, v in certs.items()},
     }
     manifests = (home / "config" / "webhooks.yaml").read_text()
-    hooks = webhook_configurations(manifests, port, certs["ca.crt"])
+    hooks = webhook_configurations(manifests, endpoint, certs["ca.crt"])
     c.kubectl("apply", "-f", "-", input=as_list([secret, *hooks]))
     names = [f"customresourcedefinition/{crd['metadata']['name']}" for crd in crds]
     c.kubectl("wait", "--for=condition=Established", "--timeout=60s", *names)
@@ -245,16 +249,24 @@ def running(c: Cluster, procs: Processes) -> bool:
     return pid is not None and proc_alive(pid) and webhooks_answer(c)
 
 
-def start(c: Cluster, procs: Processes, home: Path, kubeconfig: Path, timeout: float) -> float:
+def start(
+    c: Cluster,
+    procs: Processes,
+    home: Path,
+    kubeconfig: Path,
+    timeout: float,
+    host: str = "127.0.0.1",
+) -> float:
     """Install Kueue (CRDs, certificate, webhooks) for a manager run as a process of `procs`,
-    start it and wait for its webhooks; returns the seconds that took after the start."""
+    serving its webhooks on `host` (an address of this machine the API server reaches), start it
+    and wait for its webhooks; returns the seconds that took after the start."""
     binary = ensure_built(BUILD_SH, home)
     port, health = free_port(), free_port()
     state = procs.state_dir / "kueue"
-    certs = make_certs(state / "certs")
+    certs = make_certs(state / "certs", host)
     config = state / "config.yaml"
-    config.write_text(json.dumps(manager_config(port, health, state / "certs")))
-    install(c, home, port, certs)
+    config.write_text(json.dumps(manager_config(port, health, state / "certs", host)))
+    install(c, home, f"{host}:{port}", certs)
     procs.spawn("kueue", argv(binary, config, kubeconfig), env=env(kubeconfig))
     proc = procs.popen["kueue"]
     return wait_ready(c, lambda: proc.poll() is None, procs.log_path("kueue"), timeout)

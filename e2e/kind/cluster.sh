@@ -17,6 +17,7 @@ source "$HERE/engine.sh"
 source "$REPO/e2e/cluster/versions.env"
 log() { printf '[kind %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 PY="${PYTHON:-$REPO/.venv/bin/python}"
+[[ "$PY" == /* ]] || PY="$PWD/$PY"   # (a relative PYTHON is the caller's)
 
 action="${1:?usage: cluster.sh up|down|node-ip NAME}"
 name="${2:?usage: cluster.sh up|down|node-ip NAME}"

@@ -16,6 +16,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CLUSTER="${KIND_CLUSTER:-diloco-e2e}"
 PY="${PYTHON:-$REPO/.venv/bin/python}"
+[[ "$PY" == /* ]] || PY="$PWD/$PY"   # (a relative PYTHON is the caller's)
 log() { printf '[kind-e2e %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 [[ -x "$PY" ]] || { log "ERROR: no venv at $PY (make venv)"; exit 1; }
 
