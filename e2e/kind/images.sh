@@ -156,8 +156,11 @@ build_node() {
   images+=("registry.k8s.io/kube-proxy:$K8S_VERSION")
 
   log "node image $tag: binaries, /kind/version, ${#images[@]} images into its containerd"
-  id=$(docker run -d --entrypoint=sleep --security-opt seccomp=unconfined "$base" infinity)
-  trap 'docker rm -f "$id" >/dev/null 2>&1 || true' RETURN
+  # The build container goes whatever happens (under set -e a failing step leaves the script
+  # without returning from here: an EXIT trap, on a global).
+  BUILD_ID=$(docker run -d --entrypoint=sleep --security-opt seccomp=unconfined "$base" infinity)
+  trap 'docker rm -f "$BUILD_ID" >/dev/null 2>&1 || true' EXIT
+  id="$BUILD_ID"
   for c in "$kind_bin/kubeadm" "$k8s/kubelet" "$k8s/kubectl"; do
     docker cp "$c" "$id:/usr/bin/$(basename "$c")"
   done
@@ -189,4 +192,7 @@ node_hash=$( { echo "$base $K8S_VERSION $ETCD_VERSION $COREDNS_VERSION"; sed -n 
   cat "$(bin_dir pause)/.complete"; } | sha256sum | cut -c1-12)
 node="diloco-kind-node:$K8S_VERSION-h-$node_hash"
 build_node "$node" "$base"
+# Keep the cache to the current images: each node image is a gigabyte.
+docker images --format '{{.Repository}}:{{.Tag}}' | grep -E '^diloco-kind-(node|base):' \
+  | grep -v -x -e "$node" -e "$base" | xargs -r docker rmi >/dev/null 2>&1 || true
 echo "$node"
