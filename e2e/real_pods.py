@@ -32,14 +32,10 @@ from conftest import (
 from e2e.cluster import harness, real_node
 
 
-def cluster_info(c: harness._ClusterBase) -> dict[str, Any]:
-    return c.info()
-
-
 @pytest.fixture(scope="module")
 def real(cluster: harness._ClusterBase) -> dict[str, Any]:
     """The real node and the images built for it; skips where the cluster has no real node."""
-    info = cluster_info(cluster)
+    info = cluster.info()
     if not info.get("real_node") or not info.get("images"):
         if os.environ.get("DILOCO_E2E_REQUIRE"):
             pytest.fail("DILOCO_E2E_REQUIRE: the cluster has no real node (needs root)")

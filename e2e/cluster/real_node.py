@@ -67,10 +67,6 @@ class NodeError(RuntimeError):
     pass
 
 
-def node_name(site: Site = HOME) -> str:
-    return site.node_name
-
-
 def enabled() -> bool:
     """The real node runs unless DILOCO_E2E_REAL_NODE=0 (it needs root and Linux)."""
     return os.environ.get("DILOCO_E2E_REAL_NODE", "1") not in ("0", "false") and os.geteuid() == 0

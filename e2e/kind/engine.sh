@@ -19,30 +19,8 @@ export DOCKER_HOST="unix://$KIND_RUN/docker.sock"
 
 kind_engine_up() {
   apt_install docker.io
-  if docker version >/dev/null 2>&1; then return 0; fi
-  mkdir -p "$KIND_RUN" "$ENGINE_CACHE/kind-docker"
-  engine_log "starting kind's dockerd (data root $ENGINE_CACHE/kind-docker, runtime capfit)"
-  nohup dockerd \
-    --host="$DOCKER_HOST" \
-    --data-root="$ENGINE_CACHE/kind-docker" \
-    --exec-root="$KIND_RUN/exec" \
-    --pidfile="$KIND_RUN/dockerd.pid" \
-    --iptables=false --ip-masq=false --bridge=none \
-    --storage-driver=overlay2 \
-    --add-runtime="capfit=$KIND_CAPFIT" --default-runtime=capfit \
-    >"$ENGINE_CACHE/kind-dockerd.log" 2>&1 &
-  local i
-  for i in $(seq 1 120); do
-    docker version >/dev/null 2>&1 && { engine_log "kind's dockerd ready"; return 0; }
-    sleep 0.5
-  done
-  engine_log "ERROR: kind's dockerd did not start; tail of $ENGINE_CACHE/kind-dockerd.log:"
-  tail -20 "$ENGINE_CACHE/kind-dockerd.log" >&2
-  return 1
+  dockerd_up "$KIND_RUN" "$ENGINE_CACHE/kind-docker" "$ENGINE_CACHE/kind-dockerd.log" \
+    --add-runtime="capfit=$KIND_CAPFIT" --default-runtime=capfit
 }
 
-kind_engine_down() {
-  local pid
-  pid=$(cat "$KIND_RUN/dockerd.pid" 2>/dev/null) || return 0
-  kill "$pid" 2>/dev/null || true
-}
+kind_engine_down() { dockerd_down "$KIND_RUN"; }

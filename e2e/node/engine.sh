@@ -10,7 +10,8 @@
 # Env: DILOCO_E2E_CACHE (default ~/.cache/diloco-e2e): the engine's data root lives under it.
 
 ENGINE_CACHE="${DILOCO_E2E_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/diloco-e2e}"
-ENGINE_SOCK="/run/diloco-docker/docker.sock"
+ENGINE_RUN="/run/diloco-docker"
+ENGINE_SOCK="$ENGINE_RUN/docker.sock"
 export DOCKER_HOST="unix://$ENGINE_SOCK"
 
 engine_log() { printf '[engine %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -34,31 +35,43 @@ debian_mirror() {
   echo "${m:-http://deb.debian.org/debian}"
 }
 
-engine_up() {
-  apt_install docker.io debootstrap
-  if docker version >/dev/null 2>&1; then return 0; fi
-  mkdir -p /run/diloco-docker "$ENGINE_CACHE/docker"
-  engine_log "starting a private dockerd (data root $ENGINE_CACHE/docker)"
+# dockerd_up RUN_DIR DATA_ROOT LOG [DOCKERD FLAGS...]: a private dockerd on RUN_DIR/docker.sock
+# (exec root and pid file there too), unless one answers there already; waits until it does.
+# No iptables and no default bridge: see above.
+dockerd_up() {
+  local run="$1" data="$2" log="$3"; shift 3
+  local host="unix://$run/docker.sock"
+  if DOCKER_HOST="$host" docker version >/dev/null 2>&1; then return 0; fi
+  mkdir -p "$run" "$data"
+  engine_log "starting a private dockerd (data root $data${*:+, $*})"
   nohup dockerd \
-    --host="$DOCKER_HOST" \
-    --data-root="$ENGINE_CACHE/docker" \
-    --exec-root=/run/diloco-docker/exec \
-    --pidfile=/run/diloco-docker/dockerd.pid \
+    --host="$host" \
+    --data-root="$data" \
+    --exec-root="$run/exec" \
+    --pidfile="$run/dockerd.pid" \
     --iptables=false --ip-masq=false --bridge=none \
     --storage-driver=overlay2 \
-    >"$ENGINE_CACHE/dockerd.log" 2>&1 &
+    "$@" >"$log" 2>&1 &
   local i
   for i in $(seq 1 120); do
-    docker version >/dev/null 2>&1 && { engine_log "dockerd ready"; return 0; }
+    DOCKER_HOST="$host" docker version >/dev/null 2>&1 && { engine_log "dockerd ready"; return 0; }
     sleep 0.5
   done
-  engine_log "ERROR: dockerd did not start; tail of $ENGINE_CACHE/dockerd.log:"
-  tail -20 "$ENGINE_CACHE/dockerd.log" >&2
+  engine_log "ERROR: dockerd did not start; tail of $log:"
+  tail -20 "$log" >&2
   return 1
 }
 
-engine_down() {
+# dockerd_down RUN_DIR: stop the dockerd dockerd_up started there.
+dockerd_down() {
   local pid
-  pid=$(cat /run/diloco-docker/dockerd.pid 2>/dev/null) || return 0
+  pid=$(cat "$1/dockerd.pid" 2>/dev/null) || return 0
   kill "$pid" 2>/dev/null || true
 }
+
+engine_up() {
+  apt_install docker.io debootstrap
+  dockerd_up "$ENGINE_RUN" "$ENGINE_CACHE/docker" "$ENGINE_CACHE/dockerd.log"
+}
+
+engine_down() { dockerd_down "$ENGINE_RUN"; }
